@@ -1,0 +1,33 @@
+"""xlm: an LLM inference and serving engine built JAX/XLA-first."""
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Public names resolved lazily, so `import xlm` stays cheap and never touches a device.
+_LAZY = {
+    "LLM": "xlm.entrypoints.llm",
+    "SamplingParams": "xlm.sampling_params",
+    "RequestOutput": "xlm.outputs",
+    "CompletionOutput": "xlm.outputs",
+    "platforms": "xlm.platforms",
+}
+
+if TYPE_CHECKING:
+    from xlm import platforms
+    from xlm.entrypoints.llm import LLM
+    from xlm.outputs import CompletionOutput, RequestOutput
+    from xlm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = import_module(_LAZY[name])
+        value = module if module.__name__ == f"xlm.{name}" else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'xlm' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

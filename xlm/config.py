@@ -1,0 +1,216 @@
+"""Typed configuration: one XlmConfig made of its parts, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def _invalid(owner: str, name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{owner}.{name}={value!r} is invalid: allowed {allowed}")
+
+
+def _require(cond: bool, owner: str, name: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise _invalid(owner, name, value, allowed)
+
+
+def _positive_int(owner: str, name: str, value: Any, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    _require(ok, owner, name, value, "a positive integer" + (" or None" if optional else ""))
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and how to load it."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: DTypeName = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+    revision: str | None = None
+    # "auto": use the model's generation_config.json defaults; "xlm": ignore them;
+    # any other value is a directory holding a generation_config.json.
+    generation_config: str = "auto"
+    # Set by the loader once the checkpoint's config has been read.
+    hf_config: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        owner = "ModelConfig"
+        _require(isinstance(self.model, str) and self.model != "", owner, "model", self.model,
+                 "a non-empty path or model name")
+        _require(self.dtype in _DTYPES, owner, "dtype", self.dtype, f"one of {_DTYPES}")
+        _require(self.load_format in _LOAD_FORMATS, owner, "load_format", self.load_format,
+                 f"one of {_LOAD_FORMATS}")
+        _positive_int(owner, "max_model_len", self.max_model_len, optional=True)
+        _require(isinstance(self.seed, int) and self.seed >= 0, owner, "seed", self.seed,
+                 "an integer >= 0")
+
+    @property
+    def name(self) -> str:
+        """The name clients use for this model (served name, else the model argument)."""
+        return self.served_model_name or self.model
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size, how much memory, prefix caching."""
+
+    block_size: int = 16
+    # CPU: KV cache size in GiB (None: XLM_CPU_KVCACHE_SPACE, else 1 GiB).
+    kv_cache_memory: float | None = None
+    # GPU/TPU: fraction of device memory xlm may use in total.
+    memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    cache_dtype: DTypeName = "auto"
+    # Set after memory profiling; a value here overrides profiling (tests, benchmarks).
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "CacheConfig"
+        _positive_int(owner, "block_size", self.block_size)
+        _require(self.block_size & (self.block_size - 1) == 0, owner, "block_size",
+                 self.block_size, "a power of two")
+        if self.kv_cache_memory is not None:
+            _require(self.kv_cache_memory > 0, owner, "kv_cache_memory", self.kv_cache_memory,
+                     "a positive number of GiB or None")
+        _require(0.0 < self.memory_utilization <= 1.0, owner, "memory_utilization",
+                 self.memory_utilization, "a fraction in (0, 1]")
+        _require(self.cache_dtype in _DTYPES, owner, "cache_dtype", self.cache_dtype,
+                 f"one of {_DTYPES}")
+        if self.num_blocks is not None:
+            _require(isinstance(self.num_blocks, int) and self.num_blocks >= 2, owner,
+                     "num_blocks", self.num_blocks, "an integer >= 2 (block 0 is the null block)")
+
+
+@dataclass
+class SchedulerConfig:
+    """How the scheduler spends each step: token budget, request cap, chunking, policy."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    # Copied from ModelConfig by XlmConfig once the model length is known.
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    # A prefill longer than this is chunked to it even when budget remains (0: off).
+    long_prefill_token_threshold: int = 0
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+    def __post_init__(self) -> None:
+        owner = "SchedulerConfig"
+        _positive_int(owner, "max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int(owner, "max_num_seqs", self.max_num_seqs)
+        _positive_int(owner, "max_model_len", self.max_model_len)
+        _require(isinstance(self.long_prefill_token_threshold, int)
+                 and self.long_prefill_token_threshold >= 0, owner,
+                 "long_prefill_token_threshold", self.long_prefill_token_threshold,
+                 "an integer >= 0")
+        _require(self.policy in ("fcfs", "priority"), owner, "policy", self.policy,
+                 "'fcfs' or 'priority'")
+        if not self.enable_chunked_prefill:
+            _require(self.max_num_batched_tokens >= self.max_model_len, owner,
+                     "max_num_batched_tokens", self.max_num_batched_tokens,
+                     f">= max_model_len ({self.max_model_len}) when chunked prefill is off")
+
+
+@dataclass
+class ParallelConfig:
+    """Device mesh and hosts: tensor and data parallel sizes, multi-host set-up."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # "uni": one process drives all local devices; "multihost": jax.distributed.
+    executor_backend: Literal["uni", "multihost"] = "uni"
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "ParallelConfig"
+        _positive_int(owner, "tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int(owner, "data_parallel_size", self.data_parallel_size)
+        _require(self.executor_backend in ("uni", "multihost"), owner, "executor_backend",
+                 self.executor_backend, "'uni' or 'multihost'")
+        _positive_int(owner, "num_processes", self.num_processes)
+        _require(0 <= self.process_id < self.num_processes, owner, "process_id",
+                 self.process_id, f"an integer in [0, {self.num_processes})")
+        if self.executor_backend == "multihost":
+            _require(bool(self.coordinator_address), owner, "coordinator_address",
+                     self.coordinator_address, "'host:port' when executor_backend='multihost'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclass
+class CompilationConfig:
+    """Which ops use their platform kernels, the shape buckets, and the compile cache."""
+
+    # [] keeps each op's default; else "all" / "none" followed by "+name" / "-name".
+    custom_ops: list[str] = field(default_factory=list)
+    # Padded token counts per step (None: powers of two up to max_num_batched_tokens).
+    token_buckets: list[int] | None = None
+    # Padded request counts per step (None: powers of two up to max_num_seqs).
+    request_buckets: list[int] | None = None
+    # Compile every bucket before serving.
+    warmup: bool = True
+    # JAX persistent compilation cache (directory from XLM_COMPILATION_CACHE_DIR).
+    enable_compilation_cache: bool = True
+    # "python": a Python loop over layers (faster decode, slower compile); "scan": lax.scan.
+    layer_loop: Literal["python", "scan"] = "python"
+
+    def __post_init__(self) -> None:
+        owner = "CompilationConfig"
+        _require(isinstance(self.custom_ops, list | tuple), owner, "custom_ops",
+                 self.custom_ops, "a list of 'all', 'none', '+name', '-name'")
+        self.custom_ops = list(self.custom_ops)
+        for entry in self.custom_ops:
+            _require(isinstance(entry, str) and (entry in ("all", "none")
+                     or (len(entry) > 1 and entry[0] in "+-")), owner, "custom_ops", entry,
+                     "entries 'all', 'none', '+name' or '-name'")
+        _require(not ("all" in self.custom_ops and "none" in self.custom_ops), owner,
+                 "custom_ops", self.custom_ops, "'all' or 'none', not both")
+        for name in ("token_buckets", "request_buckets"):
+            buckets = getattr(self, name)
+            if buckets is not None:
+                _require(len(buckets) > 0 and all(isinstance(b, int) and b > 0 for b in buckets),
+                         owner, name, buckets, "a non-empty list of positive integers")
+                setattr(self, name, sorted(set(buckets)))
+        _require(self.layer_loop in ("python", "scan"), owner, "layer_loop", self.layer_loop,
+                 "'python' or 'scan'")
+
+
+@dataclass
+class XlmConfig:
+    """The one configuration object passed around the engine."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Fix the context length everywhere once the model's limit is known."""
+        _positive_int("ModelConfig", "max_model_len", max_model_len)
+        self.model_config.max_model_len = max_model_len
+        self.scheduler_config.max_model_len = max_model_len
+        if not self.scheduler_config.enable_chunked_prefill:
+            self.scheduler_config.max_num_batched_tokens = max(
+                self.scheduler_config.max_num_batched_tokens, max_model_len)
+
+    def replace(self, **changes: Any) -> XlmConfig:
+        """A shallow copy with some parts replaced."""
+        return dataclasses.replace(self, **changes)

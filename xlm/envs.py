@@ -1,0 +1,93 @@
+"""Every XLM_* environment variable, read in one place.
+
+Values are read on attribute access (``xlm.envs.XLM_PLUGINS``), so tests and
+subprocesses that change the environment see the change.
+"""
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _get_plugins() -> list[str] | None:
+    value = os.environ.get("XLM_PLUGINS")
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def _get_float(name: str, default: float | None) -> Callable[[], float | None]:
+    def read() -> float | None:
+        value = os.environ.get(name)
+        if value is None or value == "":
+            return default
+        try:
+            return float(value)
+        except ValueError as e:
+            raise ValueError(f"{name}={value!r} is not a number") from e
+
+    return read
+
+
+def _get_bool(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        value = os.environ.get(name)
+        if value is None or value == "":
+            return default
+        return value.strip().lower() in ("1", "true", "yes", "on")
+
+    return read
+
+
+def _default_cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "xlm")
+
+
+_VARIABLES: dict[str, Callable[[], Any]] = {
+    # Comma list of plugin names to load; unset loads all, empty loads none.
+    "XLM_PLUGINS": _get_plugins,
+    # Level of the "xlm" logger.
+    "XLM_LOGGING_LEVEL": lambda: os.environ.get("XLM_LOGGING_LEVEL", "INFO").upper(),
+    # Whether xlm configures its own log handler.
+    "XLM_CONFIGURE_LOGGING": _get_bool("XLM_CONFIGURE_LOGGING", True),
+    # KV cache size on CPU, in GiB (None: the CacheConfig default).
+    "XLM_CPU_KVCACHE_SPACE": _get_float("XLM_CPU_KVCACHE_SPACE", None),
+    # Root of xlm's caches (compilation cache, converted models).
+    "XLM_CACHE_ROOT": lambda: os.environ.get("XLM_CACHE_ROOT", _default_cache_root()),
+    # JAX persistent compilation cache directory ("" disables it).
+    "XLM_COMPILATION_CACHE_DIR": lambda: os.environ.get(
+        "XLM_COMPILATION_CACHE_DIR", os.path.join(_get_cache_root(), "jax_compilation_cache")
+    ),
+    # Force a platform by name (cpu, cuda, rocm, tpu), skipping detection.
+    "XLM_TARGET_PLATFORM": lambda: os.environ.get("XLM_TARGET_PLATFORM") or None,
+    # Turn tqdm progress bars off everywhere.
+    "XLM_DISABLE_PROGRESS_BARS": _get_bool("XLM_DISABLE_PROGRESS_BARS", False),
+    # Port range base / host used by the engine's ZeroMQ sockets (ipc by default).
+    "XLM_RPC_BASE_PATH": lambda: os.environ.get("XLM_RPC_BASE_PATH", "/tmp"),
+    # Seconds the engine-core client waits for the engine process to start.
+    "XLM_ENGINE_READY_TIMEOUT_S": _get_float("XLM_ENGINE_READY_TIMEOUT_S", 600.0),
+    # Seconds between periodic stat log lines of the server (0 disables).
+    "XLM_LOG_STATS_INTERVAL": _get_float("XLM_LOG_STATS_INTERVAL", 10.0),
+}
+
+
+def _get_cache_root() -> str:
+    return _VARIABLES["XLM_CACHE_ROOT"]()
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(_VARIABLES)
+
+
+def is_set(name: str) -> bool:
+    """Whether the environment sets this XLM_* variable."""
+    if name not in _VARIABLES:
+        raise ValueError(f"unknown xlm environment variable {name!r}; known: {sorted(_VARIABLES)}")
+    return name in os.environ
