@@ -30,4 +30,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'xlm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "platforms", "__version__"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -48,14 +50,29 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         owner = "ModelConfig"
-        _require(isinstance(self.model, str) and self.model != "", owner, "model", self.model,
-                 "a non-empty path or model name")
+        _require(
+            isinstance(self.model, str) and self.model != "",
+            owner,
+            "model",
+            self.model,
+            "a non-empty path or model name",
+        )
         _require(self.dtype in _DTYPES, owner, "dtype", self.dtype, f"one of {_DTYPES}")
-        _require(self.load_format in _LOAD_FORMATS, owner, "load_format", self.load_format,
-                 f"one of {_LOAD_FORMATS}")
+        _require(
+            self.load_format in _LOAD_FORMATS,
+            owner,
+            "load_format",
+            self.load_format,
+            f"one of {_LOAD_FORMATS}",
+        )
         _positive_int(owner, "max_model_len", self.max_model_len, optional=True)
-        _require(isinstance(self.seed, int) and self.seed >= 0, owner, "seed", self.seed,
-                 "an integer >= 0")
+        _require(
+            isinstance(self.seed, int) and self.seed >= 0,
+            owner,
+            "seed",
+            self.seed,
+            "an integer >= 0",
+        )
 
     @property
     def name(self) -> str:
@@ -80,18 +97,39 @@ class CacheConfig:
     def __post_init__(self) -> None:
         owner = "CacheConfig"
         _positive_int(owner, "block_size", self.block_size)
-        _require(self.block_size & (self.block_size - 1) == 0, owner, "block_size",
-                 self.block_size, "a power of two")
+        _require(
+            self.block_size & (self.block_size - 1) == 0,
+            owner,
+            "block_size",
+            self.block_size,
+            "a power of two",
+        )
         if self.kv_cache_memory is not None:
-            _require(self.kv_cache_memory > 0, owner, "kv_cache_memory", self.kv_cache_memory,
-                     "a positive number of GiB or None")
-        _require(0.0 < self.memory_utilization <= 1.0, owner, "memory_utilization",
-                 self.memory_utilization, "a fraction in (0, 1]")
-        _require(self.cache_dtype in _DTYPES, owner, "cache_dtype", self.cache_dtype,
-                 f"one of {_DTYPES}")
+            _require(
+                self.kv_cache_memory > 0,
+                owner,
+                "kv_cache_memory",
+                self.kv_cache_memory,
+                "a positive number of GiB or None",
+            )
+        _require(
+            0.0 < self.memory_utilization <= 1.0,
+            owner,
+            "memory_utilization",
+            self.memory_utilization,
+            "a fraction in (0, 1]",
+        )
+        _require(
+            self.cache_dtype in _DTYPES, owner, "cache_dtype", self.cache_dtype, f"one of {_DTYPES}"
+        )
         if self.num_blocks is not None:
-            _require(isinstance(self.num_blocks, int) and self.num_blocks >= 2, owner,
-                     "num_blocks", self.num_blocks, "an integer >= 2 (block 0 is the null block)")
+            _require(
+                isinstance(self.num_blocks, int) and self.num_blocks >= 2,
+                owner,
+                "num_blocks",
+                self.num_blocks,
+                "an integer >= 2 (block 0 is the null block)",
+            )
 
 
 @dataclass
@@ -112,16 +150,29 @@ class SchedulerConfig:
         _positive_int(owner, "max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int(owner, "max_num_seqs", self.max_num_seqs)
         _positive_int(owner, "max_model_len", self.max_model_len)
-        _require(isinstance(self.long_prefill_token_threshold, int)
-                 and self.long_prefill_token_threshold >= 0, owner,
-                 "long_prefill_token_threshold", self.long_prefill_token_threshold,
-                 "an integer >= 0")
-        _require(self.policy in ("fcfs", "priority"), owner, "policy", self.policy,
-                 "'fcfs' or 'priority'")
+        _require(
+            isinstance(self.long_prefill_token_threshold, int)
+            and self.long_prefill_token_threshold >= 0,
+            owner,
+            "long_prefill_token_threshold",
+            self.long_prefill_token_threshold,
+            "an integer >= 0",
+        )
+        _require(
+            self.policy in ("fcfs", "priority"),
+            owner,
+            "policy",
+            self.policy,
+            "'fcfs' or 'priority'",
+        )
         if not self.enable_chunked_prefill:
-            _require(self.max_num_batched_tokens >= self.max_model_len, owner,
-                     "max_num_batched_tokens", self.max_num_batched_tokens,
-                     f">= max_model_len ({self.max_model_len}) when chunked prefill is off")
+            _require(
+                self.max_num_batched_tokens >= self.max_model_len,
+                owner,
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f">= max_model_len ({self.max_model_len}) when chunked prefill is off",
+            )
 
 
 @dataclass
@@ -140,14 +191,29 @@ class ParallelConfig:
         owner = "ParallelConfig"
         _positive_int(owner, "tensor_parallel_size", self.tensor_parallel_size)
         _positive_int(owner, "data_parallel_size", self.data_parallel_size)
-        _require(self.executor_backend in ("uni", "multihost"), owner, "executor_backend",
-                 self.executor_backend, "'uni' or 'multihost'")
+        _require(
+            self.executor_backend in ("uni", "multihost"),
+            owner,
+            "executor_backend",
+            self.executor_backend,
+            "'uni' or 'multihost'",
+        )
         _positive_int(owner, "num_processes", self.num_processes)
-        _require(0 <= self.process_id < self.num_processes, owner, "process_id",
-                 self.process_id, f"an integer in [0, {self.num_processes})")
+        _require(
+            0 <= self.process_id < self.num_processes,
+            owner,
+            "process_id",
+            self.process_id,
+            f"an integer in [0, {self.num_processes})",
+        )
         if self.executor_backend == "multihost":
-            _require(bool(self.coordinator_address), owner, "coordinator_address",
-                     self.coordinator_address, "'host:port' when executor_backend='multihost'")
+            _require(
+                bool(self.coordinator_address),
+                owner,
+                "coordinator_address",
+                self.coordinator_address,
+                "'host:port' when executor_backend='multihost'",
+            )
 
     @property
     def world_size(self) -> int:
@@ -173,23 +239,48 @@ class CompilationConfig:
 
     def __post_init__(self) -> None:
         owner = "CompilationConfig"
-        _require(isinstance(self.custom_ops, list | tuple), owner, "custom_ops",
-                 self.custom_ops, "a list of 'all', 'none', '+name', '-name'")
+        _require(
+            isinstance(self.custom_ops, list | tuple),
+            owner,
+            "custom_ops",
+            self.custom_ops,
+            "a list of 'all', 'none', '+name', '-name'",
+        )
         self.custom_ops = list(self.custom_ops)
         for entry in self.custom_ops:
-            _require(isinstance(entry, str) and (entry in ("all", "none")
-                     or (len(entry) > 1 and entry[0] in "+-")), owner, "custom_ops", entry,
-                     "entries 'all', 'none', '+name' or '-name'")
-        _require(not ("all" in self.custom_ops and "none" in self.custom_ops), owner,
-                 "custom_ops", self.custom_ops, "'all' or 'none', not both")
+            _require(
+                isinstance(entry, str)
+                and (entry in ("all", "none") or (len(entry) > 1 and entry[0] in "+-")),
+                owner,
+                "custom_ops",
+                entry,
+                "entries 'all', 'none', '+name' or '-name'",
+            )
+        _require(
+            not ("all" in self.custom_ops and "none" in self.custom_ops),
+            owner,
+            "custom_ops",
+            self.custom_ops,
+            "'all' or 'none', not both",
+        )
         for name in ("token_buckets", "request_buckets"):
             buckets = getattr(self, name)
             if buckets is not None:
-                _require(len(buckets) > 0 and all(isinstance(b, int) and b > 0 for b in buckets),
-                         owner, name, buckets, "a non-empty list of positive integers")
+                _require(
+                    len(buckets) > 0 and all(isinstance(b, int) and b > 0 for b in buckets),
+                    owner,
+                    name,
+                    buckets,
+                    "a non-empty list of positive integers",
+                )
                 setattr(self, name, sorted(set(buckets)))
-        _require(self.layer_loop in ("python", "scan"), owner, "layer_loop", self.layer_loop,
-                 "'python' or 'scan'")
+        _require(
+            self.layer_loop in ("python", "scan"),
+            owner,
+            "layer_loop",
+            self.layer_loop,
+            "'python' or 'scan'",
+        )
 
 
 @dataclass
@@ -209,8 +300,30 @@ class XlmConfig:
         self.scheduler_config.max_model_len = max_model_len
         if not self.scheduler_config.enable_chunked_prefill:
             self.scheduler_config.max_num_batched_tokens = max(
-                self.scheduler_config.max_num_batched_tokens, max_model_len)
+                self.scheduler_config.max_num_batched_tokens, max_model_len
+            )
 
     def replace(self, **changes: Any) -> XlmConfig:
         """A shallow copy with some parts replaced."""
         return dataclasses.replace(self, **changes)
+
+
+_current_config: XlmConfig | None = None
+
+
+@contextlib.contextmanager
+def set_current_xlm_config(config: XlmConfig) -> Iterator[None]:
+    """Make `config` the one ops read while a model is being built."""
+    global _current_config
+    previous, _current_config = _current_config, config
+    try:
+        yield
+    finally:
+        _current_config = previous
+
+
+def get_current_compilation_config() -> CompilationConfig:
+    """The CompilationConfig of the model being built (defaults outside of one)."""
+    if _current_config is None:
+        return CompilationConfig()
+    return _current_config.compilation_config

@@ -1,0 +1,85 @@
+"""`xlm collect-env`: versions, the detected platform and devices, installed plugins."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as py_platform
+import sys
+from importlib import metadata
+from typing import Any
+
+PACKAGES = (
+    "xlm",
+    "jax",
+    "jaxlib",
+    "flax",
+    "numpy",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "gguf",
+    "torch",
+    "fastapi",
+    "pyzmq",
+    "msgpack",
+)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def collect_env() -> dict[str, Any]:
+    """Gather the environment report as a dict."""
+    from xlm.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
+
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "os": py_platform.platform(),
+        "packages": {name: _version(name) for name in PACKAGES},
+    }
+    plugins: dict[str, list[dict[str, str | None]]] = {}
+    for group in (PLATFORM_PLUGINS_GROUP, GENERAL_PLUGINS_GROUP):
+        plugins[group] = [
+            {"name": ep.name, "value": ep.value, "distribution": ep.dist.name if ep.dist else None}
+            for ep in metadata.entry_points(group=group)
+        ]
+    info["plugins"] = plugins
+    try:
+        from xlm.platforms import current_platform
+
+        info["platform"] = type(current_platform).__name__
+        info["devices"] = [
+            f"{d.platform}:{d.id} {d.device_kind}" for d in current_platform.devices()
+        ]
+    except Exception as e:  # report, never crash: this command is for bug reports
+        info["platform_error"] = f"{type(e).__name__}: {e}"
+    return info
+
+
+def _run(args: argparse.Namespace) -> int:
+    info = collect_env()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"Python: {info['python']}  ({info['os']})")
+    for name, version in info["packages"].items():
+        print(f"{name:>14}: {version or 'not installed'}")
+    print(f"Platform: {info.get('platform', info.get('platform_error'))}")
+    for device in info.get("devices", []):
+        print(f"  device {device}")
+    for group, entries in info["plugins"].items():
+        print(f"Plugins [{group}]:" + ("" if entries else " none"))
+        for ep in entries:
+            print(f"  {ep['name']} = {ep['value']}  (from {ep['distribution']})")
+    return 0
+
+
+def add_parser(subparsers: Any, name: str, help_text: str) -> None:
+    parser = subparsers.add_parser(name, help=help_text)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=_run)

@@ -1,0 +1,104 @@
+"""The Platform interface: what xlm needs to know about a device family."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import jax
+
+    from xlm.config import XlmConfig
+
+
+class PlatformEnum(enum.Enum):
+    TPU = enum.auto()
+    CUDA = enum.auto()
+    ROCM = enum.auto()
+    CPU = enum.auto()
+    OOT = enum.auto()
+    UNSPECIFIED = enum.auto()
+
+
+class Platform:
+    """A device family: its JAX backend, its devices, and the defaults it imposes."""
+
+    _enum: PlatformEnum
+    # Human name ("cpu", "cuda", ...) and the device type the user sees.
+    device_name: str
+    device_type: str
+    # The backend name given to jax.devices(); None: JAX's default backend.
+    jax_platform: str | None = None
+    # Attention implementation used by default on this platform (module:Class).
+    attn_backend: str = "xlm.ops.paged_attention:PagedAttention"
+    # Whether bfloat16 runs fast here; else float32 is the "auto" dtype.
+    supports_fast_bf16: bool = True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device_name={self.device_name!r})"
+
+    def is_tpu(self) -> bool:
+        return self._enum == PlatformEnum.TPU
+
+    def is_cuda(self) -> bool:
+        return self._enum == PlatformEnum.CUDA
+
+    def is_rocm(self) -> bool:
+        return self._enum == PlatformEnum.ROCM
+
+    def is_cuda_alike(self) -> bool:
+        return self._enum in (PlatformEnum.CUDA, PlatformEnum.ROCM)
+
+    def is_cpu(self) -> bool:
+        return self._enum == PlatformEnum.CPU
+
+    def is_out_of_tree(self) -> bool:
+        return self._enum == PlatformEnum.OOT
+
+    def is_unspecified(self) -> bool:
+        return self._enum == PlatformEnum.UNSPECIFIED
+
+    # Device queries initialize the JAX backend: call them only when devices are needed.
+    def devices(self) -> list[jax.Device]:
+        """The local devices of this platform's JAX backend."""
+        import jax
+
+        return jax.local_devices(backend=self.jax_platform)
+
+    def device_count(self) -> int:
+        return len(self.devices())
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return self.devices()[device_id].device_kind
+
+    def get_device_memory_stats(self, device_id: int = 0) -> dict[str, Any]:
+        """Memory stats of one device ({} where the backend reports none)."""
+        return self.devices()[device_id].memory_stats() or {}
+
+    def get_device_total_memory(self, device_id: int = 0) -> int | None:
+        return self.get_device_memory_stats(device_id).get("bytes_limit")
+
+    def get_device_free_memory(self, device_id: int = 0) -> int | None:
+        stats = self.get_device_memory_stats(device_id)
+        if "bytes_limit" not in stats:
+            return None
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+    def default_dtype(self) -> str:
+        """The dtype "auto" resolves to when the checkpoint gives none we want."""
+        return "bfloat16" if self.supports_fast_bf16 else "float32"
+
+    def get_attn_backend_cls(self) -> str:
+        """Qualified name (module:Class) of the attention op used on this platform."""
+        return self.attn_backend
+
+    def check_and_update_config(self, config: XlmConfig) -> None:
+        """Adjust a config to this platform (block size, buckets, ...); raise if unsupported."""
+
+
+class UnspecifiedPlatform(Platform):
+    """No platform activated: xlm can be imported but not run a model."""
+
+    _enum = PlatformEnum.UNSPECIFIED
+    device_name = "unspecified"
+    device_type = "unspecified"
