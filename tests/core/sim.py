@@ -144,6 +144,33 @@ class FakeModelRunner:
         return ModelRunnerOutput(req_ids, sampled)
 
 
+def reference_generate(
+    prompt: list[int],
+    vocab: int,
+    max_len: int,
+    eos: int | None = None,
+    max_tokens: int | None = 16,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
+    stop_token_ids: list[int] | None = None,
+) -> tuple[list[int], str, int | None]:
+    """What an uncontended run of FakeModelRunner yields: (output tokens, reason, stop_reason)."""
+    value, out = 0, []
+    for tok in prompt:
+        value = prefix_value(value, tok)
+    while True:
+        tok = value % vocab
+        out.append(tok)
+        value = prefix_value(value, tok)
+        if len(out) >= min_tokens:
+            if tok == eos and not ignore_eos:
+                return out, "stop", None
+            if tok in (stop_token_ids or ()):
+                return out, "stop", tok
+        if (max_tokens is not None and len(out) >= max_tokens) or len(prompt) + len(out) >= max_len:
+            return out, "length", None
+
+
 def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> None:
     """Block accounting and scheduling limits that must hold after every step."""
     kv = sched.kv_cache_manager
