@@ -12,6 +12,7 @@ import xlm
 # parser sets `func`; modules import heavy dependencies only inside their functions.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collect-env": ("xlm.entrypoints.collect_env", "print versions, platform and plugins"),
+    "convert": ("xlm.entrypoints.convert", "convert a GGUF file to a safetensors directory"),
 }
 # Subcommands whose issue has not landed yet.
 PENDING: dict[str, str] = {
@@ -19,7 +20,6 @@ PENDING: dict[str, str] = {
     "chat": "interactive chat on the terminal",
     "serve": "start the OpenAI-compatible server",
     "run-batch": "run a file of OpenAI batch requests",
-    "convert": "convert a GGUF file to a safetensors directory",
 }
 
 
