@@ -16,8 +16,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from xlm import envs
-from xlm.engine.exceptions import EngineDeadError, EngineGenerateError
+from xlm.engine.exceptions import EngineDeadError, RequestAbortedError
 from xlm.engine.mp_client import AsyncMPClient
 from xlm.logger import init_logger
 from xlm.metrics.loggers import StatLoggerBase
@@ -162,9 +161,7 @@ class AsyncLLM:
         self.core_ids[request_id] = [r.request_id for r in core_requests]
         now = time.monotonic()
         for core_request in core_requests:
-            self.stats_tracker.add(
-                core_request.request_id, now, len(core_request.prompt_token_ids)
-            )
+            self.stats_tracker.add(core_request.request_id, now, len(core_request.prompt_token_ids))
             await self.engine_core.add_request_async(core_request)
         return collector
 
@@ -303,7 +300,7 @@ class AsyncLLM:
         if request_ids:
             core_ids = self._abort_local(request_ids)
             for collector in collectors:
-                collector.put(EngineGenerateError("aborted: the server is shutting down"))
+                collector.put(RequestAbortedError("aborted: the server is shutting down"))
             if self.dead_error is None:
                 await self.engine_core.abort_requests_async(core_ids)
         return request_ids

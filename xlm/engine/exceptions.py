@@ -12,3 +12,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineGenerateError(RuntimeError):
     """One request failed inside the engine; the engine itself is still healthy."""
+
+
+class RequestAbortedError(EngineGenerateError):
+    """The server aborted the request (shutdown); callers finish it with reason "abort"."""

@@ -69,13 +69,51 @@ def _hit_rate(s: Any) -> float:
 
 
 _LATENCY_BUCKETS = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
-]  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+]
 _TOKEN_LATENCY_BUCKETS = [
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-]  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
 
 
 class PrometheusStatLogger(StatLoggerBase):
@@ -144,8 +182,9 @@ class PrometheusStatLogger(StatLoggerBase):
             self.num_requests_running.set(s.num_running_reqs)
             self.num_requests_waiting.set(s.num_waiting_reqs)
             self.kv_cache_usage.set(s.kv_cache_usage)
-            self._last_queries = _inc(self.prefix_cache_queries, s.prefix_cache_queries,
-                                      self._last_queries)  # fmt: skip
+            self._last_queries = _inc(
+                self.prefix_cache_queries, s.prefix_cache_queries, self._last_queries
+            )
             self._last_hits = _inc(self.prefix_cache_hits, s.prefix_cache_hits, self._last_hits)
             self._last_preemptions = _inc(
                 self.num_preemptions, s.num_preemptions, self._last_preemptions

@@ -314,9 +314,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError(
-                "add_generation_prompt and continue_final_message cannot both be true"
-            )
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         return self
 
     def to_sampling_params(self, default_max_tokens: int, max_logprobs: int) -> SamplingParams:
