@@ -257,12 +257,15 @@ def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> Fa
 
     async def _serve(raw_request: Request, model: type[BaseModel], handler: Any) -> Response:
         request = await parse_body(raw_request, model)
-        if engine.errored:
-            raise error_from_exception(engine.dead_error)
-        if getattr(request, "stream", False):
-            stream = await handler(request)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        result = await _with_disconnect(raw_request, handler(request))
+        try:
+            if engine.errored:
+                raise engine.dead_error
+            if getattr(request, "stream", False):
+                stream = await handler(request)
+                return StreamingResponse(stream, media_type="text/event-stream")
+            result = await _with_disconnect(raw_request, handler(request))
+        except Exception as e:
+            return error_response(error_from_exception(e))
         if result is None:  # client went away
             return Response(status_code=499)
         return JSONResponse(result.model_dump())

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -344,10 +344,14 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class DeltaMessage(OpenAIBaseModel):
-    """The delta of a streamed chat chunk."""
+    """The delta of a streamed chat chunk (unset fields are left out, like OpenAI's)."""
 
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

@@ -76,7 +76,7 @@ def error_from_exception(e: BaseException) -> OpenAIError:
 def sse(data: Any) -> str:
     """One server-sent event carrying JSON (or a pydantic model)."""
     if hasattr(data, "model_dump_json"):
-        return f"data: {data.model_dump_json(exclude_unset=True)}\n\n"
+        return f"data: {data.model_dump_json()}\n\n"
     return f"data: {json.dumps(data)}\n\n"
 
 
