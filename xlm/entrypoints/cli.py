@@ -12,11 +12,11 @@ import xlm
 # parser sets `func`; modules import heavy dependencies only inside their functions.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collect-env": ("xlm.entrypoints.collect_env", "print versions, platform and plugins"),
+    "generate": ("xlm.entrypoints.generate", "generate a completion for a prompt"),
+    "chat": ("xlm.entrypoints.generate", "interactive chat on the terminal"),
 }
 # Subcommands whose issue has not landed yet.
 PENDING: dict[str, str] = {
-    "generate": "generate a completion for a prompt (offline engine)",
-    "chat": "interactive chat on the terminal",
     "serve": "start the OpenAI-compatible server",
     "run-batch": "run a file of OpenAI batch requests",
     "convert": "convert a GGUF file to a safetensors directory",
