@@ -417,7 +417,7 @@ def test_resumed_request_carries_its_outputs_and_whole_table():
     assert c.new_block_ids[i] == sched.kv_cache_manager.get_block_ids("r2")
     req = sched.requests["r2"]
     assert c.num_computed_tokens[i] + so.num_scheduled_tokens["r2"] == req.num_computed_tokens
-    assert req.num_computed_tokens == req.num_tokens  # resumed whole (prompt + outputs)
+    assert req.num_computed_tokens == req.num_tokens - 1  # resumed whole, then sampled
 
 
 def test_threshold_ignored_without_chunked_prefill():
