@@ -424,3 +424,16 @@ def test_threshold_ignored_without_chunked_prefill():
     sched = make_sched(budget=128, chunked=False, threshold=4)
     sched.add_request(make_request("a", prompt(1, 30)))
     assert sched.schedule().num_scheduled_tokens == {"a": 30}
+
+
+def test_priority_victim_is_low_priority_even_if_admitted_first():
+    sched = make_sched(num_blocks=5, policy="priority")  # 4 usable
+    runner = FakeModelRunner(5, BS)
+    sched.add_request(make_request("b", prompt(1, 6), priority=9, arrival_time=1.0))
+    step(sched, runner)
+    sched.add_request(make_request("a", prompt(2, 8), priority=0, arrival_time=2.0))
+    step(sched, runner)
+    assert [r.request_id for r in sched.running] == ["a", "b"]  # scheduling order
+    so, _ = step(sched, runner)  # a needs a third block
+    assert so.preempted_req_ids == {"b"}
+    assert so.num_scheduled_tokens == {"a": 1}
