@@ -1,0 +1,239 @@
+"""A fake model runner that plays the worker's side of the scheduler contract.
+
+It keeps its own copy of every request (as the real runner does), simulates a paged KV
+cache whose slot contents identify the token prefix they were computed from, checks every
+K/V read (a cache hit must hold exactly the right content), and samples the next token as
+a deterministic function of all previous tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.core.request import Request, RequestStatus
+from xlm.core.scheduler import Scheduler
+
+_MASK = (1 << 61) - 1
+
+
+@dataclass
+class SP:
+    """The fields of SamplingParams the scheduler reads."""
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    eos: int | None = None,
+    arrival_time: float | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    **sp: object,
+) -> Request:
+    """A Request with a test SamplingParams."""
+    return Request(
+        request_id, list(prompt), SP(**sp), eos, arrival_time or 0.0, priority, cache_salt
+    )
+
+
+def prefix_value(parent: int, token: int) -> int:
+    """The simulated K/V of a position: a hash chaining every token up to it."""
+    return (parent * 1_000_003 + token * 7919 + 1) & _MASK
+
+
+@dataclass
+class _State:
+    prompt: list[int]
+    tokens: list[int]
+    block_ids: list[int] | None
+    num_computed: int
+    values: list[int] = field(default_factory=list)
+
+    def value(self, pos: int) -> int:
+        vals, toks = self.values, self.tokens
+        while len(vals) <= pos:
+            parent = vals[-1] if vals else 0
+            vals.append(prefix_value(parent, toks[len(vals)]))
+        return vals[pos]
+
+
+class FakeModelRunner:
+    """Turns a SchedulerOutput into a ModelRunnerOutput, checking the contract on the way."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab: int = 1000, check_kv: bool = True):
+        self.block_size = block_size
+        self.vocab = vocab
+        self.check_kv = check_kv
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.reqs: dict[str, _State] = {}
+
+    def next_token(self, state: _State, last_pos: int) -> int:
+        """Greedy 'sampling': a deterministic function of every token up to last_pos."""
+        return state.value(last_pos) % self.vocab
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step."""
+        bs = self.block_size
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.reqs[rid].block_ids = None  # dropped from the batch until resumed
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.reqs
+            assert 0 not in new.block_ids, "the null block is never in a block table"
+            self.reqs[new.req_id] = _State(
+                list(new.prompt_token_ids),
+                list(new.prompt_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            st = self.reqs[rid]
+            assert 0 not in c.new_block_ids[i]
+            if c.resumed_from_preemption[i]:
+                assert st.block_ids is None
+                # The scheduler's outputs must agree with what this runner sampled.
+                assert st.tokens[len(st.prompt) :] == c.new_token_ids[i]
+                st.tokens = st.prompt + list(c.new_token_ids[i])
+                st.values = []
+                st.block_ids = list(c.new_block_ids[i])
+                st.num_computed = c.num_computed_tokens[i]
+            else:
+                assert c.new_token_ids[i] == []
+                assert st.num_computed == c.num_computed_tokens[i]
+                st.block_ids.extend(c.new_block_ids[i])
+        assert set(so.num_scheduled_tokens) == {n.req_id for n in so.scheduled_new_reqs} | set(
+            c.req_ids
+        )
+        assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
+        # Every scheduled token's K/V is written before any attention reads.
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.reqs[rid]
+            start, end = st.num_computed, st.num_computed + n
+            assert n > 0 and end <= len(st.tokens), (rid, start, n, len(st.tokens))
+            assert len(st.block_ids) * bs >= end, "not enough slots allocated"
+            assert len(st.block_ids) == -(-end // bs), "more blocks than needed"
+            assert len(set(st.block_ids)) == len(st.block_ids)
+            if self.check_kv:
+                for p in range(start, end):
+                    self.kv[st.block_ids[p // bs]][p % bs] = st.value(p)
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.reqs[rid]
+            end = st.num_computed + n
+            if self.check_kv:
+                for p in range(end):
+                    got = self.kv[st.block_ids[p // bs]][p % bs]
+                    assert got == st.value(p), f"{rid}: wrong K/V at position {p}"
+            st.num_computed = end
+            req_ids.append(rid)
+            if end == len(st.tokens):
+                tok = self.next_token(st, end - 1)
+                st.tokens.append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids, sampled)
+
+
+def reference_generate(
+    prompt: list[int],
+    vocab: int,
+    max_len: int,
+    eos: int | None = None,
+    max_tokens: int | None = 16,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
+    stop_token_ids: list[int] | None = None,
+) -> tuple[list[int], str, int | None]:
+    """What an uncontended run of FakeModelRunner yields: (output tokens, reason, stop_reason)."""
+    value, out = 0, []
+    for tok in prompt:
+        value = prefix_value(value, tok)
+    while True:
+        tok = value % vocab
+        out.append(tok)
+        value = prefix_value(value, tok)
+        if len(out) >= min_tokens:
+            if tok == eos and not ignore_eos:
+                return out, "stop", None
+            if tok in (stop_token_ids or ()):
+                return out, "stop", tok
+        if (max_tokens is not None and len(out) >= max_tokens) or len(prompt) + len(out) >= max_len:
+            return out, "length", None
+
+
+def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> None:
+    """Block accounting and scheduling limits that must hold after every step."""
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
+    owners: Counter[int] = Counter()
+    for blocks in kv.req_to_blocks.values():
+        ids = [b.block_id for b in blocks]
+        assert len(set(ids)) == len(ids)
+        owners.update(ids)
+    assert pool.null_block.ref_cnt == 0 and pool.null_block.block_id == 0
+    assert 0 not in owners
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == owners[block.block_id], block
+        if owners[block.block_id] > 1:
+            assert block.block_hash is not None, f"{block} shared but not a cached block"
+    free = pool.free_block_queue.get_all_free_blocks()
+    assert len(free) == pool.get_num_free_blocks()
+    assert {b.block_id for b in free} == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+    prev = pool.free_block_queue._head
+    for b in free:
+        assert b.prev_free_block is prev and prev.next_free_block is b
+        prev = b
+    for h, b in pool.cached_block_hash_to_block.items():
+        assert b.block_hash == h
+    running_ids = {r.request_id for r in sched.running}
+    assert len(running_ids) == len(sched.running) <= sched.max_num_seqs
+    assert set(kv.req_to_blocks) == running_ids
+    for r in sched.running:
+        assert r.status == RequestStatus.RUNNING
+        assert len(kv.req_to_blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens
+    for r in sched.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.num_computed_tokens == 0
+    assert len(sched.requests) == len(sched.running) + len(sched.waiting)
+    if so is not None:
+        assert so.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+        assert len(so.num_scheduled_tokens) <= sched.max_num_seqs
+        assert all(n > 0 for n in so.num_scheduled_tokens.values())
+
+
+def run_to_completion(
+    sched: Scheduler,
+    runner: FakeModelRunner,
+    max_steps: int = 10_000,
+    check: bool = True,
+    on_step=None,
+) -> dict[str, tuple[list[int], str | None, int | str | None]]:
+    """Step until nothing is unfinished; returns request_id -> (tokens, reason, stop_reason)."""
+    results: dict[str, tuple[list[int], str | None, int | str | None]] = {}
+    for step in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        if check:
+            check_invariants(sched, so)
+        out = sched.update_from_output(so, runner.execute(so))
+        for o in out:
+            toks, _, _ = results.get(o.request_id, ([], None, None))
+            results[o.request_id] = (toks + o.new_token_ids, o.finish_reason, o.stop_reason)
+        if check:
+            check_invariants(sched)
+        if on_step is not None:
+            on_step(step, so, out)
+    else:
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+    return results

@@ -1,0 +1,142 @@
+"""Which KV cache blocks each request holds: prefix-cache lookup, allocation, freeing."""
+
+from __future__ import annotations
+
+from xlm.core.block_pool import BlockPool, KVCacheBlock
+from xlm.core.kv_cache_utils import update_block_hashes
+from xlm.core.request import Request
+
+
+class KVCacheManager:
+    """Maps requests to block tables over one BlockPool, with prefix caching."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up, once per admission
+        self.prefix_cache_hits = 0  # of which found cached
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request may hold (all but the null block)."""
+        return self.block_pool.num_blocks - 1
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a request of num_tokens could ever fit, alone, in the whole pool."""
+        return -(-num_tokens // self.block_size) <= self.num_usable_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request, as blocks and a token count.
+
+        Never the whole sequence: its last token is always recomputed to produce logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        hashes = update_block_hashes(request, bs, max_blocks)
+        get = self.block_pool.cached_block_hash_to_block.get
+        blocks = []
+        for i in range(max_blocks):
+            block = get(hashes[i])
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * bs
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[int] | None:
+        """Give the request slots for num_new_tokens more tokens; None if blocks run out.
+
+        new_computed_blocks / num_new_computed_tokens are a prefix-cache hit from
+        get_computed_blocks (admission only). Returns the ids of newly allocated blocks.
+        Blocks that become full with the scheduled tokens are entered in the prefix cache
+        at once, so a request scheduled later in the same step can share them: the runner
+        writes each layer's new K/V before any attention reads it.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens} is invalid: must be > 0")
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.get(request_id)
+        bs = self.block_size
+        if req_blocks is not None and not new_computed_blocks:
+            # Fast path (most decode steps): the tokens fit and no block becomes full.
+            num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+            if num_total <= len(req_blocks) * bs and (
+                not self.enable_caching or num_total // bs <= self.num_cached_block[request_id]
+            ):
+                return []
+        is_new = req_blocks is None
+        if is_new:
+            req_blocks = []
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens
+        num_required = -(-num_total // bs)
+        num_hit = len(new_computed_blocks) if new_computed_blocks else 0
+        num_new_blocks = num_required - len(req_blocks) - num_hit
+        pool = self.block_pool
+        if num_new_blocks > 0 or num_hit:
+            # Hit blocks sitting in the free queue stop being allocatable once touched.
+            num_evictable_hits = (
+                sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit else 0
+            )
+            if num_new_blocks > pool.free_block_queue.num_free_blocks - num_evictable_hits:
+                return None
+        if is_new:
+            self.req_to_blocks[request_id] = req_blocks
+            self.num_cached_block[request_id] = 0
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_new_computed_tokens
+        if num_hit:
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        if num_new_blocks > 0:
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+            new_ids = [b.block_id for b in new_blocks]
+        else:
+            new_ids = []
+        if self.enable_caching:
+            num_full = num_total // bs
+            num_cached = self.num_cached_block[request_id]
+            if num_full > num_cached:
+                hashes = update_block_hashes(request, bs, num_full)
+                pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+                self.num_cached_block[request_id] = num_full
+        return new_ids
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so shared prefixes are evicted last."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block hash; False (nothing done) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()

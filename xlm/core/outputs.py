@@ -1,0 +1,108 @@
+"""What the scheduler hands the model runner each step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the workers have not seen: everything needed to start it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    block_ids: list[int]
+    # Prefix-cache hit: tokens whose K/V already sit in the first blocks.
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the workers already hold, as parallel lists (one row per request).
+
+    For a running request, new_block_ids are the blocks appended to its table this step and
+    new_token_ids is empty (the runner appended what it sampled). For a request resumed from
+    preemption, new_block_ids is its whole new table and new_token_ids all of its output
+    tokens: the runner resets the request to prompt + those tokens.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Tokens whose K/V are in the cache before this step.
+    num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        """Number of rows."""
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step: which requests run, how many tokens each, and who to drop."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # Tokens to compute per request this step, in batch order (running, then new).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Finished or aborted since the last step: workers drop their state.
+    finished_req_ids: set[str]
+    # Preempted this step: workers drop them from the batch (they come back as resumed).
+    preempted_req_ids: set[str]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens per request; an empty list for a prefill chunk that is not the last."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Aligned with req_ids when logprobs were requested.
+    logprobs: list[Any] | None = None
+    prompt_logprobs: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """New tokens of one request from one step, and why it finished if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: Any = None
+    new_prompt_logprobs: Any = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last output."""
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Scheduler and KV cache state for metrics (counters are cumulative)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    # Tokens scheduled in the last step, and all steps so far.
+    step_num_scheduled_tokens: int = 0
+    total_num_scheduled_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Cumulative fraction of looked-up tokens found in the prefix cache."""
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries

@@ -1,0 +1,384 @@
+"""Continuous batching: each step, a token budget spent on running then waiting requests."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from xlm.config import CacheConfig, SchedulerConfig
+from xlm.core.kv_cache_manager import KVCacheManager
+from xlm.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from xlm.core.request import Request, RequestStatus
+from xlm.core.request_queue import create_request_queue
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_WAITING = RequestStatus.WAITING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
+class Scheduler:
+    """Decides what runs each step and applies what the model sampled."""
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.long_prefill_token_threshold = (
+            scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
+        )
+        self.policy = scheduler_config.policy
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching
+        )
+        pool_tokens = self.kv_cache_manager.num_usable_blocks * self.block_size
+        # A request may grow only as long as the whole pool holds; past that it could only
+        # preempt itself forever, so it is finished as length-capped there instead.
+        self.max_request_len = min(self.max_model_len, pool_tokens)
+        if pool_tokens < self.max_model_len:
+            logger.warning(
+                "The KV cache holds %d tokens (%d blocks of %d), fewer than max_model_len=%d: "
+                "requests are length-capped at %d tokens.",
+                pool_tokens,
+                num_blocks - 1,
+                self.block_size,
+                self.max_model_len,
+                pool_tokens,
+            )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        # Scheduling order: admission order (fcfs) or (priority, arrival) (priority);
+        # the last one is the one preempted.
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.step_num_scheduled_tokens = 0
+        self.total_num_scheduled_tokens = 0
+
+    # ---- admission and aborts -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; ValueError if it is malformed or could never fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in the scheduler")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if num_prompt > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: the prompt has {num_prompt} tokens, longer "
+                f"than max_model_len={self.max_model_len}"
+            )
+        if not self.kv_cache_manager.can_fit(num_prompt):
+            need = -(-num_prompt // self.block_size)
+            have = self.kv_cache_manager.num_usable_blocks
+            raise ValueError(
+                f"request {request.request_id!r}: the prompt has {num_prompt} tokens and needs "
+                f"{need} KV cache blocks of {self.block_size} tokens, but the cache has only "
+                f"{have} blocks ({have * self.block_size} tokens)"
+            )
+        request.status = _WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (aborts, stop strings); unknown ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status={status!r} is invalid: must be a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        running, waiting = [], []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            (running if request.status == _RUNNING else waiting).append(request)
+            request.status = status
+            self._free_request(request)
+        if running:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; allocate their KV cache slots."""
+        kv = self.kv_cache_manager
+        allocate_slots = kv.allocate_slots
+        token_budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        num_scheduled_tokens: dict[str, int] = {}
+        cached = CachedRequestData()
+        c_ids, c_resumed = cached.req_ids, cached.resumed_from_preemption
+        c_blocks, c_computed, c_tokens = (
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            cached.new_token_ids,
+        )
+        new_reqs: list[NewRequestData] = []
+        preempted_req_ids: set[str] = set()
+        scheduled: list[Request] = []
+
+        # Running requests first, in order; when blocks run out, preempt from the end.
+        running = self.running
+        i = 0
+        while i < len(running) and token_budget > 0:
+            request = running[i]
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > token_budget:
+                num_new = token_budget
+            assert num_new > 0, f"{request} is running with nothing to compute"
+            while True:
+                new_block_ids = allocate_slots(request, num_new)
+                if new_block_ids is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted_req_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break
+            req_id = request.request_id
+            num_scheduled_tokens[req_id] = num_new
+            token_budget -= num_new
+            scheduled.append(request)
+            c_ids.append(req_id)
+            c_resumed.append(False)
+            c_blocks.append(new_block_ids)
+            c_computed.append(request.num_computed_tokens)
+            c_tokens.append([])
+            i += 1
+
+        # Then waiting requests, unless this step had to preempt.
+        if not preempted_req_ids:
+            waiting = self.waiting
+            chunked = self.enable_chunked_prefill
+            while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
+                request = waiting.peek_request()
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit
+                if not chunked and num_new > token_budget:
+                    break  # scheduled whole or not at all; head of line waits
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > token_budget:
+                    num_new = token_budget
+                new_block_ids = allocate_slots(request, num_new, num_hit, hit_blocks)
+                if new_block_ids is None:
+                    break  # head of line waits for blocks
+                waiting.pop_request()
+                if self.policy == "priority":
+                    bisect.insort_right(running, request, key=_priority_key)
+                else:
+                    running.append(request)
+                request.num_computed_tokens = num_hit
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                req_id = request.request_id
+                if request.status == _PREEMPTED:
+                    c_ids.append(req_id)
+                    c_resumed.append(True)
+                    c_blocks.append(kv.get_block_ids(req_id))
+                    c_computed.append(num_hit)
+                    c_tokens.append(list(request.output_token_ids))
+                else:
+                    new_reqs.append(
+                        NewRequestData(
+                            req_id,
+                            request.prompt_token_ids,
+                            request.sampling_params,
+                            kv.get_block_ids(req_id),
+                            num_hit,
+                        )
+                    )
+                request.status = _RUNNING
+                num_scheduled_tokens[req_id] = num_new
+                token_budget -= num_new
+                scheduled.append(request)
+
+        # The K/V of scheduled tokens count as computed from here on.
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+
+        total = self.max_num_batched_tokens - token_budget
+        finished_req_ids = self.finished_req_ids
+        self.finished_req_ids = set()
+        self.num_steps += 1
+        self.step_num_scheduled_tokens = total
+        self.total_num_scheduled_tokens += total
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=preempted_req_ids,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and requeue it first, to be recomputed later."""
+        self.kv_cache_manager.free(request)
+        request.status = _PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+        logger.debug("Preempted %s (preemption %d)", request.request_id, request.num_preemptions)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        requests = self.requests
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        max_len = self.max_request_len
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for idx, (req_id, token_ids) in enumerate(
+            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
+        ):
+            request = requests.get(req_id)
+            if request is None or request.status != _RUNNING:
+                continue  # finished or aborted after this step was scheduled
+            new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
+            if not token_ids:
+                if new_prompt_logprobs is not None:
+                    outputs.append(
+                        EngineCoreOutput(
+                            req_id,
+                            [],
+                            new_prompt_logprobs=new_prompt_logprobs,
+                            num_cached_tokens=request.num_cached_tokens,
+                        )
+                    )
+                continue
+            new_token_ids = token_ids
+            if len(token_ids) == 1:
+                token_id = token_ids[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                stopped = self._check_stop(request, token_id, max_len)
+            else:
+                stopped = False
+                for n, token_id in enumerate(token_ids, 1):
+                    request.output_token_ids.append(token_id)
+                    request.all_token_ids.append(token_id)
+                    if self._check_stop(request, token_id, max_len):
+                        stopped = True
+                        new_token_ids = token_ids[:n]
+                        break
+            new_logprobs = logprobs[idx] if logprobs is not None else None
+            if stopped:
+                any_finished = True
+                self._free_request(request)
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id,
+                        new_token_ids,
+                        request.get_finished_reason(),
+                        request.stop_reason,
+                        new_logprobs,
+                        new_prompt_logprobs,
+                        request.num_cached_tokens,
+                    )
+                )
+            else:
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id,
+                        new_token_ids,
+                        None,
+                        None,
+                        new_logprobs,
+                        new_prompt_logprobs,
+                        request.num_cached_tokens,
+                    )
+                )
+        if any_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    @staticmethod
+    def _check_stop(request: Request, token_id: int, max_len: int) -> bool:
+        """Apply stop conditions after token_id was appended; set the status if stopped."""
+        num_output = len(request.output_token_ids)
+        if num_output >= request.min_tokens:
+            if token_id == request.eos_token_id and not request.ignore_eos:
+                request.status = _STOPPED
+                return True
+            if token_id in request.stop_token_ids:
+                request.status = _STOPPED
+                request.stop_reason = token_id
+                return True
+        max_tokens = request.max_tokens
+        if (max_tokens is not None and num_output >= max_tokens) or len(
+            request.all_token_ids
+        ) >= max_len:
+            request.status = _LENGTH_CAPPED
+            return True
+        return False
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests waiting or running."""
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Whether finished ids are pending for the next step's workers."""
+        return bool(self.finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; False while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot for metrics."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            step_num_scheduled_tokens=self.step_num_scheduled_tokens,
+            total_num_scheduled_tokens=self.total_num_scheduled_tokens,
+        )
