@@ -228,8 +228,6 @@ class CompilationConfig:
     custom_ops: list[str] = field(default_factory=list)
     # Padded token counts per step (None: powers of two up to max_num_batched_tokens).
     token_buckets: list[int] | None = None
-    # Padded request counts per step (None: powers of two up to max_num_seqs).
-    request_buckets: list[int] | None = None
     # Compile every bucket before serving.
     warmup: bool = True
     # JAX persistent compilation cache (directory from XLM_COMPILATION_CACHE_DIR).
@@ -263,7 +261,7 @@ class CompilationConfig:
             self.custom_ops,
             "'all' or 'none', not both",
         )
-        for name in ("token_buckets", "request_buckets"):
+        for name in ("token_buckets",):
             buckets = getattr(self, name)
             if buckets is not None:
                 _require(

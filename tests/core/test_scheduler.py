@@ -305,7 +305,8 @@ def test_samples_of_one_prompt_share_it_in_the_same_step():
     assert hits == [0, 12, 12, 12]
     tables = [n.block_ids for n in so.scheduled_new_reqs]
     assert all(t[:3] == tables[0][:3] for t in tables)
-    sched.update_from_output(so, FakeModelRunner(64, BS).execute(so))
+    out = sched.update_from_output(so, FakeModelRunner(64, BS).execute(so))
+    assert [o.num_cached_tokens for o in out] == [0, 12, 12, 12]
     stats = sched.make_stats()
     assert stats.prefix_cache_queries == 52 and stats.prefix_cache_hits == 36
     assert stats.prefix_cache_hit_rate == pytest.approx(36 / 52)
@@ -394,3 +395,45 @@ def test_no_admission_in_a_step_that_preempted():
     assert "late" not in so.num_scheduled_tokens  # ...no admissions in a preempting step
     so, _ = step(sched, runner)
     assert [n.req_id for n in so.scheduled_new_reqs] == ["late"]
+
+
+def test_resumed_request_carries_its_outputs_and_whole_table():
+    sched = make_sched(num_blocks=7)
+    runner = FakeModelRunner(7, BS)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", prompt(i, 8), max_tokens=10))
+    step(sched, runner)
+    so, _ = step(sched, runner)
+    assert so.preempted_req_ids == {"r2"}
+    outputs_at_preemption = list(sched.requests["r2"].output_token_ids)
+    while True:
+        so, _ = step(sched, runner)
+        c = so.scheduled_cached_reqs
+        if "r2" in c.req_ids:
+            break
+    i = c.req_ids.index("r2")
+    assert c.resumed_from_preemption[i]
+    assert c.new_token_ids[i] == outputs_at_preemption
+    assert c.new_block_ids[i] == sched.kv_cache_manager.get_block_ids("r2")
+    req = sched.requests["r2"]
+    assert c.num_computed_tokens[i] + so.num_scheduled_tokens["r2"] == req.num_computed_tokens
+    assert req.num_computed_tokens == req.num_tokens - 1  # resumed whole, then sampled
+
+
+def test_threshold_ignored_without_chunked_prefill():
+    sched = make_sched(budget=128, chunked=False, threshold=4)
+    sched.add_request(make_request("a", prompt(1, 30)))
+    assert sched.schedule().num_scheduled_tokens == {"a": 30}
+
+
+def test_priority_victim_is_low_priority_even_if_admitted_first():
+    sched = make_sched(num_blocks=5, policy="priority")  # 4 usable
+    runner = FakeModelRunner(5, BS)
+    sched.add_request(make_request("b", prompt(1, 6), priority=9, arrival_time=1.0))
+    step(sched, runner)
+    sched.add_request(make_request("a", prompt(2, 8), priority=0, arrival_time=2.0))
+    step(sched, runner)
+    assert [r.request_id for r in sched.running] == ["a", "b"]  # scheduling order
+    so, _ = step(sched, runner)  # a needs a third block
+    assert so.preempted_req_ids == {"b"}
+    assert so.num_scheduled_tokens == {"a": 1}

@@ -79,12 +79,19 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens={num_new_tokens} is invalid: must be > 0")
         request_id = request.request_id
         req_blocks = self.req_to_blocks.get(request_id)
+        bs = self.block_size
+        if req_blocks is not None and not new_computed_blocks:
+            # Fast path (most decode steps): the tokens fit and no block becomes full.
+            num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+            if num_total <= len(req_blocks) * bs and (
+                not self.enable_caching or num_total // bs <= self.num_cached_block[request_id]
+            ):
+                return []
         is_new = req_blocks is None
         if is_new:
             req_blocks = []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
-        bs = self.block_size
         num_required = -(-num_total // bs)
         num_hit = len(new_computed_blocks) if new_computed_blocks else 0
         num_new_blocks = num_required - len(req_blocks) - num_hit

@@ -152,7 +152,7 @@ class Scheduler:
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > token_budget:
@@ -285,15 +285,20 @@ class Scheduler:
                     )
                 continue
             new_token_ids = token_ids
-            stopped = False
-            for n, token_id in enumerate(token_ids, 1):
+            if len(token_ids) == 1:
+                token_id = token_ids[0]
                 request.output_token_ids.append(token_id)
                 request.all_token_ids.append(token_id)
-                if self._check_stop(request, token_id, max_len):
-                    stopped = True
-                    if n < len(token_ids):
+                stopped = self._check_stop(request, token_id, max_len)
+            else:
+                stopped = False
+                for n, token_id in enumerate(token_ids, 1):
+                    request.output_token_ids.append(token_id)
+                    request.all_token_ids.append(token_id)
+                    if self._check_stop(request, token_id, max_len):
+                        stopped = True
                         new_token_ids = token_ids[:n]
-                    break
+                        break
             new_logprobs = logprobs[idx] if logprobs is not None else None
             if stopped:
                 any_finished = True

@@ -13,12 +13,12 @@ import xlm
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collect-env": ("xlm.entrypoints.collect_env", "print versions, platform and plugins"),
     "convert": ("xlm.entrypoints.convert", "convert a GGUF file to a safetensors directory"),
+    "generate": ("xlm.entrypoints.generate", "generate a completion for a prompt"),
+    "chat": ("xlm.entrypoints.generate", "interactive chat on the terminal"),
     "serve": ("xlm.entrypoints.openai.cli_args", "start the OpenAI-compatible server"),
 }
 # Subcommands whose issue has not landed yet.
 PENDING: dict[str, str] = {
-    "generate": "generate a completion for a prompt (offline engine)",
-    "chat": "interactive chat on the terminal",
     "run-batch": "run a file of OpenAI batch requests",
 }
 

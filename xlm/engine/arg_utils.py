@@ -1,0 +1,183 @@
+"""EngineArgs: every engine option in one dataclass, shared by LLM(...) and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from xlm.config import (
+    CacheConfig,
+    CompilationConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    XlmConfig,
+)
+
+_HELP = {
+    "model": "model directory, .gguf file, or built-in name (smollm2-135m)",
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "dtype": "weights and activations dtype; auto = float32 on CPU, else the checkpoint's",
+    "max_model_len": "context length (default: the model's)",
+    "seed": "seed of the engine's random state",
+    "load_format": "weights format: auto, safetensors, gguf or dummy (random weights)",
+    "served_model_name": "model name in the API (default: the model argument)",
+    "generation_config": "'auto' (use generation_config.json defaults), 'xlm' or a directory",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_memory": "KV cache size in GiB on CPU (default: XLM_CPU_KVCACHE_SPACE or 1)",
+    "memory_utilization": "fraction of accelerator memory xlm may use",
+    "enable_prefix_caching": "reuse cached KV blocks of shared prompt prefixes",
+    "num_gpu_blocks_override": "fixed number of KV cache blocks (tests, benchmarks)",
+    "max_num_batched_tokens": "token budget of one step",
+    "max_num_seqs": "maximum number of requests in one step",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "long_prefill_token_threshold": "chunk prefills longer than this (0: off)",
+    "scheduling_policy": "fcfs or priority",
+    "tensor_parallel_size": "devices to shard the model over",
+    "custom_ops": "comma list: all, none, +name, -name",
+    "token_buckets": "comma list of padded token counts per step",
+    "warmup": "compile every bucket before serving",
+    "enable_compilation_cache": "use JAX's persistent compilation cache",
+    "layer_loop": "python (faster decode) or scan (faster compile)",
+}
+
+
+@dataclass
+class EngineArgs:
+    """Engine options with defaults; `create_config()` turns them into an XlmConfig."""
+
+    model: str = "smollm2-135m"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    served_model_name: str | None = None
+    generation_config: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    custom_ops: list[str] = field(default_factory=list)
+    token_buckets: list[int] | None = None
+    warmup: bool = True
+    enable_compilation_cache: bool = True
+    layer_loop: str = "python"
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """Add one --flag per field (booleans get --x/--no-x)."""
+        group = parser.add_argument_group("engine")
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = getattr(defaults, f.name)
+            help_text = f"{_HELP.get(f.name, '')} (default: {default})"
+            if isinstance(default, bool):
+                group.add_argument(
+                    flag, default=default, help=help_text, action=argparse.BooleanOptionalAction
+                )
+            elif f.name in ("custom_ops",):
+                group.add_argument(
+                    flag,
+                    default=default,
+                    help=help_text,
+                    type=lambda s: [x for x in s.split(",") if x],
+                )
+            elif f.name == "token_buckets":
+                group.add_argument(
+                    flag,
+                    default=default,
+                    help=help_text,
+                    type=lambda s: [int(x) for x in s.split(",") if x],
+                )
+            else:
+                kind = {int: int, float: float}.get(type(default), None)
+                if f.name in ("max_model_len", "num_gpu_blocks_override"):
+                    kind = int
+                elif f.name == "kv_cache_memory":
+                    kind = float
+                group.add_argument(flag, default=default, help=help_text, type=kind or str)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def create_config(self) -> XlmConfig:
+        """Validate, resolve the model, read its config and apply platform defaults."""
+        from xlm.models.builtin import resolve_model_name
+        from xlm.models.loader import load_hf_config
+        from xlm.platforms import current_platform
+
+        model_path = resolve_model_name(self.model)
+        model_config = ModelConfig(
+            model=model_path,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            load_format=self.load_format,
+            served_model_name=self.served_model_name or self.model,
+            generation_config=self.generation_config,
+        )
+        model_config.hf_config = load_hf_config(model_config)
+        model_max = _model_max_len(model_config.hf_config)
+        max_model_len = self.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={max_model_len} is larger than the model's "
+                f"maximum context length {model_max}"
+            )
+        model_config.max_model_len = max_model_len
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            # Without chunking a whole prompt must fit in one step.
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        config = XlmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=self.kv_cache_memory,
+                memory_utilization=self.memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_blocks=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            compilation_config=CompilationConfig(
+                custom_ops=list(self.custom_ops),
+                token_buckets=self.token_buckets,
+                warmup=self.warmup,
+                enable_compilation_cache=self.enable_compilation_cache,
+                layer_loop=self.layer_loop,
+            ),
+        )
+        current_platform.check_and_update_config(config)
+        return config
+
+
+def _model_max_len(hf_config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048

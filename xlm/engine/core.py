@@ -1,0 +1,82 @@
+"""EngineCore: the scheduler and the executor joined by one step loop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from xlm.config import XlmConfig
+from xlm.core.outputs import EngineCoreOutput, SchedulerStats
+from xlm.core.request import Request, RequestStatus
+from xlm.core.scheduler import Scheduler
+from xlm.engine.processor import EngineCoreRequest
+from xlm.executor.uniproc import UniProcExecutor
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """What one step of the core returns to its client."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineCore:
+    """Schedules, executes and updates; device work happens in the executor."""
+
+    def __init__(self, config: XlmConfig, log_stats: bool = True) -> None:
+        start = time.perf_counter()
+        self.config = config
+        self.log_stats = log_stats
+        self.executor = UniProcExecutor(config)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.executor.num_blocks
+        )
+        logger.info("Engine core ready in %.1f s.", time.perf_counter() - start)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Admit a request; raises ValueError when it can never fit."""
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule one step, run it, and return the new tokens and finished requests."""
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.monotonic())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self._stats(), time.monotonic())
+
+    def _stats(self) -> SchedulerStats | None:
+        return self.scheduler.make_stats() if self.log_stats else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    @property
+    def num_compilations(self) -> int:
+        """Step programs compiled so far (flat after warm-up)."""
+        return self.executor.model_runner.num_compilations
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

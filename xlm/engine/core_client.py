@@ -1,0 +1,40 @@
+"""Clients of the engine core: in this process, or (serving) in another over ZeroMQ."""
+
+from __future__ import annotations
+
+from xlm.config import XlmConfig
+from xlm.engine.core import EngineCore, EngineCoreOutputs
+from xlm.engine.processor import EngineCoreRequest
+
+
+class InprocClient:
+    """Calls the EngineCore directly: each get_output() runs one step."""
+
+    def __init__(self, config: XlmConfig, log_stats: bool = True) -> None:
+        self.engine_core = EngineCore(config, log_stats=log_stats)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.engine_core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+def make_client(config: XlmConfig, multiprocess: bool, asyncio_mode: bool, log_stats: bool = True):
+    """The engine-core client for this use: in-process, or over ZeroMQ."""
+    if not multiprocess and not asyncio_mode:
+        return InprocClient(config, log_stats=log_stats)
+    raise NotImplementedError("multiprocess engine-core clients land with the serving issue")

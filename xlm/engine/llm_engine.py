@@ -1,0 +1,85 @@
+"""LLMEngine: processor -> engine core -> output processor, stepped by the caller."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from xlm.config import XlmConfig
+from xlm.engine.arg_utils import EngineArgs
+from xlm.engine.output_processor import OutputProcessor
+from xlm.engine.processor import Processor
+from xlm.logger import init_logger
+from xlm.outputs import RequestOutput
+from xlm.plugins import load_general_plugins
+from xlm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+class LLMEngine:
+    """The synchronous engine behind `xlm.LLM`."""
+
+    def __init__(
+        self, config: XlmConfig, multiprocess: bool = False, log_stats: bool = False
+    ) -> None:
+        from xlm.engine.core_client import make_client
+
+        self.config = config
+        self.processor = Processor(config)
+        self.tokenizer = self.processor.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = make_client(
+            config, multiprocess=multiprocess, asyncio_mode=False, log_stats=log_stats
+        )
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
+        load_general_plugins()
+        return cls(engine_args.create_config(), multiprocess=multiprocess)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validate and tokenize a prompt, then hand it (or its n samples) to the core."""
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        request = self.processor.process_inputs(
+            request_id, prompt, params, arrival_time, priority=priority, cache_salt=cache_salt
+        )
+        prompt_text = (
+            prompt
+            if isinstance(prompt, str)
+            else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        )
+        for child in self.output_processor.add_request(request, prompt_text):
+            self.engine_core.add_request(child)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        core_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(core_ids)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return the outputs it produced."""
+        outputs = self.engine_core.get_output()
+        result = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
+        if result.reqs_to_abort:
+            self.engine_core.abort_requests(result.reqs_to_abort)
+        return result.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

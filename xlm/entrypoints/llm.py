@@ -1,0 +1,174 @@
+"""xlm.LLM: offline generation and chat over the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from xlm import envs
+from xlm.engine.arg_utils import EngineArgs
+from xlm.engine.llm_engine import LLMEngine
+from xlm.outputs import RequestOutput
+from xlm.sampling_params import RequestOutputKind, SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline inference: `LLM(model).generate(prompts, params)`."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: float | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        load_format: str = "auto",
+        multiprocess: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"LLM() got unknown engine options {unknown}; known options: {sorted(known)}"
+            )
+        engine_args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            load_format=load_format,
+            **kwargs,
+        )
+        self._init_engine(engine_args, multiprocess)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = False) -> LLM:
+        """Build an LLM from an EngineArgs (the CLI's path)."""
+        llm = cls.__new__(cls)
+        llm._init_engine(engine_args, multiprocess)
+        return llm
+
+    def _init_engine(self, engine_args: EngineArgs, multiprocess: bool) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(engine_args, multiprocess=multiprocess)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        """The tokenizer of the model (a transformers fast tokenizer)."""
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text, token ids, or {"prompt"/"prompt_token_ids": ...})."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, formatted with the model's chat template."""
+        from xlm.tokenizer import apply_chat_template
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt_token_ids": apply_chat_template(
+                    self.get_tokenizer(),
+                    conversation,
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, p)
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)  # nothing half-added stays in the engine
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            unit="prompt",
+            disable=not use_tqdm or envs.XLM_DISABLE_PROGRESS_BARS,
+        )
+        num_generated = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    num_generated += sum(len(c.token_ids) for c in output.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{num_generated} tokens out", refresh=False)
+        bar.close()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    return prompts
+
+
+def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(
+            f"sampling_params has {len(params)} entries but there are {n} "
+            f"prompts: give one SamplingParams or one per prompt"
+        )
+    return params

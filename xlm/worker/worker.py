@@ -1,0 +1,91 @@
+"""The worker: one device set, its model and KV cache, and the compile cache."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from xlm import envs
+from xlm.config import XlmConfig
+from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.logger import init_logger
+from xlm.platforms import current_platform
+from xlm.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+GiB = 1 << 30
+
+
+def enable_compilation_cache(config: XlmConfig) -> None:
+    """Turn on JAX's persistent compilation cache so a second start skips compiling."""
+    cache_dir = envs.XLM_COMPILATION_CACHE_DIR
+    if not config.compilation_config.enable_compilation_cache or not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    logger.debug("JAX compilation cache at %s.", cache_dir)
+
+
+def kv_cache_bytes_per_block(model, block_size: int, dtype: jnp.dtype) -> int:
+    num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+class Worker:
+    """Loads the model, sizes and allocates the KV cache, and runs steps."""
+
+    def __init__(self, config: XlmConfig) -> None:
+        self.config = config
+        enable_compilation_cache(config)
+        from xlm.models.loader import get_model
+
+        self.model = get_model(config)
+        cache_dtype = config.cache_config.cache_dtype
+        self.kv_dtype = self.model.dtype if cache_dtype == "auto" else jnp.dtype(cache_dtype)
+        self.num_blocks = self._determine_num_blocks()
+        config.cache_config.num_blocks = self.num_blocks
+        self.model_runner = ModelRunner(config, self.model, self.num_blocks, self.kv_dtype)
+
+    def _determine_num_blocks(self) -> int:
+        cache = self.config.cache_config
+        per_block = kv_cache_bytes_per_block(self.model, cache.block_size, self.kv_dtype)
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        elif current_platform.is_cpu() or current_platform.get_device_free_memory() is None:
+            num_blocks = int(cache.kv_cache_memory * GiB // per_block)
+        else:
+            # Device memory left after the weights, within the utilization budget.
+            total = current_platform.get_device_total_memory()
+            in_use = total - current_platform.get_device_free_memory()
+            budget = total * cache.memory_utilization - in_use
+            # Keep headroom for activations of the largest step (logits dominate).
+            sched = self.config.scheduler_config
+            activation = sched.max_num_batched_tokens * self.model.hidden_size * 4 * 16
+            num_blocks = int(max(budget - activation, 0) // per_block)
+        needed = -(-self.config.scheduler_config.max_model_len // cache.block_size) + 1
+        if num_blocks < needed:
+            raise ValueError(
+                f"KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.2f} GiB) "
+                f"cannot hold one request of max_model_len="
+                f"{self.config.scheduler_config.max_model_len} ({needed} blocks); raise "
+                f"kv_cache_memory / memory_utilization or lower max_model_len"
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s).",
+            num_blocks,
+            cache.block_size,
+            num_blocks * per_block / GiB,
+            jnp.dtype(self.kv_dtype),
+        )
+        return num_blocks
+
+    def warmup(self) -> None:
+        self.model_runner.warmup()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
