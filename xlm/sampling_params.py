@@ -159,6 +159,8 @@ class SamplingParams:
             "> 0",
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+        if self.stop and not self.detokenize:
+            raise _invalid("stop", self.stop, "only with detokenize=True (stop strings need text)")
         check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
