@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from tests.engine.fake_core import FakeRequest, fake_core_factory
+from xlm.engine.core_client import make_client
 from xlm.engine.exceptions import EngineDeadError
-from xlm.engine.mp_client import AsyncMPClient, SyncMPClient, make_client
+from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -72,18 +72,28 @@ class AsyncLLM:
         self.xlm_config = xlm_config
         self.log_stats = log_stats
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
-        if tokenizer is None and (processor is None or output_processor is None):
-            tokenizer = _load_tokenizer(xlm_config)
-        self.tokenizer = tokenizer
-        # Start the engine process before building the processor: the core fixes
-        # max_model_len once it has loaded the model (READY carries it back).
+        # Start the engine process first: it loads the model while nothing else waits, and
+        # its READY message carries the context length the core settled on.
         self.engine_core = engine_core_client or AsyncMPClient(xlm_config, log_stats)
         ready = getattr(self.engine_core, "ready_info", {}) or {}
         if ready.get("max_model_len") and hasattr(xlm_config, "set_max_model_len"):
             xlm_config.set_max_model_len(int(ready["max_model_len"]))
         self.ready_info = ready
-        self.processor = processor or _make_processor(xlm_config, tokenizer)
-        self.output_processor = output_processor or _make_output_processor(tokenizer, log_stats)
+        try:
+            if processor is None:
+                from xlm.engine.processor import Processor
+
+                processor = Processor(xlm_config)
+            self.processor = processor
+            self.tokenizer = tokenizer or getattr(processor, "tokenizer", None)
+            if output_processor is None:
+                from xlm.engine.output_processor import OutputProcessor
+
+                output_processor = OutputProcessor(self.tokenizer)
+            self.output_processor = output_processor
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self.collectors: dict[str, RequestOutputCollector] = {}
         # Front-end request id -> the ids its parts carry in the core (n > 1 fans out).
         self.core_ids: dict[str, list[str]] = {}
@@ -312,28 +322,7 @@ class AsyncLLM:
         self.engine_core.shutdown()
 
 
-def _load_tokenizer(xlm_config: Any) -> Any:
-    from xlm.tokenizer import get_tokenizer
-
-    model_config = xlm_config.model_config
-    return get_tokenizer(model_config.model, model_config.tokenizer)
-
-
-def _make_processor(xlm_config: Any, tokenizer: Any) -> Any:
-    from xlm.engine.processor import Processor
-
-    return Processor(xlm_config, tokenizer)
-
-
-def _make_output_processor(tokenizer: Any, log_stats: bool) -> Any:
-    from xlm.engine.output_processor import OutputProcessor
-
-    return OutputProcessor(tokenizer)
-
-
 def _register(output_processor: Any, request: Any, prompt: str | None) -> list[Any]:
     """Add a request to the output processor; returns the requests to send to the core."""
     children = output_processor.add_request(request, prompt)
-    if isinstance(children, list) and children:
-        return children
-    return [request]
+    return [request] if children is None else list(children)

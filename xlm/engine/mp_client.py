@@ -377,22 +377,3 @@ class AsyncMPClient(_MPClientBase):
             self._reader_task.cancel()
         self.engine.stop_process()
         self._finalizer()
-
-
-def make_client(
-    xlm_config: Any,
-    multiprocess: bool,
-    asyncio_mode: bool,
-    log_stats: bool = True,
-    engine_core_factory: EngineCoreFactory | None = None,
-) -> Any:
-    """The engine-core client for a front end: in-process, sync ZeroMQ or async ZeroMQ."""
-    if asyncio_mode:
-        if not multiprocess:
-            raise ValueError("asyncio_mode needs multiprocess=True (AsyncLLM runs the core apart)")
-        return AsyncMPClient(xlm_config, log_stats, engine_core_factory)
-    if multiprocess:
-        return SyncMPClient(xlm_config, log_stats, engine_core_factory)
-    from xlm.engine.core_client import InprocClient
-
-    return InprocClient(xlm_config, log_stats)

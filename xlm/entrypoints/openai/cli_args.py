@@ -61,67 +61,20 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags: EngineArgs' own when it exists, else the subset the server needs."""
-    try:
-        from xlm.engine.arg_utils import EngineArgs
-    except ImportError:
-        EngineArgs = None  # noqa: N806
-    if EngineArgs is not None:
-        EngineArgs.add_cli_args(parser)
-        return
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="model path or built-in name")
-    group.add_argument("--tokenizer", default=None)
-    group.add_argument("--dtype", default="auto")
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=64)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache")
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-    )
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--load-format", default="auto")
-    group.add_argument("--generation-config", default="auto")
+    """Engine flags: EngineArgs' own (--served-model-name is the server's, with aliases)."""
+    from xlm.engine.arg_utils import EngineArgs
+
+    EngineArgs.add_cli_args(parser, skip=("served_model_name",))
 
 
 def create_engine_config(args: argparse.Namespace) -> Any:
     """The XlmConfig for parsed arguments."""
-    try:
-        from xlm.engine.arg_utils import EngineArgs
-    except ImportError:
-        EngineArgs = None  # noqa: N806
-    if EngineArgs is not None:
-        import dataclasses
+    from xlm.engine.arg_utils import EngineArgs
 
-        names = {f.name for f in dataclasses.fields(EngineArgs)}
-        kwargs = {k: v for k, v in vars(args).items() if k in names}
-        return EngineArgs(**kwargs).create_config()
-    from xlm.config import CacheConfig, ModelConfig, SchedulerConfig, XlmConfig
-
-    scheduler_kwargs: dict[str, Any] = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-    }
-    return XlmConfig(
-        model_config=ModelConfig(
-            model=args.model,
-            tokenizer=args.tokenizer,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            load_format=args.load_format,
-            served_model_name=(args.served_model_name or [None])[0],
-            generation_config=args.generation_config,
-        ),
-        cache_config=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
-        scheduler_config=SchedulerConfig(**scheduler_kwargs),
-    )
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.served_model_name:
+        engine_args.served_model_name = args.served_model_name[0]
+    return engine_args.create_config()
 
 
 def config_file_args(path: str) -> list[str]:
