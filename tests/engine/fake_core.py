@@ -53,7 +53,11 @@ class FakeEngineCore:
     def get_ready_info(self) -> dict[str, Any]:
         return {"max_model_len": 128, "engine_pid": os.getpid()}
 
-    def add_request(self, request: FakeRequest) -> None:
+    def add_request(self, request: Any) -> None:
+        if not hasattr(request, "max_tokens"):  # a real EngineCoreRequest
+            request = FakeRequest(
+                request.request_id, request.prompt_token_ids, request.sampling_params.max_tokens
+            )
         if len(request.prompt_token_ids) > 100:
             raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens never fits")
         self.requests[request.request_id] = (request, [])
@@ -82,6 +86,9 @@ class FakeEngineCore:
             if done:
                 del self.requests[request_id]
         return FakeOutputs(outputs, self.scheduler.make_stats(), time.time())
+
+    def num_requests(self) -> int:
+        return len(self.requests)
 
     def reset_prefix_cache(self) -> bool:
         return True

@@ -12,6 +12,8 @@ request in the core, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -68,6 +70,7 @@ class AsyncLLM:
         tokenizer: Any | None = None,
         processor: Any | None = None,
         output_processor: Any | None = None,
+        max_logprobs: int = 20,
     ) -> None:
         self.xlm_config = xlm_config
         self.log_stats = log_stats
@@ -80,12 +83,8 @@ class AsyncLLM:
             xlm_config.set_max_model_len(int(ready["max_model_len"]))
         self.ready_info = ready
         try:
-            if processor is None:
-                from xlm.engine.processor import Processor
-
-                processor = Processor(xlm_config)
-            self.processor = processor
-            self.tokenizer = tokenizer or getattr(processor, "tokenizer", None)
+            self.processor = processor or _make_processor(xlm_config, tokenizer, max_logprobs)
+            self.tokenizer = tokenizer or getattr(self.processor, "tokenizer", None)
             if output_processor is None:
                 from xlm.engine.output_processor import OutputProcessor
 
@@ -322,7 +321,46 @@ class AsyncLLM:
         self.engine_core.shutdown()
 
 
+def _make_processor(xlm_config: Any, tokenizer: Any, max_logprobs: int) -> Any:
+    """A Processor for the config (either constructor contract: config, or tokenizer + limits)."""
+    from xlm.engine.processor import Processor
+
+    params = list(inspect.signature(Processor).parameters)
+    if params and params[0] in ("config", "xlm_config"):
+        return Processor(xlm_config)
+    model_config = xlm_config.model_config
+    if tokenizer is None:
+        from xlm.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer(model_config.model, model_config.tokenizer)
+    vocab_size = getattr(model_config.hf_config, "vocab_size", None)
+    return Processor(
+        tokenizer, int(model_config.max_model_len), vocab_size=vocab_size, max_logprobs=max_logprobs
+    )
+
+
 def _register(output_processor: Any, request: Any, prompt: str | None) -> list[Any]:
-    """Add a request to the output processor; returns the requests to send to the core."""
-    children = output_processor.add_request(request, prompt)
-    return [request] if children is None else list(children)
+    """Track a request in the output processor; returns the requests to send to the core.
+
+    n > 1 fans out into n child requests (ids ``f"{i}_{request_id}"``) whose outputs the
+    output processor merges back under the parent id.
+    """
+    params = request.sampling_params
+    if len(inspect.signature(output_processor.add_request).parameters) == 2:
+        children = output_processor.add_request(request, prompt)  # (request, prompt) contract
+        return [request] if children is None else list(children)
+    ids, arrival = request.prompt_token_ids, request.arrival_time
+    if params.n == 1:
+        output_processor.add_request(request.request_id, prompt, ids, params, arrival)
+        return [request]
+    from xlm.engine.parallel_sampling import ParentRequest
+
+    parent = ParentRequest(request.request_id, params, arrival)
+    children = []
+    for index in range(params.n):
+        child_id, child_params = parent.child_request_id(index), parent.child_params(index)
+        output_processor.add_request(child_id, prompt, ids, child_params, arrival, parent, index)
+        children.append(
+            dataclasses.replace(request, request_id=child_id, sampling_params=child_params)
+        )
+    return children

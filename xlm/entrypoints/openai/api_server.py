@@ -305,7 +305,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     stat_loggers = [PrometheusStatLogger(name, registry)]
     if not args.disable_log_stats:
         stat_loggers.append(LoggingStatLogger())
-    engine = AsyncLLM.from_config(config, stat_loggers=stat_loggers)
+    engine = AsyncLLM.from_config(config, stat_loggers=stat_loggers, max_logprobs=args.max_logprobs)
     return engine, registry
 
 
