@@ -1,0 +1,11 @@
+"""Ragged paged attention: jnp reference, Pallas Triton (GPU) and Pallas Mosaic (TPU) kernels."""
+
+from .gpu import ragged_paged_attention_gpu
+from .reference import kv_cache_shape, ragged_paged_attention_reference, write_kv
+
+__all__ = [
+    "kv_cache_shape",
+    "ragged_paged_attention_gpu",
+    "ragged_paged_attention_reference",
+    "write_kv",
+]
