@@ -213,10 +213,10 @@ def ragged_paged_attention_gpu(
     if num_splits == 1:
         out = result[:-1]
     else:
-        acc, m, l = (x[:, :-1] for x in result)
-        m_max = m.max(axis=0)
-        w = jnp.exp(m - m_max[None])
-        denom = (w * l).sum(axis=0)
+        acc, m_part, l_part = (x[:, :-1] for x in result)
+        m_max = m_part.max(axis=0)
+        w = jnp.exp(m_part - m_max[None])
+        denom = (w * l_part).sum(axis=0)
         out = (w[..., None] * acc).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[:, None]
     # Rows past query_start_loc[num_seqs] are never written: define them as 0.
     _, _, valid = token_metadata(query_start_loc, seq_lens, num_seqs, num_tokens)

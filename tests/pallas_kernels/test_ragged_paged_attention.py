@@ -8,15 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rpa_batches import Batch, brute_force_attention, make_batch
 
 from pallas_kernels.ragged_paged_attention import (
     kv_cache_shape,
+    kv_cache_shape_tpu,
     ragged_paged_attention_gpu,
     ragged_paged_attention_reference,
+    ragged_paged_attention_tpu,
     write_kv,
+    write_kv_tpu,
 )
-
-from rpa_batches import Batch, brute_force_attention, make_batch
 
 HEAD_DIM = 32
 SM_SCALE = HEAD_DIM**-0.5
@@ -87,10 +89,16 @@ def test_write_kv_scatters_into_slots_then_attention_sees_them():
 # ---------------------------------------------------------------- kernels in interpret mode
 
 
+def _to_tpu_layout(kv_cache):
+    return jnp.asarray(kv_cache).transpose(0, 1, 3, 2, 4)  # (2, NB, BS, Hkv, D) -> TPU layout
+
+
 def _check_kernel(kernel, b: Batch, dtype, window=None, cap=None, **knobs):
     args = [jnp.asarray(a) for a in b.args()]
     expect = ragged_paged_attention_reference(*args, sm_scale=SM_SCALE, sliding_window=window,
                                               soft_cap=cap)
+    if kernel is ragged_paged_attention_tpu:
+        args[1] = _to_tpu_layout(args[1])
     got = kernel(*args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap, interpret=True,
                  **knobs)
     assert got.shape == b.q.shape and got.dtype == dtype
@@ -131,6 +139,42 @@ def test_gpu_kernel_interpret_random_batches():
                       block_q=int(rng.choice([1, 4])), block_kv=16)
 
 
+TPU_CASES = [
+    # (case, dtype, sliding_window, soft_cap, knobs); block_q * group % (8 f32, 16 bf16) == 0
+    ("decode", jnp.float32, None, None, {}),  # default knobs
+    ("decode", jnp.bfloat16, 9, 30.0, dict(pages_per_tile=2)),
+    ("prefill", jnp.float32, 6, None, dict(block_q=8, pages_per_tile=1)),
+    ("mixed_mid_page", jnp.float32, 7, 5.0, dict(block_q=1, pages_per_tile=2)),
+    ("mixed_mid_page", jnp.bfloat16, None, None, dict(block_q=2)),
+    ("mixed_gqa4_page16", jnp.float32, None, 5.0, dict(block_q=2, pages_per_tile=1)),
+]
+
+
+@pytest.mark.parametrize("name,dtype,window,cap,knobs", TPU_CASES)
+def test_tpu_kernel_interpret(name, dtype, window, cap, knobs):
+    _check_kernel(ragged_paged_attention_tpu, _batch(name, dtype=dtype), dtype, window, cap,
+                  **knobs)
+
+
+def test_write_kv_tpu_matches_shared_layout():
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((6, 2, 8), np.float32)
+    v = rng.standard_normal((6, 2, 8), np.float32)
+    slots = np.array([5, 6, 7, 8, 17, 2], np.int32)
+    shared = write_kv(jnp.zeros(kv_cache_shape(5, 4, 2, 8)), k, v, slots)
+    tpu = write_kv_tpu(jnp.zeros(kv_cache_shape_tpu(5, 4, 2, 8)), k, v, slots)
+    assert tpu.shape == (2, 5, 2, 4, 8)
+    np.testing.assert_array_equal(np.asarray(_to_tpu_layout(shared)), np.asarray(tpu))
+
+
+def test_tpu_kernel_rejects_untileable_block_q():
+    b = _batch("mixed_gqa4_page16")
+    args = [jnp.asarray(a) for a in b.args()]
+    args[1] = _to_tpu_layout(args[1])
+    with pytest.raises(ValueError, match="block_q"):
+        ragged_paged_attention_tpu(*args, sm_scale=SM_SCALE, block_q=1, interpret=True)
+
+
 # ---------------------------------------------------------------- lowering without hardware
 
 
@@ -148,6 +192,26 @@ def test_gpu_kernel_lowers_for_cuda(splits, dtype):
                           soft_cap=30.0, num_kv_splits=splits)
     text = jax.jit(f).trace(*_abstract_args(dtype)).lower(lowering_platforms=("cuda",)).as_text()
     assert "ragged_paged_attention_gpu" in text
+
+
+@pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("num_tokens,num_reqs", [(8, 8), (256, 8)])  # decode and prefill knobs
+def test_tpu_kernel_lowers_for_tpu(device_kind, dtype, num_tokens, num_reqs):
+    # An abstract TPU device lets Pallas run its Mosaic lowering (block tiling checks included)
+    # on a CPU-only machine; Mosaic's own compile to TPU code still needs a TPU.
+    s = jax.ShapeDtypeStruct
+    t, r, hq, hkv, d, num_blocks, bs, max_blocks = num_tokens, num_reqs, 32, 8, 128, 64, 16, 16
+    args = (s((t, hq, d), dtype), s(kv_cache_shape_tpu(num_blocks, bs, hkv, d), dtype),
+            s((r, max_blocks), jnp.int32), s((r,), jnp.int32), s((r + 1,), jnp.int32),
+            s((1,), jnp.int32))
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    f = functools.partial(ragged_paged_attention_tpu, sm_scale=0.1, sliding_window=64,
+                          soft_cap=30.0)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
 
 
 # ---------------------------------------------------------------- real hardware
@@ -175,3 +239,20 @@ def test_gpu_kernel_on_device(name, dtype, window, cap, knobs):
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else _tol(dtype)
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)),
                                np.asarray(expect.astype(jnp.float32)), **tol)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name,dtype,window,cap,knobs", TPU_CASES)
+def test_tpu_kernel_on_device(name, dtype, window, cap, knobs):
+    if not _has("tpu"):
+        pytest.skip("no TPU device")
+    b = _batch(name, dtype=dtype)
+    args = [jnp.asarray(a) for a in b.args()]
+    expect = ragged_paged_attention_reference(*args, sm_scale=SM_SCALE, sliding_window=window,
+                                              soft_cap=cap)
+    args[1] = _to_tpu_layout(args[1])
+    got = ragged_paged_attention_tpu(*args, sm_scale=SM_SCALE, sliding_window=window,
+                                     soft_cap=cap, **knobs)
+    # The MXU runs f32 matmuls in bf16 passes at default precision: compare loosely.
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)),
+                               np.asarray(expect.astype(jnp.float32)), rtol=2e-2, atol=2e-2)
