@@ -39,7 +39,7 @@ def write_kv_tpu(
     """Scatter k, v [T, Hkv, D] into the TPU-layout cache at slot = block_id * block_size + off."""
     _, _, _, block_size, _ = kv_cache.shape
     slots = slot_mapping.astype(jnp.int32)
-    # Two index arrays split by a slice: numpy puts the indexed dim first, so values are [T, 2, ...].
+    # Index arrays split by a slice: numpy puts the indexed dim first, so values are [T, 2, ...].
     kv = jnp.stack([k, v], axis=1).astype(kv_cache.dtype)  # [T, 2, Hkv, D]
     return jnp.asarray(kv_cache).at[:, slots // block_size, :, slots % block_size].set(
         kv, mode="drop"
