@@ -1,0 +1,168 @@
+"""Processor: a user prompt plus SamplingParams -> a validated EngineCoreRequest."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from xlm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the engine core receives it (msgpack-able through ``to_dict``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    # The prompt text when the user gave text (for RequestOutput.prompt); not used by the core.
+    prompt: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for msgpack."""
+        return {
+            "request_id": self.request_id,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "sampling_params": self.sampling_params.to_dict(),
+            "eos_token_id": self.eos_token_id,
+            "arrival_time": self.arrival_time,
+            "priority": self.priority,
+            "cache_salt": self.cache_salt,
+            "prompt": self.prompt,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineCoreRequest:
+        """Inverse of ``to_dict``."""
+        data = dict(data)
+        data["sampling_params"] = SamplingParams.from_dict(data["sampling_params"])
+        return cls(**data)
+
+
+class Processor:
+    """Tokenizes and validates prompts against the model's limits."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        generation_config: dict[str, Any] | None = None,
+        max_logprobs: int = 20,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        if vocab_size is None:
+            if tokenizer is None:
+                raise ValueError("Processor needs vocab_size when there is no tokenizer")
+            vocab_size = len(tokenizer)
+        self.vocab_size = vocab_size
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
+        eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        self.eos_token_ids = eos_ids
+        self.generation_config = dict(generation_config or {})
+        self.max_logprobs = max_logprobs
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError(
+                    f"prompt dict has keys {sorted(prompt)}: expected 'prompt' or "
+                    "'prompt_token_ids'"
+                )
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt of type {type(prompt).__name__} is invalid: expected str, list[int] or "
+            "a dict with 'prompt' or 'prompt_token_ids'"
+        )
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("The prompt is empty: give at least one token")
+        for token_id in token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"prompt token id {token_id!r} is not an integer")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"prompt token id {token_id} is out of vocabulary: allowed [0, "
+                    f"{self.vocab_size})"
+                )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt (length {len(token_ids)}) is too long for the maximum model "
+                f"length of {self.max_model_len}: it must be shorter, to leave room for at "
+                "least one generated token"
+            )
+
+    def _validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        params = params.clone()
+        params.update_from_generation_config(self.generation_config, self.eos_token_ids)
+        remaining = self.max_model_len - prompt_len
+        if params.max_tokens is None:
+            params.max_tokens = remaining
+        elif params.max_tokens > remaining and "max_tokens" not in params._explicit_fields:
+            params.max_tokens = remaining  # the default 16 (or generation_config's) is clamped
+        elif params.max_tokens > remaining:
+            raise ValueError(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum "
+                f"context length is {self.max_model_len} tokens and your request has "
+                f"{prompt_len} input tokens ({params.max_tokens} > {self.max_model_len} - "
+                f"{prompt_len})"
+            )
+        if params.min_tokens > params.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens={params.min_tokens} is invalid: allowed <= "
+                f"max_tokens ({params.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"SamplingParams.{name}={value} is invalid: allowed at most "
+                    f"max_logprobs={self.max_logprobs}"
+                )
+        params.verify_vocab(self.vocab_size)
+        if params.bad_words and self.tokenizer is not None:
+            params.update_from_tokenizer(self.tokenizer)
+        return params
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> EngineCoreRequest:
+        """Tokenize and validate one prompt; the request keeps its own copy of ``params``."""
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+        params = self._validate_params(params, len(token_ids))
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            prompt=text,
+        )
