@@ -1,0 +1,1 @@
+"""Pallas kernels for xlm, importable on their own (they never import xlm)."""

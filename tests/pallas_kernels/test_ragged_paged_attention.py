@@ -1,0 +1,258 @@
+"""Ragged paged attention: reference vs brute force, kernels (interpret) vs reference, lowering."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rpa_batches import Batch, brute_force_attention, make_batch
+
+from pallas_kernels.ragged_paged_attention import (
+    kv_cache_shape,
+    kv_cache_shape_tpu,
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_reference,
+    ragged_paged_attention_tpu,
+    write_kv,
+    write_kv_tpu,
+)
+
+HEAD_DIM = 32
+SM_SCALE = HEAD_DIM**-0.5
+
+# name -> (q_lens, seq_lens, num_q_heads, num_kv_heads, block_size, padded T, padded R)
+CASES = {
+    "decode": ([1, 1, 1, 1, 1], [1, 17, 40, 8, 33], 4, 1, 8, 8, 7),
+    "prefill": ([13, 7, 16], [13, 7, 16], 2, 2, 8, 40, 4),
+    "mixed_mid_page": ([1, 9, 1, 5, 3], [17, 30, 3, 12, 3], 8, 1, 8, 24, 6),
+    "mixed_gqa4_page16": ([6, 1, 11, 1], [21, 50, 11, 16], 8, 2, 16, None, None),
+}
+
+
+def _batch(name: str, seed: int = 0, dtype=jnp.float32) -> Batch:
+    q_lens, seq_lens, hq, hkv, bs, t, r = CASES[name]
+    b = make_batch(np.random.default_rng(seed), q_lens, seq_lens, num_q_heads=hq,
+                   num_kv_heads=hkv, head_dim=HEAD_DIM, block_size=bs, num_tokens=t, num_reqs=r)
+    if dtype != jnp.float32:
+        b.q = np.asarray(jnp.asarray(b.q, dtype))
+        b.kv_cache = np.asarray(jnp.asarray(b.kv_cache, dtype))
+    return b
+
+
+def _tol(dtype) -> dict:
+    return dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------- reference and write_kv
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("window,cap", [(None, None), (7, 5.0)])
+def test_reference_matches_brute_force(name, window, cap):
+    b = _batch(name, seed=1)
+    expect = brute_force_attention(b, SM_SCALE, window, cap)
+    got = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE,
+                                    sliding_window=window, soft_cap=cap))(*b.args())
+    np.testing.assert_allclose(np.asarray(got), expect, rtol=1e-5, atol=1e-5)
+    n_real = int(b.query_start_loc[b.num_seqs[0]])
+    assert np.all(np.asarray(got)[n_real:] == 0)  # padding rows are defined as 0
+
+
+def test_write_kv_scatters_into_slots_then_attention_sees_them():
+    rng = np.random.default_rng(3)
+    bs, hkv, d = 4, 2, 8
+    cache = jnp.zeros(kv_cache_shape(6, bs, hkv, d), jnp.float32)
+    assert cache.shape == (2, 6, bs, hkv, d)
+    k = rng.standard_normal((5, hkv, d), np.float32)
+    v = rng.standard_normal((5, hkv, d), np.float32)
+    slots = np.array([3 * bs + 2, 3 * bs + 3, 5 * bs + 0, 0, 1], np.int32)  # last two: padding
+    cache = np.asarray(write_kv(cache, k, v, slots))
+    np.testing.assert_array_equal(cache[0, 3, 2], k[0])
+    np.testing.assert_array_equal(cache[1, 5, 0], v[2])
+    assert not cache[:, 1:3].any() and not cache[:, 4].any()
+
+    # Request with context 7 on pages [3, 5] (positions 0..3 on page 3, 4..6 on page 5).
+    b = make_batch(rng, [3], [7], num_q_heads=4, num_kv_heads=hkv, head_dim=d, block_size=bs)
+    new_k = rng.standard_normal((3, hkv, d), np.float32)
+    new_v = rng.standard_normal((3, hkv, d), np.float32)
+    pages = b.block_tables[0]
+    slots = np.array([pages[(p // bs)] * bs + p % bs for p in (4, 5, 6)], np.int32)
+    b.kv_cache = np.asarray(write_kv(b.kv_cache, new_k, new_v, slots))
+    got = ragged_paged_attention_reference(*b.args(), sm_scale=0.5)
+    np.testing.assert_allclose(np.asarray(got), brute_force_attention(b, 0.5), rtol=1e-5,
+                               atol=1e-5)
+
+
+# ---------------------------------------------------------------- kernels in interpret mode
+
+
+def _to_tpu_layout(kv_cache):
+    return jnp.asarray(kv_cache).transpose(0, 1, 3, 2, 4)  # (2, NB, BS, Hkv, D) -> TPU layout
+
+
+def _check_kernel(kernel, b: Batch, dtype, window=None, cap=None, **knobs):
+    args = [jnp.asarray(a) for a in b.args()]
+    expect = ragged_paged_attention_reference(*args, sm_scale=SM_SCALE, sliding_window=window,
+                                              soft_cap=cap)
+    if kernel is ragged_paged_attention_tpu:
+        args[1] = _to_tpu_layout(args[1])
+    got = kernel(*args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap, interpret=True,
+                 **knobs)
+    assert got.shape == b.q.shape and got.dtype == dtype
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np.asarray(expect.astype(jnp.float32)), **_tol(dtype))
+
+
+GPU_CASES = [
+    # (case, dtype, sliding_window, soft_cap, knobs)
+    ("decode", jnp.float32, None, None, {}),  # default knobs: block_q=1, kv splits
+    ("decode", jnp.bfloat16, 9, 30.0, dict(block_kv=8)),
+    ("prefill", jnp.float32, None, None, dict(block_kv=16)),
+    ("prefill", jnp.float32, 6, None, dict(block_q=4, block_kv=8, num_kv_splits=2)),
+    ("mixed_mid_page", jnp.float32, 7, 5.0, dict(block_kv=16)),
+    ("mixed_mid_page", jnp.bfloat16, None, None, dict(block_q=3, num_kv_splits=3)),
+    ("mixed_gqa4_page16", jnp.float32, None, 5.0, dict(block_q=2, block_kv=32)),
+]
+
+
+@pytest.mark.parametrize("name,dtype,window,cap,knobs", GPU_CASES)
+def test_gpu_kernel_interpret(name, dtype, window, cap, knobs):
+    _check_kernel(ragged_paged_attention_gpu, _batch(name, dtype=dtype), dtype, window, cap,
+                  **knobs)
+
+
+def test_gpu_kernel_interpret_random_batches():
+    rng = np.random.default_rng(7)
+    for _ in range(2):
+        n = int(rng.integers(1, 5))
+        q_lens = [int(x) for x in rng.choice([1, 1, 2, 5, 12], size=n)]
+        seq_lens = [q + int(rng.integers(0, 30)) for q in q_lens]
+        hkv = int(rng.choice([1, 2]))
+        b = make_batch(rng, q_lens, seq_lens, num_q_heads=hkv * int(rng.choice([1, 4, 8])),
+                       num_kv_heads=hkv, head_dim=HEAD_DIM, block_size=int(rng.choice([4, 8])),
+                       num_tokens=sum(q_lens) + 3, num_reqs=n + 1)
+        _check_kernel(ragged_paged_attention_gpu, b, jnp.float32, window=None, cap=None,
+                      block_q=int(rng.choice([1, 4])), block_kv=16)
+
+
+TPU_CASES = [
+    # (case, dtype, sliding_window, soft_cap, knobs); block_q * group % (8 f32, 16 bf16) == 0
+    ("decode", jnp.float32, None, None, {}),  # default knobs
+    ("decode", jnp.bfloat16, 9, 30.0, dict(pages_per_tile=2)),
+    ("prefill", jnp.float32, 6, None, dict(block_q=8, pages_per_tile=1)),
+    ("mixed_mid_page", jnp.float32, 7, 5.0, dict(block_q=1, pages_per_tile=2)),
+    ("mixed_mid_page", jnp.bfloat16, None, None, dict(block_q=2)),
+    ("mixed_gqa4_page16", jnp.float32, None, 5.0, dict(block_q=2, pages_per_tile=1)),
+]
+
+
+@pytest.mark.parametrize("name,dtype,window,cap,knobs", TPU_CASES)
+def test_tpu_kernel_interpret(name, dtype, window, cap, knobs):
+    _check_kernel(ragged_paged_attention_tpu, _batch(name, dtype=dtype), dtype, window, cap,
+                  **knobs)
+
+
+def test_write_kv_tpu_matches_shared_layout():
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((6, 2, 8), np.float32)
+    v = rng.standard_normal((6, 2, 8), np.float32)
+    slots = np.array([5, 6, 7, 8, 17, 2], np.int32)
+    shared = write_kv(jnp.zeros(kv_cache_shape(5, 4, 2, 8)), k, v, slots)
+    tpu = write_kv_tpu(jnp.zeros(kv_cache_shape_tpu(5, 4, 2, 8)), k, v, slots)
+    assert tpu.shape == (2, 5, 2, 4, 8)
+    np.testing.assert_array_equal(np.asarray(_to_tpu_layout(shared)), np.asarray(tpu))
+
+
+def test_tpu_kernel_rejects_untileable_block_q():
+    b = _batch("mixed_gqa4_page16")
+    args = [jnp.asarray(a) for a in b.args()]
+    args[1] = _to_tpu_layout(args[1])
+    with pytest.raises(ValueError, match="block_q"):
+        ragged_paged_attention_tpu(*args, sm_scale=SM_SCALE, block_q=1, interpret=True)
+
+
+# ---------------------------------------------------------------- lowering without hardware
+
+
+def _abstract_args(dtype, t=64, r=8, hq=32, hkv=8, d=128, num_blocks=64, bs=16, max_blocks=16):
+    s = jax.ShapeDtypeStruct
+    return (s((t, hq, d), dtype), s(kv_cache_shape(num_blocks, bs, hkv, d), dtype),
+            s((r, max_blocks), jnp.int32), s((r,), jnp.int32), s((r + 1,), jnp.int32),
+            s((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_kernel_lowers_for_cuda(splits, dtype):
+    f = functools.partial(ragged_paged_attention_gpu, sm_scale=0.1, sliding_window=64,
+                          soft_cap=30.0, num_kv_splits=splits)
+    text = jax.jit(f).trace(*_abstract_args(dtype)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_paged_attention_gpu" in text
+
+
+@pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("num_tokens,num_reqs", [(8, 8), (256, 8)])  # decode and prefill knobs
+def test_tpu_kernel_lowers_for_tpu(device_kind, dtype, num_tokens, num_reqs):
+    # An abstract TPU device lets Pallas run its Mosaic lowering (block tiling checks included)
+    # on a CPU-only machine; Mosaic's own compile to TPU code still needs a TPU.
+    s = jax.ShapeDtypeStruct
+    t, r, hq, hkv, d, num_blocks, bs, max_blocks = num_tokens, num_reqs, 32, 8, 128, 64, 16, 16
+    args = (s((t, hq, d), dtype), s(kv_cache_shape_tpu(num_blocks, bs, hkv, d), dtype),
+            s((r, max_blocks), jnp.int32), s((r,), jnp.int32), s((r + 1,), jnp.int32),
+            s((1,), jnp.int32))
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    f = functools.partial(ragged_paged_attention_tpu, sm_scale=0.1, sliding_window=64,
+                          soft_cap=30.0)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+
+
+# ---------------------------------------------------------------- real hardware
+
+
+def _has(platform: str) -> bool:
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype,window,cap,knobs", GPU_CASES[:4])
+def test_gpu_kernel_on_device(name, dtype, window, cap, knobs):
+    if not _has("gpu"):
+        pytest.skip("no GPU device")
+    b = _batch(name, dtype=dtype)
+    args = [jnp.asarray(a) for a in b.args()]
+    expect = ragged_paged_attention_reference(*args, sm_scale=SM_SCALE, sliding_window=window,
+                                              soft_cap=cap)
+    got = ragged_paged_attention_gpu(*args, sm_scale=SM_SCALE, sliding_window=window,
+                                     soft_cap=cap, **knobs)
+    # f32 dots on GPU may use TF32-free IEEE but accumulate in another order: looser atol.
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else _tol(dtype)
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)),
+                               np.asarray(expect.astype(jnp.float32)), **tol)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("name,dtype,window,cap,knobs", TPU_CASES)
+def test_tpu_kernel_on_device(name, dtype, window, cap, knobs):
+    if not _has("tpu"):
+        pytest.skip("no TPU device")
+    b = _batch(name, dtype=dtype)
+    args = [jnp.asarray(a) for a in b.args()]
+    expect = ragged_paged_attention_reference(*args, sm_scale=SM_SCALE, sliding_window=window,
+                                              soft_cap=cap)
+    args[1] = _to_tpu_layout(args[1])
+    got = ragged_paged_attention_tpu(*args, sm_scale=SM_SCALE, sliding_window=window,
+                                     soft_cap=cap, **knobs)
+    # The MXU runs f32 matmuls in bf16 passes at default precision: compare loosely.
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)),
+                               np.asarray(expect.astype(jnp.float32)), rtol=2e-2, atol=2e-2)
