@@ -118,7 +118,9 @@ class _WeightPlacer:
         # A fresh host array: the source may be a memory map that jax must not alias.
         self.placed[path] = jax.device_put(np.array(value, self.np_dtype), sharding)
 
-    def place(self, name: str, path: str, index: Any, value: np.ndarray) -> None:
+    def place(
+        self, name: str, path: str, index: Any, value: np.ndarray, transposed: bool = False
+    ) -> None:
         if path not in self.shapes:
             raise KeyError(f"checkpoint tensor {name!r} maps to unknown parameter {path!r}")
         shape = self.shapes[path]
@@ -126,7 +128,9 @@ class _WeightPlacer:
             if value.shape != shape:
                 raise ValueError(
                     f"Shape mismatch for checkpoint tensor {name!r}: checkpoint shape "
-                    f"{tuple(value.shape)} (as loaded) vs model parameter {path!r} shape {shape}"
+                    f"{_source_shape(value, transposed)} vs model parameter {path!r} shape "
+                    f"{shape}"
+                    + (" ([in, out] kernel of an [out, in] weight)" if transposed else "")
                 )
             self._put(path, value)
             return
@@ -134,7 +138,7 @@ class _WeightPlacer:
         if buf[index].shape != value.shape:
             raise ValueError(
                 f"Shape mismatch for checkpoint tensor {name!r}: checkpoint shape "
-                f"{tuple(value.shape)} vs its slot in model parameter {path!r} "
+                f"{_source_shape(value, transposed)} vs its slot in model parameter {path!r} "
                 f"{buf[index].shape} (parameter shape {shape})"
             )
         buf[index] = value
@@ -144,6 +148,11 @@ class _WeightPlacer:
             self._put(path, buf)
         else:
             self._pending[path] = (buf, filled)
+
+
+def _source_shape(value: np.ndarray, transposed: bool) -> tuple[int, ...]:
+    shape = tuple(value.shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
 
 
 def _progress(iterable: Any, total: int | None, desc: str) -> Any:
@@ -173,7 +182,7 @@ def load_weights(
             if not target.param:
                 continue
             value = np.swapaxes(array, -1, -2) if target.transpose else array
-            placer.place(name, target.param, target.index, value)
+            placer.place(name, target.param, target.index, value, target.transpose)
     missing = sorted(set(variables) - set(placer.placed))
     if missing or unused:
         raise ValueError(
