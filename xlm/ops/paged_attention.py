@@ -99,6 +99,8 @@ def ragged_paged_attention(
     Each request's queries are cut into chunks of `query_chunk` rows; chunk v attends to
     the pages of its request only ([V, Q] queries x [V, C] keys), so the work is
     V * Q * C instead of T * R * C. Padding rows compute finite garbage, never read.
+    The gather costs R-ish * block_tables.shape[1] pages whatever the real context lengths,
+    so callers should pad block_tables' width to a bucket of the step's longest context.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -132,9 +134,10 @@ def ragged_paged_attention(
     keys = kv_cache[0][pages].reshape(num_chunks, context_len, num_kv_heads, head_dim)
     values = kv_cache[1][pages].reshape(num_chunks, context_len, num_kv_heads, head_dim)
 
-    scores = jnp.einsum(
-        "vqkgd,vckd->vkgqc", queries, keys.astype(q.dtype), preferred_element_type=jnp.float32
-    )
+    # float32 accumulation; asked for only when inputs are narrower (on CPU, asking for it
+    # with float32 inputs picked a slower dot).
+    acc = {} if q.dtype == jnp.float32 else {"preferred_element_type": jnp.float32}
+    scores = jnp.einsum("vqkgd,vckd->vkgqc", queries, keys.astype(q.dtype), **acc)
     scores = scores * scale
     if logits_soft_cap is not None:
         scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
@@ -144,12 +147,8 @@ def ragged_paged_attention(
         mask &= key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
     scores = jnp.where(mask[:, None, None], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(
-        "vkgqc,vckd->vqkgd",
-        probs.astype(values.dtype),
-        values,
-        preferred_element_type=jnp.float32,
-    ).reshape(num_chunks * qc, num_heads, head_dim)
+    out = jnp.einsum("vkgqc,vckd->vqkgd", probs.astype(q.dtype), values.astype(q.dtype), **acc)
+    out = out.reshape(num_chunks * qc, num_heads, head_dim)
 
     # Token -> its row in the chunked output.
     token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
