@@ -114,10 +114,11 @@ def test_sigterm_drains_in_flight_then_aborts_the_rest():
             server.proc.send_signal(signal.SIGTERM)
             sent = time.monotonic()
             await asyncio.sleep(0.3)
-            with pytest.raises((httpx.ConnectError, httpx.RemoteProtocolError, AssertionError)):
+            try:  # a new request is refused: connection refused, or 503 on a kept-alive one
                 r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-                assert r.status_code != 503  # refused while draining is fine too
-                raise AssertionError("served a new request while draining")
+                assert r.status_code == 503, r.text
+            except (httpx.ConnectError, httpx.RemoteProtocolError):
+                pass
             long_events = await asyncio.wait_for(long_task, 60)
             short_events = await asyncio.wait_for(short_task, 60)
             return long_events, short_events, sent
