@@ -49,6 +49,117 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     return flat.reshape(kv_cache.shape)
 
 
+# A gathered cache element costs about this many score/value multiply-adds on CPU (the
+# gather is memory-bound, the einsums are not); only the ratio matters to the choice.
+_GATHER_COST = 4
+
+
+def num_query_chunks(num_tokens: int, num_reqs: int, chunk_size: int) -> int:
+    """Upper bound on chunks when each request's queries are cut into `chunk_size` pieces."""
+    # Every real request has >= 1 token, so sum(ceil(q_r / c)) <= (T + n * (c - 1)) / c.
+    n = min(num_reqs, num_tokens)
+    return max(1, (num_tokens + n * (chunk_size - 1)) // chunk_size)
+
+
+def choose_query_chunk(
+    num_tokens: int, num_reqs: int, context_len: int, num_heads: int, num_kv_heads: int
+) -> int:
+    """Static query-chunk size minimizing gather plus einsum work for these shapes.
+
+    Chunk size 1 is per-token attention (V = T chunks): no wasted query rows, but every
+    token gathers its request's whole context, which is ideal for decode (T == R) and
+    ruinous for a long prefill. Larger chunks share one gathered context among the chunk's
+    queries at the price of padded rows. The bound on the chunk count only depends on
+    static shapes, so the choice is made at trace time.
+    """
+    best, best_cost = 1, None
+    c = 1
+    while True:
+        v = num_query_chunks(num_tokens, num_reqs, c)
+        cost = v * context_len * (2 * num_kv_heads * _GATHER_COST + 2 * c * num_heads)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = c, cost
+        if c >= num_tokens:
+            return best
+        c *= 2
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    metadata: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    query_chunk: int | None = None,
+) -> jax.Array:
+    """Causal attention of each query over its request's paged context (cache already written).
+
+    Each request's queries are cut into chunks of `query_chunk` rows; chunk v attends to
+    the pages of its request only ([V, Q] queries x [V, C] keys), so the work is
+    V * Q * C instead of T * R * C. Padding rows compute finite garbage, never read.
+    The gather costs R-ish * block_tables.shape[1] pages whatever the real context lengths,
+    so callers should pad block_tables' width to a bucket of the step's longest context.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_reqs, max_blocks = metadata.block_tables.shape
+    context_len = max_blocks * block_size
+    group = num_heads // num_kv_heads
+    if query_chunk is None:
+        query_chunk = choose_query_chunk(num_tokens, num_reqs, context_len, num_heads, num_kv_heads)
+    qc = query_chunk
+    num_chunks = num_query_chunks(num_tokens, num_reqs, qc)
+
+    qsl = metadata.query_start_loc
+    q_lens = qsl[1:] - qsl[:-1]  # [R]
+    chunks_per_req = (q_lens + qc - 1) // qc
+    chunk_end = jnp.cumsum(chunks_per_req)
+    chunk_start = chunk_end - chunks_per_req
+
+    # Chunk -> (request, first query row).
+    chunk_ids = jnp.arange(num_chunks, dtype=jnp.int32)
+    chunk_req = jnp.searchsorted(chunk_end, chunk_ids, side="right").astype(jnp.int32)
+    chunk_req = jnp.minimum(chunk_req, num_reqs - 1)
+    chunk_local = (chunk_ids - chunk_start[chunk_req]) * qc
+    row_local = chunk_local[:, None] + jnp.arange(qc, dtype=jnp.int32)[None, :]  # [V, Q]
+    row_token = jnp.clip(qsl[chunk_req][:, None] + row_local, 0, num_tokens - 1)
+    # Position of each query row in its context: the new tokens are the last q_len ones.
+    ctx_start = metadata.seq_lens - q_lens  # [R]
+    row_pos = ctx_start[chunk_req][:, None] + row_local  # [V, Q]
+
+    queries = q[row_token].reshape(num_chunks, qc, num_kv_heads, group, head_dim)
+    pages = metadata.block_tables[chunk_req]  # [V, B]
+    keys = kv_cache[0][pages].reshape(num_chunks, context_len, num_kv_heads, head_dim)
+    values = kv_cache[1][pages].reshape(num_chunks, context_len, num_kv_heads, head_dim)
+
+    # float32 accumulation; asked for only when inputs are narrower (on CPU, asking for it
+    # with float32 inputs picked a slower dot).
+    acc = {} if q.dtype == jnp.float32 else {"preferred_element_type": jnp.float32}
+    scores = jnp.einsum("vqkgd,vckd->vkgqc", queries, keys.astype(q.dtype), **acc)
+    scores = scores * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+    key_pos = jnp.arange(context_len, dtype=jnp.int32)
+    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [V, Q, C]
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
+    scores = jnp.where(mask[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("vkgqc,vckd->vqkgd", probs.astype(q.dtype), values.astype(q.dtype), **acc)
+    out = out.reshape(num_chunks * qc, num_heads, head_dim)
+
+    # Token -> its row in the chunked output.
+    token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_req = jnp.searchsorted(qsl, token_ids, side="right").astype(jnp.int32) - 1
+    token_req = jnp.clip(token_req, 0, num_reqs - 1)
+    token_local = token_ids - qsl[token_req]
+    token_row = (chunk_start[token_req] + token_local // qc) * qc + token_local % qc
+    token_row = jnp.clip(token_row, 0, num_chunks * qc - 1)
+    return out[token_row].astype(q.dtype)
+
+
 @CustomOp.register("paged_attention")
 class PagedAttention(CustomOp):
     """Writes a step's new K/V into the paged cache and attends causally over each context."""
@@ -91,4 +202,13 @@ class PagedAttention(CustomOp):
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         """q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], updated kv_cache)."""
-        raise NotImplementedError("native paged attention lands with the models issue")
+        kv_cache = write_kv(kv_cache, k, v, metadata.slot_mapping)
+        out = ragged_paged_attention(
+            q,
+            kv_cache,
+            metadata,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )
+        return out, kv_cache

@@ -1,0 +1,139 @@
+"""Session fixtures: tiny random Hugging Face checkpoints of each supported architecture."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+os.environ.setdefault("XLM_DISABLE_PROGRESS_BARS", "1")
+
+VOCAB_SIZE = 256
+_BASE = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+# Test name -> (HF model_type, config overrides).
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "llama3": (
+        "llama",
+        dict(
+            tie_word_embeddings=True,
+            num_key_value_heads=1,
+            rope_scaling=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "mistral": ("mistral", dict(sliding_window=8, head_dim=16)),
+    "qwen2": (
+        "qwen2",
+        dict(
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3": ("qwen3", dict(head_dim=32)),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+        ),
+    ),
+}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def _randomize(model) -> None:
+    """Re-draw weights at unit scale so logits differ clearly between tokens."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+
+
+def build_tokenizer():
+    """A tiny word-level fast tokenizer with special tokens and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    words = [f"w{i}" for i in range(VOCAB_SIZE - len(specials))]
+    vocab = {tok: i for i, tok in enumerate(specials + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_tiny_checkpoint(arch: str, path: str, seed: int = 0) -> str:
+    """Write a random float32 HF checkpoint + tokenizer for `arch` into `path`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, overrides = TINY_CONFIGS[arch]
+    config = AutoConfig.for_model(model_type, **{**_BASE, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Callable[[str], str]:
+    """Factory: architecture test name -> directory of a cached tiny random checkpoint."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    made: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in made:
+            made[arch] = write_tiny_checkpoint(arch, str(root / arch))
+        return made[arch]
+
+    return make

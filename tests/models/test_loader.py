@@ -1,0 +1,223 @@
+"""Weight loading: formats, dtypes, tied embeddings, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from tests.models.test_logits import run_schedule
+from xlm.config import ModelConfig, XlmConfig
+from xlm.models import ModelRegistry, register_model
+from xlm.models.llama import LlamaForCausalLM
+from xlm.models.loader import get_model, resolve_dtype, resolve_load_format
+from xlm.models.loader.safetensors_format import iter_safetensors_tensors
+
+
+def load(model_dir: str, **kwargs) -> nnx.Module:
+    return get_model(XlmConfig(ModelConfig(model=model_dir, **kwargs)))
+
+
+def read_all(model_dir: str) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in iter_safetensors_tensors(model_dir)}
+
+
+def copy_with_tensors(src: str, dst: str, tensors: dict[str, np.ndarray]) -> str:
+    """A copy of checkpoint `src` whose weights are replaced by `tensors`."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def params(model: nnx.Module) -> dict[str, np.ndarray]:
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {".".join(map(str, p)): np.asarray(v[...]) for p, v in flat}
+
+
+def test_missing_model_path(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load(missing)
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
+        load(missing + ".gguf")
+
+
+def test_auto_load_format_picks_gguf_for_gguf_paths():
+    assert resolve_load_format("/m/model.gguf", "auto") == "gguf"
+    assert resolve_load_format("/m/dir", "auto") == "safetensors"
+    assert resolve_load_format("/m/model.gguf", "dummy") == "dummy"
+
+
+def test_missing_config_and_weights(tmp_path, tiny_checkpoint):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load(str(empty))
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(tiny_checkpoint("llama"), no_weights, ignore=shutil.ignore_patterns("*.safe*"))
+    with pytest.raises(FileNotFoundError, match=r"no_weights.*model\.safetensors"):
+        load(str(no_weights))
+
+
+def edit_config(model_dir: str, **changes) -> None:
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    for k in [k for k, v in changes.items() if v is None]:
+        del config[k]
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def test_config_without_architectures(tmp_path, tiny_checkpoint):
+    model_dir = str(tmp_path / "m")
+    shutil.copytree(tiny_checkpoint("llama"), model_dir)
+    edit_config(model_dir, architectures=None)
+    with pytest.raises(ValueError, match="no 'architectures'.*LlamaForCausalLM"):
+        load(model_dir)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path, tiny_checkpoint):
+    model_dir = str(tmp_path / "m")
+    shutil.copytree(tiny_checkpoint("llama"), model_dir)
+    edit_config(model_dir, architectures=["FancyForCausalLM"])
+    with pytest.raises(ValueError, match="FancyForCausalLM.*Qwen3MoeForCausalLM"):
+        load(model_dir)
+
+
+def test_plugin_registered_architecture_resolves(tmp_path, tiny_checkpoint):
+    class MyLlama(LlamaForCausalLM):
+        pass
+
+    register_model("MyLlamaForCausalLM", MyLlama)
+    register_model("MyLazyForCausalLM", "xlm.models.qwen2:Qwen2ForCausalLM")
+    try:
+        model_dir = str(tmp_path / "m")
+        shutil.copytree(tiny_checkpoint("llama"), model_dir)
+        edit_config(model_dir, architectures=["MyLlamaForCausalLM"])
+        assert isinstance(load(model_dir), MyLlama)
+        cfg = type("Cfg", (), {"architectures": ["MyLazyForCausalLM"]})()
+        cls, arch = ModelRegistry.resolve(cfg)
+        assert cls.__name__ == "Qwen2ForCausalLM" and arch == "MyLazyForCausalLM"
+        with pytest.raises(ValueError, match="module.path:ClassName"):
+            register_model("Bad", "no_colon")
+    finally:
+        ModelRegistry.models.pop("MyLlamaForCausalLM")
+        ModelRegistry.models.pop("MyLazyForCausalLM")
+
+
+def test_shape_mismatch_names_tensor_and_shapes(tmp_path, tiny_checkpoint):
+    tensors = read_all(tiny_checkpoint("llama"))
+    tensors["model.layers.1.self_attn.k_proj.weight"] = np.zeros((48, 64), np.float32)
+    model_dir = copy_with_tensors(tiny_checkpoint("llama"), str(tmp_path / "m"), tensors)
+    with pytest.raises(
+        ValueError, match=r"layers\.1\.self_attn\.k_proj\.weight.*\(48, 64\).*\(64, 32\)"
+    ):
+        load(model_dir)
+
+
+def test_unused_and_missing_tensors_are_listed(tmp_path, tiny_checkpoint):
+    tensors = read_all(tiny_checkpoint("llama"))
+    tensors["model.layers.0.extra.weight"] = np.zeros((3,), np.float32)
+    del tensors["model.norm.weight"]
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros((8,), np.float32)
+    model_dir = copy_with_tensors(tiny_checkpoint("llama"), str(tmp_path / "m"), tensors)
+    with pytest.raises(ValueError) as e:
+        load(model_dir)
+    assert "never loaded: ['model.norm.weight']" in str(e.value)
+    assert "never used: ['model.layers.0.extra.weight']" in str(e.value)
+
+
+def test_sharded_index(tmp_path, tiny_checkpoint):
+    src = tiny_checkpoint("qwen2")
+    tensors = read_all(src)
+    model_dir = tmp_path / "sharded"
+    shutil.copytree(src, model_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    weight_map = {}
+    for shard, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, str(model_dir / shard))
+        weight_map.update(dict.fromkeys(shard_names, shard))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    got, want = params(load(str(model_dir))), params(load(src))
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_bf16_checkpoint_and_dtypes(tmp_path, tiny_checkpoint):
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    src = tiny_checkpoint("llama")
+    tensors = read_all(src)
+    model_dir = tmp_path / "bf16"
+    shutil.copytree(src, model_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_torch(
+        {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in tensors.items()},
+        str(model_dir / "model.safetensors"),
+    )
+    edit_config(str(model_dir), dtype="bfloat16")
+    model = load(str(model_dir))  # auto on CPU -> float32
+    emb = params(model)["model.embed_tokens.weight"]
+    assert emb.dtype == np.float32
+    rounded = torch.from_numpy(tensors["model.embed_tokens.weight"]).to(torch.bfloat16)
+    np.testing.assert_array_equal(emb, rounded.float().numpy())
+    model = load(str(model_dir), dtype="bfloat16")
+    assert params(model)["model.layers.0.self_attn.q_proj.kernel"].dtype == jnp.bfloat16
+    assert resolve_dtype("float16", None) == jnp.float16
+
+
+def test_tied_embeddings(tiny_checkpoint):
+    model = load(tiny_checkpoint("llama3"))
+    assert model.lm_head is None
+    p = params(model)
+    assert not any(k.startswith("lm_head") for k in p)
+    hidden = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_allclose(
+        np.asarray(model.compute_logits(hidden)),
+        hidden @ p["model.embed_tokens.weight"].T,
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_dummy_format(tmp_path, tiny_checkpoint):
+    model_dir = str(tmp_path / "config_only")
+    shutil.copytree(
+        tiny_checkpoint("qwen3_moe"), model_dir, ignore=shutil.ignore_patterns("*.safe*")
+    )
+    a = load(model_dir, load_format="dummy", seed=1)
+    b = load(model_dir, load_format="dummy", seed=1)
+    c = load(model_dir, load_format="dummy", seed=2)
+    pa, pb, pc = params(a), params(b), params(c)
+    key = "model.layers.1.mlp.gate_up_proj"
+    np.testing.assert_array_equal(pa[key], pb[key])
+    assert not np.array_equal(pa[key], pc[key])
+    rng = np.random.default_rng(0)
+    ids = {r: rng.integers(0, 256, 20).tolist() for r in "ABC"}
+    logits = np.concatenate(list(run_schedule(a, ids, seed=0).values()))
+    assert np.isfinite(logits).all() and logits.std() > 1e-3
+
+
+def test_sharding_metadata_and_mesh_placement(tiny_checkpoint):
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    model = get_model(XlmConfig(ModelConfig(model=tiny_checkpoint("llama"))), mesh=mesh)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.kernel.get_metadata()["out_sharding"] == (None, "model")
+    assert attn.o_proj.kernel.get_metadata()["out_sharding"] == ("model", None)
+    sharding = attn.q_proj.kernel[...].sharding
+    assert isinstance(sharding, jax.sharding.NamedSharding)
+    assert sharding.spec == jax.sharding.PartitionSpec(None, "model")

@@ -1,0 +1,197 @@
+"""Model building blocks: embedding, linear layers with sharding metadata, LM head, attention.
+
+Parameters carry logical sharding metadata for tensor parallelism over the mesh axis
+"model" (column-parallel kernels split their output dimension, row-parallel ones their
+input dimension). The metadata is only attached (`eager_sharding=False`): building a
+model needs no mesh, and the loader places each tensor with the sharding it names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlm.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
+
+TP_AXIS = "model"
+Parallel = Literal["column", "row"] | None
+
+_KERNEL_SHARDING = {"column": (None, TP_AXIS), "row": (TP_AXIS, None), None: (None, None)}
+
+
+def param(value: jax.Array, sharding: tuple[str | None, ...]) -> nnx.Param:
+    """An nnx.Param annotated with `sharding` names, not sharded eagerly."""
+    return nnx.Param(value, out_sharding=sharding, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> jax.Array:
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias), kernel [in, out]; column/row-parallel sharding metadata."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        parallel: Parallel = None,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.in_features, self.out_features = in_features, out_features
+        kernel = _normal(rngs, (in_features, out_features), in_features**-0.5, dtype)
+        self.kernel = param(kernel, _KERNEL_SHARDING[parallel])
+        bias_sharding = (TP_AXIS,) if parallel == "column" else (None,)
+        self.bias = param(jnp.zeros((out_features,), dtype), bias_sharding) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class VocabEmbedding(nnx.Module):
+    """Token embedding table [vocab, hidden], sharded over the vocabulary."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, dtype: Any = jnp.float32, rngs: nnx.Rngs
+    ) -> None:
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        table = _normal(rngs, (num_embeddings, embedding_dim), 1.0, dtype)
+        self.weight = param(table, (TP_AXIS, None))
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], input_ids, axis=0)
+
+    def attend(self, hidden_states: jax.Array) -> jax.Array:
+        """Logits against the table (tied LM head), in float32."""
+        return jnp.einsum(
+            "nh,vh->nv", hidden_states, self.weight[...], preferred_element_type=jnp.float32
+        )
+
+
+class ParallelLMHead(VocabEmbedding):
+    """The output projection [vocab, hidden] (HF layout), sharded over the vocabulary."""
+
+    def __call__(self, hidden_states: jax.Array) -> jax.Array:
+        return self.attend(hidden_states)
+
+
+class GatedMLP(nnx.Module):
+    """down(silu(gate(x)) * up(x)); gate and up share one column-parallel matmul."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool = False,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        # gate_up_proj.kernel is [hidden, 2 * intermediate]: gate columns, then up columns.
+        self.gate_up_proj = Linear(
+            hidden_size, 2 * intermediate_size, bias=bias, parallel="column", dtype=dtype, rngs=rngs
+        )
+        self.down_proj = Linear(
+            intermediate_size, hidden_size, bias=bias, parallel="row", dtype=dtype, rngs=rngs
+        )
+        self.act_fn = SiluAndMul()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Attention(nnx.Module):
+    """Self-attention over the paged KV cache: q/k/v/o projections, q/k norm, rotary, op."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_emb: RotaryEmbedding,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        scale: float | None = None,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+        def proj(n_out: int, bias: bool) -> Linear:
+            return Linear(hidden_size, n_out, bias=bias, parallel="column", dtype=dtype, rngs=rngs)
+
+        self.q_proj = proj(num_heads * head_dim, qkv_bias)
+        self.k_proj = proj(num_kv_heads * head_dim, qkv_bias)
+        self.v_proj = proj(num_kv_heads * head_dim, qkv_bias)
+        self.o_proj = Linear(
+            num_heads * head_dim, hidden_size, bias=o_bias, parallel="row", dtype=dtype, rngs=rngs
+        )
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb
+        self.attn = PagedAttention(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            head_dim**-0.5 if scale is None else scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
+
+    def __call__(
+        self,
+        positions: jax.Array,
+        hidden_states: jax.Array,
+        kv_cache: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        t = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out, kv_cache = self.attn(q, k, v, kv_cache, metadata)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_cache
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from a transformers 4.x or 5.x config."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or params
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {k: v for k, v in scaling.items() if k != "rope_theta"}
+
+
+def rotary_from_config(hf_config: Any, head_dim: int) -> RotaryEmbedding:
+    """The rotary embedding a transformers config describes (theta, scaling, partial dim)."""
+    theta, scaling = rope_parameters(hf_config)
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    return RotaryEmbedding(
+        head_dim,
+        int(head_dim * partial),
+        hf_config.max_position_embeddings,
+        theta,
+        is_neox_style=True,
+        rope_scaling=scaling,
+    )

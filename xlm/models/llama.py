@@ -1,0 +1,174 @@
+"""Llama (2, 3, 3.1, 3.2, SmolLM2) and the decoder the Llama-shaped families share.
+
+Qwen2, Qwen3, Mistral and Qwen3-MoE subclass the decoder layer here and change only what
+differs (biases, q/k norm, sliding window, the MLP).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlm.models.layers import (
+    Attention,
+    GatedMLP,
+    ParallelLMHead,
+    VocabEmbedding,
+    rotary_from_config,
+)
+from xlm.models.weights import WeightTarget, default_weight_targets
+from xlm.ops import AttentionMetadata, RMSNorm
+from xlm.ops.paged_attention import kv_cache_shape
+
+
+def head_dim_of(config: Any) -> int:
+    """head_dim from the config when present, else hidden_size / num_attention_heads."""
+    head_dim = getattr(config, "head_dim", None)
+    return head_dim or config.hidden_size // config.num_attention_heads
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The sliding window of one layer as transformers applies it (layer_types when set)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return None
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+class LlamaDecoderLayer(nnx.Module):
+    """Pre-norm attention + gated MLP block with fused residual adds."""
+
+    qk_norm: bool = False
+
+    def __init__(self, config: Any, layer_idx: int, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        head_dim = head_dim_of(config)
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_attention_heads,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim,
+            rotary_from_config(config, head_dim),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm_eps=config.rms_norm_eps if self.qk_norm else None,
+            sliding_window=self.sliding_window(config, layer_idx),
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.mlp = self.make_mlp(config, layer_idx, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype
+        )
+
+    def attention_biases(self, config: Any) -> tuple[bool, bool]:
+        """(q/k/v bias, o bias)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def sliding_window(self, config: Any, layer_idx: int) -> int | None:
+        return None
+
+    def make_mlp(self, config: Any, layer_idx: int, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
+        bias = bool(getattr(config, "mlp_bias", False))
+        return GatedMLP(
+            config.hidden_size, config.intermediate_size, bias=bias, dtype=dtype, rngs=rngs
+        )
+
+    def __call__(
+        self,
+        positions: jax.Array,
+        hidden_states: jax.Array,
+        residual: jax.Array | None,
+        kv_cache: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, kv_cache = self.self_attn(positions, hidden_states, kv_cache, metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual, kv_cache
+
+
+class LlamaModel(nnx.Module):
+    """Embedding, the decoder layers (a Python loop), final norm."""
+
+    def __init__(
+        self, config: Any, layer_cls: type[LlamaDecoderLayer], *, dtype: Any, rngs: nnx.Rngs
+    ) -> None:
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs
+        )
+        self.layers = nnx.List(
+            [layer_cls(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def __call__(
+        self, input_ids: jax.Array, kv_caches: list[jax.Array], metadata: AttentionMetadata
+    ) -> tuple[jax.Array, list[jax.Array]]:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual, kv_cache = layer(
+                metadata.positions, hidden_states, residual, kv_cache, metadata
+            )
+            new_caches.append(kv_cache)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states, new_caches
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama causal LM: the interface every xlm model provides to the runner."""
+
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, hf_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+        self.model = LlamaModel(hf_config, self.decoder_layer_cls, dtype=dtype, rngs=rngs)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = ParallelLMHead(
+                hf_config.vocab_size, hf_config.hidden_size, dtype=dtype, rngs=rngs
+            )
+
+    def __call__(
+        self, input_ids: jax.Array, kv_caches: list[jax.Array], metadata: AttentionMetadata
+    ) -> tuple[jax.Array, list[jax.Array]]:
+        """input_ids [T] -> (hidden_states [T, H], updated per-layer KV caches)."""
+        return self.model(input_ids, kv_caches, metadata)
+
+    def compute_logits(self, hidden_states: jax.Array) -> jax.Array:
+        """hidden_states [N, H] -> logits [N, V] in float32."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.attend(hidden_states)
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the KV cache."""
+        attn = self.model.layers[0].self_attn
+        return len(self.model.layers), attn.num_kv_heads, attn.head_dim
+
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype: Any) -> list[jax.Array]:
+        """One zeroed KV cache per layer, in the attention op's layout."""
+        num_layers, num_kv_heads, head_dim = self.kv_cache_spec()
+        shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+
+    def hf_weight_targets(
+        self, name: str, param_shapes: dict[str, tuple[int, ...]]
+    ) -> list[WeightTarget]:
+        """Where the checkpoint tensor `name` goes (empty: not a parameter of this model)."""
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return [WeightTarget.skip()]
+        return default_weight_targets(name, param_shapes)

@@ -1,0 +1,242 @@
+"""Weight loading: build the model abstractly, then place each checkpoint tensor directly.
+
+A format is a config loader plus a function yielding (hf_name, numpy array) one tensor at
+a time; the model maps HF names onto its parameters (`hf_weight_targets`). Each tensor is
+converted and `jax.device_put` where it belongs before the next is read, so no second
+full copy of the weights exists in host memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from xlm import envs
+from xlm.config import XlmConfig, set_current_xlm_config
+from xlm.logger import init_logger
+from xlm.models.loader.dummy_format import dummy_value
+from xlm.models.loader.safetensors_format import (
+    count_safetensors_tensors,
+    iter_safetensors_tensors,
+)
+from xlm.models.registry import ModelRegistry
+
+logger = init_logger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_load_format(model: str, load_format: str) -> str:
+    """ "auto" -> "gguf" for a .gguf path, else "safetensors"."""
+    if load_format != "auto":
+        return load_format
+    return "gguf" if model.endswith(".gguf") else "safetensors"
+
+
+def load_hf_config(model: str, load_format: str = "auto") -> Any:
+    """The transformers config of a model directory or GGUF file."""
+    if resolve_load_format(model, load_format) == "gguf":
+        if not os.path.isfile(model):
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+        from xlm.models.loader.gguf import load_gguf_config
+
+        return load_gguf_config(model)
+    if not os.path.isdir(model):
+        raise FileNotFoundError(
+            f"Model {model!r} is not a directory: expected a Hugging Face checkpoint "
+            "directory (config.json + *.safetensors) or a .gguf file"
+        )
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(f"No config.json in model directory {model!r}")
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(model)
+
+
+def resolve_dtype(dtype: str, hf_config: Any) -> Any:
+    """The parameter dtype: explicit names as given; "auto" from platform and checkpoint."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    from xlm.platforms import current_platform
+
+    if not current_platform.supports_fast_bf16:
+        return jnp.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    ckpt = str(ckpt).removeprefix("torch.") if ckpt is not None else "float32"
+    # float32 checkpoints serve in bfloat16 where bfloat16 is fast.
+    return _DTYPES.get(ckpt, jnp.bfloat16) if ckpt != "float32" else jnp.bfloat16
+
+
+def _tensor_source(model: str, load_format: str) -> tuple[Iterator[tuple[str, np.ndarray]], int]:
+    if load_format == "safetensors":
+        return iter_safetensors_tensors(model), count_safetensors_tensors(model)
+    if load_format == "gguf":
+        from xlm.models.loader.gguf import iter_gguf_tensors
+
+        return iter_gguf_tensors(model), None
+    raise ValueError(f"load_format={load_format!r} has no tensor source")
+
+
+def _sharding_for(var: nnx.Variable, shape: tuple[int, ...], mesh: Mesh | None) -> Any:
+    if mesh is None:
+        return None
+    names = list(var.get_metadata().get("out_sharding") or (None,) * len(shape))
+    for i, name in enumerate(names):
+        if name is not None and shape[i] % mesh.shape[name]:
+            logger.warning(
+                "Dimension %d (%d) is not divisible by mesh axis %r (%d): replicating it.",
+                i,
+                shape[i],
+                name,
+                mesh.shape[name],
+            )
+            names[i] = None
+    return NamedSharding(mesh, PartitionSpec(*names))
+
+
+class _WeightPlacer:
+    """Places parameter values on device, assembling packed parameters piece by piece."""
+
+    def __init__(self, variables: dict[str, nnx.Variable], dtype: Any, mesh: Mesh | None):
+        self.variables = variables
+        self.shapes = {p: tuple(v.shape) for p, v in variables.items()}
+        self.np_dtype = np.dtype(dtype)
+        self.mesh = mesh
+        self.placed: dict[str, jax.Array] = {}
+        self._pending: dict[str, tuple[np.ndarray, int]] = {}
+
+    def _put(self, path: str, value: np.ndarray) -> None:
+        sharding = _sharding_for(self.variables[path], value.shape, self.mesh)
+        # A fresh host array: the source may be a memory map that jax must not alias.
+        self.placed[path] = jax.device_put(np.array(value, self.np_dtype), sharding)
+
+    def place(
+        self, name: str, path: str, index: Any, value: np.ndarray, transposed: bool = False
+    ) -> None:
+        if path not in self.shapes:
+            raise KeyError(f"checkpoint tensor {name!r} maps to unknown parameter {path!r}")
+        shape = self.shapes[path]
+        if index is None:
+            if value.shape != shape:
+                raise ValueError(
+                    f"Shape mismatch for checkpoint tensor {name!r}: checkpoint shape "
+                    f"{_source_shape(value, transposed)} vs model parameter {path!r} shape "
+                    f"{shape}"
+                    + (" ([in, out] kernel of an [out, in] weight)" if transposed else "")
+                )
+            self._put(path, value)
+            return
+        buf, filled = self._pending.get(path) or (np.zeros(shape, self.np_dtype), 0)
+        if buf[index].shape != value.shape:
+            raise ValueError(
+                f"Shape mismatch for checkpoint tensor {name!r}: checkpoint shape "
+                f"{_source_shape(value, transposed)} vs its slot in model parameter {path!r} "
+                f"{buf[index].shape} (parameter shape {shape})"
+            )
+        buf[index] = value
+        filled += value.size
+        if filled == buf.size:
+            self._pending.pop(path, None)
+            self._put(path, buf)
+        else:
+            self._pending[path] = (buf, filled)
+
+
+def _source_shape(value: np.ndarray, transposed: bool) -> tuple[int, ...]:
+    shape = tuple(value.shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+
+
+def _progress(iterable: Any, total: int | None, desc: str) -> Any:
+    return tqdm(iterable, total=total, desc=desc, disable=envs.XLM_DISABLE_PROGRESS_BARS)
+
+
+def load_weights(
+    model: nnx.Module,
+    tensors: Iterator[tuple[str, np.ndarray]],
+    *,
+    dtype: Any,
+    mesh: Mesh | None = None,
+    total: int | None = None,
+) -> nnx.Module:
+    """Fill an abstract model from (hf_name, array) pairs; raise on missing or unused tensors."""
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    variables = {".".join(map(str, path)): var for path, var in flat}
+    placer = _WeightPlacer(variables, dtype, mesh)
+    unused = []
+    for name, array in _progress(tensors, total, "Loading weights"):
+        targets = model.hf_weight_targets(name, placer.shapes)
+        if not targets:
+            unused.append(name)
+            continue
+        for target in targets:
+            if not target.param:
+                continue
+            value = np.swapaxes(array, -1, -2) if target.transpose else array
+            placer.place(name, target.param, target.index, value, target.transpose)
+    missing = sorted(set(variables) - set(placer.placed))
+    if missing or unused:
+        raise ValueError(
+            "Checkpoint does not match the model: "
+            f"parameters never loaded: {missing or 'none'}; "
+            f"checkpoint tensors never used: {sorted(unused) or 'none'}"
+        )
+    return _merge(graphdef, flat, placer.placed)
+
+
+def _merge(graphdef: Any, flat: Any, values: dict[str, jax.Array]) -> nnx.Module:
+    for path, var in flat:
+        var.set_value(values[".".join(map(str, path))])
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_dummy_weights(
+    model: nnx.Module, *, dtype: Any, seed: int, mesh: Mesh | None = None
+) -> nnx.Module:
+    """Fill an abstract model with deterministic random weights."""
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    variables = {".".join(map(str, path)): var for path, var in flat}
+    placer = _WeightPlacer(variables, dtype, mesh)
+    for path, var in _progress(variables.items(), len(variables), "Dummy weights"):
+        placer.place(path, path, None, dummy_value(path, tuple(var.shape), seed))
+    return _merge(graphdef, flat, placer.placed)
+
+
+def build_abstract_model(
+    model_cls: Callable[..., nnx.Module], hf_config: Any, dtype: Any, seed: int = 0
+) -> nnx.Module:
+    """The model with ShapeDtypeStruct parameters: no memory, no computation."""
+    return nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, rngs=nnx.Rngs(seed)))
+
+
+def get_model(xlm_config: XlmConfig, mesh: Mesh | None = None) -> nnx.Module:
+    """Read the config, build the model abstractly and load its weights."""
+    model_config = xlm_config.model_config
+    load_format = resolve_load_format(model_config.model, model_config.load_format)
+    hf_config = model_config.hf_config or load_hf_config(model_config.model, load_format)
+    model_config.hf_config = hf_config
+    model_cls, arch = ModelRegistry.resolve(hf_config)
+    dtype = resolve_dtype(model_config.dtype, hf_config)
+    logger.info(
+        "Loading %s (%s) as %s, dtype %s.",
+        model_config.model,
+        arch,
+        load_format,
+        jnp.dtype(dtype).name,
+    )
+    with set_current_xlm_config(xlm_config):
+        model = build_abstract_model(model_cls, hf_config, dtype, model_config.seed)
+    if load_format == "dummy":
+        return load_dummy_weights(model, dtype=dtype, seed=model_config.seed, mesh=mesh)
+    tensors, total = _tensor_source(model_config.model, load_format)
+    return load_weights(model, tensors, dtype=dtype, mesh=mesh, total=total)

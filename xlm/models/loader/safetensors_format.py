@@ -1,0 +1,81 @@
+"""Hugging Face safetensors directories: one file or shards listed by an index."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's .safetensors files: the index's shards, else every file in the dir."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"Model directory {model_dir!r} does not exist")
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that do not exist: {missing}")
+        return files
+    files = sorted(
+        os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")
+    )
+    if not files:
+        raise FileNotFoundError(
+            f"No weights found in {model_dir!r}: looked for {SINGLE_FILE}, {INDEX_FILE} "
+            "or any *.safetensors file"
+        )
+    return files
+
+
+def _read_header(path: str) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return header, 8 + header_len
+
+
+def count_safetensors_tensors(model_dir: str) -> int:
+    """How many tensors the checkpoint holds (for the progress bar)."""
+    return sum(len(_read_header(p)[0]) for p in safetensors_files(model_dir))
+
+
+def iter_safetensors_tensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, array) one tensor at a time, memory-mapped (bf16 via ml_dtypes)."""
+    for path in safetensors_files(model_dir):
+        header, data_start = _read_header(path)
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        try:
+            for name, info in header.items():
+                if info["dtype"] not in _DTYPES:
+                    raise ValueError(
+                        f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}"
+                    )
+                begin, end = info["data_offsets"]
+                raw = mm[data_start + begin : data_start + end]
+                yield name, raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        finally:
+            del mm

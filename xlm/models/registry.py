@@ -1,0 +1,76 @@
+"""ModelRegistry: Hugging Face `architectures` names -> xlm model classes, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_BUILTIN_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "xlm.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "xlm.models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "xlm.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "xlm.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "xlm.models.qwen3_moe:Qwen3MoeForCausalLM",
+}
+
+
+class _ModelRegistry:
+    """Architecture name -> model class or its "module:Class" qualname."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, type | str] = dict(_BUILTIN_MODELS)
+
+    def register_model(self, architecture: str, model_cls: type | str) -> None:
+        """Register (or override) the class serving `architecture`."""
+        if isinstance(model_cls, str) and ":" not in model_cls:
+            raise ValueError(
+                f"model class {model_cls!r} for {architecture!r} must be a class or a "
+                "'module.path:ClassName' string"
+            )
+        if architecture in self.models:
+            logger.warning("Model architecture %s is already registered; overriding.", architecture)
+        self.models[architecture] = model_cls
+
+    def get_supported_archs(self) -> list[str]:
+        """Every architecture name that resolves."""
+        return sorted(self.models)
+
+    def load_model_cls(self, architecture: str) -> type:
+        """The class registered for `architecture` (importing it on first use)."""
+        entry = self.models[architecture]
+        if isinstance(entry, str):
+            module_name, _, cls_name = entry.partition(":")
+            entry = getattr(importlib.import_module(module_name), cls_name)
+            self.models[architecture] = entry
+        return entry
+
+    def resolve(self, hf_config: Any) -> tuple[type, str]:
+        """(model class, architecture name) for a transformers config."""
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(
+                f"The model config (model_type={getattr(hf_config, 'model_type', None)!r}) "
+                "has no 'architectures' field, so xlm cannot pick a model class. Add e.g. "
+                '"architectures": ["LlamaForCausalLM"] to config.json. Supported '
+                f"architectures: {', '.join(self.get_supported_archs())}"
+            )
+        for arch in archs:
+            if arch in self.models:
+                return self.load_model_cls(arch), arch
+        raise ValueError(
+            f"Model architectures {archs} are not supported by xlm. Supported architectures: "
+            f"{', '.join(self.get_supported_archs())}. A plugin can add one with "
+            "ModelRegistry.register_model(name, cls)."
+        )
+
+
+ModelRegistry = _ModelRegistry()
+
+
+def register_model(architecture: str, model_cls: type | str) -> None:
+    """Register an out-of-tree model class (or "module:Class") for an HF architecture."""
+    ModelRegistry.register_model(architecture, model_cls)
