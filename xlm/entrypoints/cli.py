@@ -14,12 +14,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collect-env": ("xlm.entrypoints.collect_env", "print versions, platform and plugins"),
     "generate": ("xlm.entrypoints.generate", "generate a completion for a prompt"),
     "chat": ("xlm.entrypoints.generate", "interactive chat on the terminal"),
+    "convert": ("xlm.entrypoints.convert", "convert a GGUF file to a safetensors directory"),
 }
 # Subcommands whose issue has not landed yet.
 PENDING: dict[str, str] = {
     "serve": "start the OpenAI-compatible server",
     "run-batch": "run a file of OpenAI batch requests",
-    "convert": "convert a GGUF file to a safetensors directory",
 }
 
 
