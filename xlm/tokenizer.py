@@ -90,7 +90,9 @@ def _as_ids(value: Any) -> Iterable[int]:
     return (int(v) for v in value)
 
 
-def get_eos_token_ids(tokenizer: Any, hf_config: Any = None, generation_config: Any = None) -> set[int]:
+def get_eos_token_ids(
+    tokenizer: Any, hf_config: Any = None, generation_config: Any = None
+) -> set[int]:
     """Every end-of-sequence token id named by the tokenizer, model config or generation config."""
     ids: set[int] = set()
     ids.update(_as_ids(getattr(tokenizer, "eos_token_id", None)))

@@ -26,7 +26,7 @@ class LLMEngine:
         from xlm.engine.core_client import make_client
 
         self.config = config
-        self.processor = Processor(config)
+        self.processor = Processor.from_config(config)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = make_client(

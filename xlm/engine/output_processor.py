@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
-from xlm.engine.parallel_sampling import ParentRequest
+from xlm.engine.parallel_sampling import ParentRequest, fan_out
+from xlm.engine.processor import EngineCoreRequest
 from xlm.logger import init_logger
 from xlm.outputs import (
     CompletionOutput,
@@ -189,6 +190,25 @@ class OutputProcessor:
             request_index,
             queue,
         )
+
+    def add_engine_request(
+        self, request: EngineCoreRequest, queue: Any = None
+    ) -> list[EngineCoreRequest]:
+        """Track a processed request (its n children when n > 1); returns what the core runs."""
+        core_requests = []
+        for child, parent, index in fan_out(request):
+            self.add_request(
+                child.request_id,
+                child.prompt,
+                child.prompt_token_ids,
+                child.sampling_params,
+                child.arrival_time,
+                parent,
+                index,
+                queue,
+            )
+            core_requests.append(child)
+        return core_requests
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget requests (parent or child ids); returns the child ids the core must abort."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from xlm.engine.processor import EngineCoreRequest
 from xlm.outputs import CompletionOutput, RequestMetrics
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -53,3 +56,25 @@ class ParentRequest:
         if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return []
         return [self.latest[i] for i in sorted(self.latest)]
+
+
+def fan_out(
+    request: EngineCoreRequest,
+) -> list[tuple[EngineCoreRequest, ParentRequest | None, int]]:
+    """The core requests of one user request: itself, or its n children (n > 1)."""
+    params = request.sampling_params
+    if params.n == 1:
+        return [(request, None, 0)]
+    parent = ParentRequest(request.request_id, params, request.arrival_time)
+    return [
+        (
+            dataclasses.replace(
+                request,
+                request_id=parent.child_request_id(i),
+                sampling_params=parent.child_params(i),
+            ),
+            parent,
+            i,
+        )
+        for i in range(params.n)
+    ]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from xlm.config import ModelConfig, XlmConfig
 from xlm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -71,6 +74,27 @@ class Processor:
         self.eos_token_ids = eos_ids
         self.generation_config = dict(generation_config or {})
         self.max_logprobs = max_logprobs
+
+    @classmethod
+    def from_config(cls, config: XlmConfig) -> Processor:
+        """The processor of a configured model: its tokenizer, length, EOS and defaults."""
+        from xlm.tokenizer import get_eos_token_ids, get_tokenizer
+
+        model_config = config.model_config
+        tokenizer = get_tokenizer(
+            model_config.model,
+            model_config.tokenizer,
+            trust_remote_code=model_config.trust_remote_code,
+        )
+        generation_config = load_generation_config(model_config)
+        eos_ids = get_eos_token_ids(tokenizer, model_config.hf_config, generation_config)
+        return cls(
+            tokenizer,
+            model_config.max_model_len,
+            vocab_size=model_config.hf_config.vocab_size,
+            eos_token_id=sorted(eos_ids),
+            generation_config=generation_config,
+        )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -166,3 +190,21 @@ class Processor:
             cache_salt=cache_salt,
             prompt=text,
         )
+
+
+def load_generation_config(model_config: ModelConfig) -> dict[str, Any]:
+    """Sampling defaults from generation_config.json ("auto"), none ("xlm"), or a directory."""
+    if model_config.generation_config == "xlm":
+        return {}
+    where = (
+        model_config.model
+        if model_config.generation_config == "auto"
+        else model_config.generation_config
+    )
+    path = os.path.join(where, "generation_config.json")
+    if not os.path.isfile(path):
+        if model_config.generation_config != "auto":
+            raise FileNotFoundError(f"generation_config={where!r}: no {path}")
+        return {}
+    with open(path) as f:
+        return json.load(f)

@@ -12,9 +12,9 @@ import xlm
 # parser sets `func`; modules import heavy dependencies only inside their functions.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collect-env": ("xlm.entrypoints.collect_env", "print versions, platform and plugins"),
-    "convert": ("xlm.entrypoints.convert", "convert a GGUF file to a safetensors directory"),
     "generate": ("xlm.entrypoints.generate", "generate a completion for a prompt"),
     "chat": ("xlm.entrypoints.generate", "interactive chat on the terminal"),
+    "convert": ("xlm.entrypoints.convert", "convert a GGUF file to a safetensors directory"),
     "serve": ("xlm.entrypoints.openai.cli_args", "start the OpenAI-compatible server"),
 }
 # Subcommands whose issue has not landed yet.

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.engine.output_processor import LogprobsLists
 from xlm.logger import init_logger
 from xlm.ops.paged_attention import AttentionMetadata
 from xlm.worker import sampler as sampler_lib
@@ -60,15 +61,15 @@ class ModelRunner:
                 f"max_num_batched_tokens={sched.max_num_batched_tokens}"
             )
         self.vocab_size = model.vocab_size
-        self.max_logprobs = sampler_lib.MAX_LOGPROBS
+        self.sampler_config = sampler_lib.SamplerConfig()
         self.input_batch = InputBatch(
             self.max_num_seqs, self.max_model_len, self.max_blocks_per_req
         )
         self.graphdef, self.state = nnx.split(model)
         self.num_blocks = num_blocks
         self.kv_caches = model.make_kv_caches(num_blocks, self.block_size, kv_dtype)
-        self.rng_key = jax.random.key(config.model_config.seed)
-        self.step_count = 0
+        # Unseeded requests draw from the engine seed folded with the step count.
+        self.step_count = config.model_config.seed << 20
         # Programs traced so far; after warm-up it must not move (a compile is a bug).
         self.num_compilations = 0
         self._step = jax.jit(self._step_impl, static_argnums=(3,), donate_argnums=(1,))
@@ -87,7 +88,7 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(inputs["input_ids"], kv_caches, inputs["attn"])
         logits = model.compute_logits(hidden[inputs["logits_indices"]])
-        sampled = sampler_lib.sample(logits, inputs["sampling"], step_key)
+        sampled = sampler_lib.sample(logits, inputs["sampling"], self.sampler_config)
         return kv_caches, sampled
 
     # ---- host side -------------------------------------------------------------------
@@ -216,9 +217,20 @@ class ModelRunner:
             state.output_token_ids.append(token)
             batch.append_token(state.slot, token)
             sampled_token_ids.append([token])
-            entry = sampler_lib.logprobs_for_row(sampled, i, state.sampling_params)
-            any_logprobs |= entry is not None
-            logprobs.append(entry)
+            num_logprobs = state.sampling_params.logprobs
+            if num_logprobs is None:
+                logprobs.append(None)
+                continue
+            any_logprobs = True
+            logprobs.append(
+                LogprobsLists.from_sampler(
+                    [token],
+                    sampled.logprobs[i : i + 1],
+                    sampled.ranks[i : i + 1],
+                    sampled.topk_ids[i : i + 1, :num_logprobs],
+                    sampled.topk_logprobs[i : i + 1, :num_logprobs],
+                )
+            )
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled_token_ids,

@@ -1,4 +1,4 @@
-"""One host-to-device transfer per step: pack int32/float32/bool arrays into one buffer."""
+"""One host-to-device transfer per step: pack a pytree of numpy arrays into one buffer."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ def pack(tree: Any) -> tuple[np.ndarray, Layout]:
     specs, parts, offset = [], [], 0
     for leaf in leaves:
         arr = np.asarray(leaf)
-        if arr.dtype == np.float32:
-            kind, flat = "float32", arr.reshape(-1).view(np.int32)
+        if arr.dtype in (np.float32, np.uint32):
+            kind, flat = arr.dtype.name, arr.reshape(-1).view(np.int32)
+        elif arr.dtype == np.uint8:  # four bytes to a word
+            raw = arr.reshape(-1)
+            raw = np.concatenate([raw, np.zeros(-raw.size % 4, np.uint8)])
+            kind, flat = "uint8", raw.view(np.int32)
         elif arr.dtype == np.bool_:
             kind, flat = "bool", arr.reshape(-1).astype(np.int32)
         else:
@@ -37,9 +41,12 @@ def unpack(buffer: jax.Array, layout: Layout) -> Any:
     leaves = []
     for kind, shape, offset in specs:
         size = int(np.prod(shape, dtype=np.int64))
-        flat = jax.lax.slice_in_dim(buffer, offset, offset + size)
-        if kind == "float32":
-            flat = jax.lax.bitcast_convert_type(flat, jnp.float32)
+        words = -(-size // 4) if kind == "uint8" else size
+        flat = jax.lax.slice_in_dim(buffer, offset, offset + words)
+        if kind in ("float32", "uint32"):
+            flat = jax.lax.bitcast_convert_type(flat, jnp.dtype(kind))
+        elif kind == "uint8":
+            flat = jax.lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)[:size]
         elif kind == "bool":
             flat = flat != 0
         leaves.append(flat.reshape(shape))

@@ -99,6 +99,19 @@ def _llama3_rope_factors(
     return np.asarray(factors, dtype=np.float32)
 
 
+def _llama3_factor(
+    theta: float, head_dim: int, last: float, low: float, high: float, original: int
+) -> float:
+    # Invert the llama3 formula at the lowest frequency, the one scaled the most.
+    wavelen = 2 * math.pi * theta ** ((head_dim - 2) / head_dim)
+    if wavelen <= original / high:
+        return last
+    if wavelen > original / low:
+        return last
+    smooth = (original / wavelen - low) / (high - low)
+    return (1 - smooth) / (1 / last - smooth)
+
+
 def _rope_parameters(gguf_file: GGUFFile, arch: str, theta: float, head_dim: int) -> dict:
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     scaling = gguf_file.get(f"{arch}.rope.scaling.type")
@@ -119,8 +132,9 @@ def _rope_parameters(gguf_file: GGUFFile, arch: str, theta: float, head_dim: int
         # matching them against the values Meta's released models use.
         stored = dequantize(gguf_file.raw("rope_freqs.weight"), GGMLQuantizationType.F32)
         stored = np.asarray(stored, dtype=np.float32).reshape(-1)
-        factor = float(stored.max())
         low, high, original = 1.0, 4.0, 8192
+        # stored in float32: round the recovered factor back to the config's value
+        factor = round(_llama3_factor(theta, head_dim, float(stored[-1]), low, high, original), 4)
         expected = _llama3_rope_factors(theta, head_dim, factor, low, high, original)
         if expected.shape != stored.shape or not np.allclose(expected, stored, rtol=1e-5):
             raise ValueError(
@@ -282,7 +296,11 @@ def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
     for gguf_name, hf_name in names.items():
         shape = list(gguf_file.tensors[gguf_name].shape)
         size = int(np.prod(shape)) * itemsize
-        header[hf_name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        header[hf_name] = {
+            "dtype": st_dtype,
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)
@@ -309,8 +327,12 @@ def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
     config.save_pretrained(out_dir)
     generation = _generation_config(config.to_dict())
     if generation:
-        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-            json.dump(generation, f, indent=2)
-    get_tokenizer(path).save_pretrained(out_dir)
+        from transformers import GenerationConfig
+
+        GenerationConfig(**generation).save_pretrained(out_dir)
+    if gguf_file.get("tokenizer.ggml.tokens") is not None:
+        get_tokenizer(path).save_pretrained(out_dir)
+    else:
+        logger.warning("%s has no tokenizer in its metadata; wrote no tokenizer files", path)
     logger.info("Converted %s to %s (%d tensors, %s)", path, out_dir, len(names), dtype)
     return out_dir

