@@ -12,8 +12,6 @@ request in the core, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import inspect
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -83,7 +81,7 @@ class AsyncLLM:
             xlm_config.set_max_model_len(int(ready["max_model_len"]))
         self.ready_info = ready
         try:
-            self.processor = processor or _make_processor(xlm_config, tokenizer, max_logprobs)
+            self.processor = processor or _make_processor(xlm_config, max_logprobs)
             self.tokenizer = tokenizer or getattr(self.processor, "tokenizer", None)
             if output_processor is None:
                 from xlm.engine.output_processor import OutputProcessor
@@ -165,8 +163,7 @@ class AsyncLLM:
         )
         collector = RequestOutputCollector()
         self.collectors[request_id] = collector
-        prompt_text = prompt if isinstance(prompt, str) else None
-        core_requests = _register(self.output_processor, request, prompt_text)
+        core_requests = _register(self.output_processor, request)
         self.core_ids[request_id] = [r.request_id for r in core_requests]
         now = time.monotonic()
         for core_request in core_requests:
@@ -321,46 +318,19 @@ class AsyncLLM:
         self.engine_core.shutdown()
 
 
-def _make_processor(xlm_config: Any, tokenizer: Any, max_logprobs: int) -> Any:
-    """A Processor for the config (either constructor contract: config, or tokenizer + limits)."""
+def _make_processor(xlm_config: Any, max_logprobs: int) -> Any:
+    """The Processor of the configured model, with the server's logprobs limit."""
     from xlm.engine.processor import Processor
 
-    params = list(inspect.signature(Processor).parameters)
-    if params and params[0] in ("config", "xlm_config"):
-        return Processor(xlm_config)
-    model_config = xlm_config.model_config
-    if tokenizer is None:
-        from xlm.tokenizer import get_tokenizer
-
-        tokenizer = get_tokenizer(model_config.model, model_config.tokenizer)
-    vocab_size = getattr(model_config.hf_config, "vocab_size", None)
-    return Processor(
-        tokenizer, int(model_config.max_model_len), vocab_size=vocab_size, max_logprobs=max_logprobs
-    )
+    processor = Processor.from_config(xlm_config)
+    processor.max_logprobs = max_logprobs
+    return processor
 
 
-def _register(output_processor: Any, request: Any, prompt: str | None) -> list[Any]:
+def _register(output_processor: Any, request: Any) -> list[Any]:
     """Track a request in the output processor; returns the requests to send to the core.
 
-    n > 1 fans out into n child requests (ids ``f"{i}_{request_id}"``) whose outputs the
-    output processor merges back under the parent id.
+    n > 1 fans out into n child requests whose outputs the output processor merges back
+    under the parent id.
     """
-    params = request.sampling_params
-    if len(inspect.signature(output_processor.add_request).parameters) == 2:
-        children = output_processor.add_request(request, prompt)  # (request, prompt) contract
-        return [request] if children is None else list(children)
-    ids, arrival = request.prompt_token_ids, request.arrival_time
-    if params.n == 1:
-        output_processor.add_request(request.request_id, prompt, ids, params, arrival)
-        return [request]
-    from xlm.engine.parallel_sampling import ParentRequest
-
-    parent = ParentRequest(request.request_id, params, arrival)
-    children = []
-    for index in range(params.n):
-        child_id, child_params = parent.child_request_id(index), parent.child_params(index)
-        output_processor.add_request(child_id, prompt, ids, child_params, arrival, parent, index)
-        children.append(
-            dataclasses.replace(request, request_id=child_id, sampling_params=child_params)
-        )
-    return children
+    return list(output_processor.add_engine_request(request))
