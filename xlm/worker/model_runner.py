@@ -60,7 +60,7 @@ class ModelRunner:
                 f"CompilationConfig.token_buckets={self.token_buckets} must reach "
                 f"max_num_batched_tokens={sched.max_num_batched_tokens}"
             )
-        self.vocab_size = model.vocab_size
+        self.vocab_size = config.model_config.hf_config.vocab_size
         self.sampler_config = sampler_lib.SamplerConfig()
         self.input_batch = InputBatch(
             self.max_num_seqs, self.max_model_len, self.max_blocks_per_req
@@ -81,7 +81,6 @@ class ModelRunner:
         kv_caches: list[jax.Array],
         packed: jax.Array,
         layout: Any,
-        step_key: jax.Array,
     ) -> tuple[list[jax.Array], Any]:
         self.num_compilations += 1  # runs only while tracing
         inputs = unpack(packed, layout)
@@ -165,7 +164,9 @@ class ModelRunner:
             num_reqs_padded,
             self.vocab_size,
             self.max_model_len,
+            step_seed=self.step_count,
         )
+        self.step_count += 1
         inputs = {
             "input_ids": input_ids,
             "attn": AttentionMetadata(
@@ -183,10 +184,8 @@ class ModelRunner:
 
     def _run(self, inputs: dict[str, Any]) -> Any:
         packed, layout = pack(inputs)
-        step_key = jax.random.fold_in(self.rng_key, self.step_count)
-        self.step_count += 1
         self.kv_caches, sampled = self._step(
-            self.state, self.kv_caches, jax.device_put(packed), layout, step_key
+            self.state, self.kv_caches, jax.device_put(packed), layout
         )
         return jax.device_get(sampled)
 
