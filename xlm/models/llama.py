@@ -21,7 +21,6 @@ from xlm.models.layers import (
 )
 from xlm.models.weights import WeightTarget, default_weight_targets
 from xlm.ops import AttentionMetadata, RMSNorm
-from xlm.ops.paged_attention import kv_cache_shape
 
 
 def head_dim_of(config: Any) -> int:
@@ -161,9 +160,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype: Any) -> list[jax.Array]:
         """One zeroed KV cache per layer, in the attention op's layout."""
-        num_layers, num_kv_heads, head_dim = self.kv_cache_spec()
-        shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+        shape = self.model.layers[0].self_attn.attn.kv_cache_shape(num_blocks, block_size)
+        return [jnp.zeros(shape, dtype) for _ in range(len(self.model.layers))]
 
     def hf_weight_targets(
         self, name: str, param_shapes: dict[str, tuple[int, ...]]
