@@ -42,11 +42,13 @@ def kv_cache_shape(
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter new keys/values [T, Hkv, D] into their slots of the cache."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)
+    block_size = kv_cache.shape[2]
     kv = jnp.stack([k, v]).astype(kv_cache.dtype)
-    flat = flat.at[:, slot_mapping].set(kv, mode="drop", unique_indices=False)
-    return flat.reshape(kv_cache.shape)
+    # Index (block, offset) directly: scattering through a flattening reshape made XLA copy
+    # the whole (donated) cache every step once the attention also read it (~50x slower).
+    return kv_cache.at[:, slot_mapping // block_size, slot_mapping % block_size].set(
+        kv, mode="drop", unique_indices=False
+    )
 
 
 # A gathered cache element costs about this many score/value multiply-adds on CPU (the
@@ -129,25 +131,31 @@ def ragged_paged_attention(
     ctx_start = metadata.seq_lens - q_lens  # [R]
     row_pos = ctx_start[chunk_req][:, None] + row_local  # [V, Q]
 
+    # Heads-major layouts make both einsums plain batched matmuls over (chunk, kv head);
+    # on CPU the other output layouts cost a transpose as large as the matmul.
     queries = q[row_token].reshape(num_chunks, qc, num_kv_heads, group, head_dim)
-    pages = metadata.block_tables[chunk_req]  # [V, B]
-    keys = kv_cache[0][pages].reshape(num_chunks, context_len, num_kv_heads, head_dim)
-    values = kv_cache[1][pages].reshape(num_chunks, context_len, num_kv_heads, head_dim)
+    queries = queries.transpose(0, 2, 3, 1, 4).reshape(num_chunks, num_kv_heads, group * qc, -1)
+    # One gather of whole pages (contiguous rows) for keys and values together.
+    rows = kv_cache.reshape(2, kv_cache.shape[1], -1)
+    kv = jnp.take(rows, metadata.block_tables[chunk_req].reshape(-1), axis=1)
+    kv = kv.reshape(2, num_chunks, context_len, num_kv_heads, head_dim).astype(q.dtype)
 
     # float32 accumulation; asked for only when inputs are narrower (on CPU, asking for it
     # with float32 inputs picked a slower dot).
     acc = {} if q.dtype == jnp.float32 else {"preferred_element_type": jnp.float32}
-    scores = jnp.einsum("vqkgd,vckd->vkgqc", queries, keys.astype(q.dtype), **acc)
-    scores = scores * scale
+    scores = jnp.einsum("vkmd,vckd->vkmc", queries, kv[0], **acc) * scale
     if logits_soft_cap is not None:
         scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
     key_pos = jnp.arange(context_len, dtype=jnp.int32)
     mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [V, Q, C]
     if sliding_window is not None:
         mask &= key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
+    scores = scores.reshape(num_chunks, num_kv_heads, group, qc, context_len)
     scores = jnp.where(mask[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("vkgqc,vckd->vqkgd", probs.astype(q.dtype), values.astype(q.dtype), **acc)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    probs = probs.reshape(num_chunks, num_kv_heads, group * qc, context_len)
+    out = jnp.einsum("vkmc,vckd->vkmd", probs, kv[1], **acc)
+    out = out.reshape(num_chunks, num_kv_heads, group, qc, head_dim).transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_chunks * qc, num_heads, head_dim)
 
     # Token -> its row in the chunked output.
