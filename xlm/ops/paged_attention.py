@@ -33,6 +33,10 @@ class AttentionMetadata:
     num_seqs: jax.Array  # [1] number of real requests
 
 
+# Logical sharding of a layer's cache: over KV heads on the tensor-parallel axis.
+KV_CACHE_SHARDING: tuple[str | None, ...] = (None, None, None, "model", None)
+
+
 def kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
 ) -> tuple[int, ...]:
