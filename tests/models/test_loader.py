@@ -219,3 +219,16 @@ def test_moe_fused_expert_tensors_load_like_per_expert(tmp_path, tiny_checkpoint
     want = params(load(src))
     for k in want:
         np.testing.assert_array_equal(fused[k], want[k])
+
+
+def test_auto_dtype_follows_platform_and_checkpoint(monkeypatch):
+    import xlm.platforms
+
+    cfg = type("Cfg", (), {"dtype": "float32"})()
+    assert resolve_dtype("auto", cfg) == jnp.float32  # CPU: no fast bf16
+    platform = xlm.platforms.current_platform
+    monkeypatch.setattr(platform, "supports_fast_bf16", True)
+    assert resolve_dtype("auto", cfg) == jnp.bfloat16  # float32 checkpoints serve in bf16
+    assert resolve_dtype("auto", type("Cfg", (), {"dtype": "float16"})()) == jnp.float16
+    assert resolve_dtype("auto", type("Cfg", (), {"torch_dtype": "bfloat16"})()) == jnp.bfloat16
+    assert resolve_dtype("float32", cfg) == jnp.float32
