@@ -46,11 +46,13 @@ def kv_cache_shape(
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter new keys/values [T, Hkv, D] into their slots of the cache."""
-    block_size = kv_cache.shape[2]
+    num_blocks, block_size = kv_cache.shape[1:3]
     kv = jnp.stack([k, v]).astype(kv_cache.dtype)
+    # Negative slots are dropped too (jnp would wrap them to the last block).
+    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     # Index (block, offset) directly: scattering through a flattening reshape made XLA copy
     # the whole (donated) cache every step once the attention also read it (~50x slower).
-    return kv_cache.at[:, slot_mapping // block_size, slot_mapping % block_size].set(
+    return kv_cache.at[:, blocks, slot_mapping % block_size].set(
         kv, mode="drop", unique_indices=False
     )
 
