@@ -132,7 +132,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or self.model,
             generation_config=self.generation_config,
         )
-        model_config.hf_config = load_hf_config(model_config)
+        model_config.hf_config = load_hf_config(model_path, self.load_format)
         model_max = _model_max_len(model_config.hf_config)
         max_model_len = self.max_model_len or model_max
         if max_model_len > model_max:

@@ -52,13 +52,8 @@ class LLMEngine:
         request = self.processor.process_inputs(
             request_id, prompt, params, arrival_time, priority=priority, cache_salt=cache_salt
         )
-        prompt_text = (
-            prompt
-            if isinstance(prompt, str)
-            else (prompt.get("prompt") if isinstance(prompt, dict) else None)
-        )
-        for child in self.output_processor.add_request(request, prompt_text):
-            self.engine_core.add_request(child)
+        for core_request in self.output_processor.add_engine_request(request):
+            self.engine_core.add_request(core_request)
 
     def abort_request(self, request_ids: list[str]) -> None:
         core_ids = self.output_processor.abort_requests(request_ids)
@@ -74,6 +69,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    @property
+    def num_compilations(self) -> int:
+        """Step programs compiled so far (in-process engines only); flat after warm-up."""
+        return self.engine_core.engine_core.num_compilations
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -42,11 +42,16 @@ class Worker:
     def __init__(self, config: XlmConfig) -> None:
         self.config = config
         enable_compilation_cache(config)
-        from xlm.models.loader import get_model
+        from xlm.models.loader import get_model, resolve_dtype
 
         self.model = get_model(config)
+        model_config = config.model_config
         cache_dtype = config.cache_config.cache_dtype
-        self.kv_dtype = self.model.dtype if cache_dtype == "auto" else jnp.dtype(cache_dtype)
+        self.kv_dtype = (
+            resolve_dtype(model_config.dtype, model_config.hf_config)
+            if cache_dtype == "auto"
+            else jnp.dtype(cache_dtype)
+        )
         self.num_blocks = self._determine_num_blocks()
         config.cache_config.num_blocks = self.num_blocks
         self.model_runner = ModelRunner(config, self.model, self.num_blocks, self.kv_dtype)
@@ -65,7 +70,8 @@ class Worker:
             budget = total * cache.memory_utilization - in_use
             # Keep headroom for activations of the largest step (logits dominate).
             sched = self.config.scheduler_config
-            activation = sched.max_num_batched_tokens * self.model.hidden_size * 4 * 16
+            hidden_size = self.config.model_config.hf_config.hidden_size
+            activation = sched.max_num_batched_tokens * hidden_size * 4 * 16
             num_blocks = int(max(budget - activation, 0) // per_block)
         needed = -(-self.config.scheduler_config.max_model_len // cache.block_size) + 1
         if num_blocks < needed:

@@ -314,15 +314,19 @@ def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
         unit="tensor",
         disable=envs.XLM_DISABLE_PROGRESS_BARS,
     )
-    with open(target + ".tmp", "wb") as f, progress:
-        f.write(len(header_bytes).to_bytes(8, "little"))
-        f.write(header_bytes)
-        for hf_name, weights in iter_gguf_tensors(path):
-            data = np.ascontiguousarray(weights.astype(np_dtype, copy=False))
-            assert list(data.shape) == header[hf_name]["shape"], hf_name
-            f.write(data.tobytes())
-            progress.update()
-    os.replace(target + ".tmp", target)
+    try:
+        with open(target + ".tmp", "wb") as f, progress:
+            f.write(len(header_bytes).to_bytes(8, "little"))
+            f.write(header_bytes)
+            for hf_name, weights in iter_gguf_tensors(path):
+                data = np.ascontiguousarray(weights.astype(np_dtype, copy=False))
+                assert list(data.shape) == header[hf_name]["shape"], hf_name
+                data.tofile(f)
+                progress.update()
+        os.replace(target + ".tmp", target)
+    finally:
+        if os.path.exists(target + ".tmp"):
+            os.remove(target + ".tmp")
 
     config.save_pretrained(out_dir)
     generation = _generation_config(config.to_dict())
