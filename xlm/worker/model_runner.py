@@ -26,10 +26,25 @@ from xlm.engine.output_processor import LogprobsLists
 from xlm.logger import init_logger
 from xlm.ops.paged_attention import AttentionMetadata
 from xlm.worker import sampler as sampler_lib
+from xlm.worker.executable_cache import ExecutableCache
 from xlm.worker.input_batch import CachedRequestState, InputBatch
 from xlm.worker.packing import pack, unpack
 
 logger = init_logger(__name__)
+
+
+def executable_cache_dir(config: XlmConfig) -> str | None:
+    """Where compiled programs are saved, or None when the cache is off.
+
+    This replaces JAX's persistent compilation cache for the step programs: that cache
+    still traces and lowers each program (~1 s each), and on XLA:CPU an executable it
+    loaded cannot be serialized again (the reloaded copy fails with "Function ... not
+    found"), so the two must not be mixed.
+    """
+    cache_dir = envs.XLM_COMPILATION_CACHE_DIR
+    if not config.compilation_config.enable_compilation_cache or not cache_dir:
+        return None
+    return os.path.join(cache_dir, "xlm_executables")
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -79,6 +94,9 @@ class ModelRunner:
         self.num_compilations = 0
         self._programs: dict[tuple[str, Any], Any] = {}
         self._model_fn = jax.jit(self._model_step, static_argnums=(3,), donate_argnums=(1,))
+        self._executables = ExecutableCache(
+            executable_cache_dir(config), self._engine_fingerprint(config, num_blocks, kv_dtype)
+        )
         self._sample_fn = jax.jit(self._sample_step, static_argnums=(2,))
 
     # ---- the jitted programs ---------------------------------------------------------
@@ -89,15 +107,41 @@ class ModelRunner:
         inputs = unpack(packed, layout)
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(inputs["input_ids"], kv_caches, inputs["attn"])
-        return kv_caches, model.compute_logits(hidden[inputs["logits_indices"]])
+        logits = model.compute_logits(hidden[inputs["logits_indices"]])
+        # Pad (not compute) up to the sampler's row bucket, so its program fits every step.
+        rows = self._sampler_bucket(logits.shape[0])
+        return kv_caches, jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
 
     def _sample_step(self, logits: jax.Array, packed: jax.Array, layout: Any) -> Any:
-        """Sample from logits [R, V], padded up to the sampler's row bucket."""
-        md = unpack(packed, layout)
-        rows = md.temperature.shape[0]
-        if logits.shape[0] < rows:
-            logits = jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
-        return sampler_lib.sample(logits[:rows], md, self.sampler_config)
+        """Sample one token per row of logits [R, V] (R: the sampler's row bucket)."""
+        return sampler_lib.sample(logits, unpack(packed, layout), self.sampler_config)
+
+    @staticmethod
+    def _engine_fingerprint(config: XlmConfig, num_blocks: int, kv_dtype: Any) -> str:
+        """What besides shapes decides the compiled programs."""
+        model = config.model_config
+        return repr(
+            (
+                model.model,
+                model.dtype,
+                model.hf_config.to_json_string(),
+                config.scheduler_config,
+                config.cache_config.block_size,
+                num_blocks,
+                str(jnp.dtype(kv_dtype)),
+                config.compilation_config.custom_ops,
+                config.parallel_config,
+            )
+        )
+
+    def _trees(self, kind: str, args: tuple) -> tuple[Any, Any]:
+        """Input and output pytree structures of a program (to load it without tracing)."""
+        in_tree = jax.tree_util.tree_structure((args, {}))
+        if kind == "model":
+            out_tree = jax.tree_util.tree_structure((list(self.kv_caches), 0))
+        else:
+            out_tree = jax.tree_util.tree_structure(sampler_lib.SamplerOutput(0, 0, 0, 0, 0))
+        return in_tree, out_tree
 
     def _lower(self, kind: str, args: tuple, layout: Any) -> Any:
         fn = self._model_fn if kind == "model" else self._sample_fn
@@ -265,28 +309,38 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile every bucket's programs before serving, in parallel threads."""
         start = time.perf_counter()
-        lowered: dict[tuple[str, Any], Any] = {}
+        programs: dict[tuple[str, Any], tuple] = {}
         for bucket in self.token_buckets:
             inputs, sampling, _ = self._prepare_inputs([], [], bucket)
             packed, layout = pack(inputs)
-            lowered[("model", layout)] = self._lower(
-                "model", (self.state, self.kv_caches, packed), layout
-            )
+            programs[("model", layout)] = (self.state, self.kv_caches, packed)
             packed, layout = pack(sampling)
-            rows = min(bucket, self.max_num_seqs)
+            rows = self._sampler_bucket(min(bucket, self.max_num_seqs))
             logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32)
-            if ("sampler", layout) not in lowered:
-                lowered[("sampler", layout)] = self._lower("sampler", (logits, packed), layout)
-        keys = [k for k in lowered if k not in self._programs]
+            programs[("sampler", layout)] = (logits, packed)
+        lowered: dict[tuple[str, Any], Any] = {}
+        loaded = 0
+        for (kind, layout), args in programs.items():
+            if (kind, layout) in self._programs:
+                continue
+            program = self._executables.load(kind, layout, *self._trees(kind, args))
+            if program is not None:
+                self._programs[(kind, layout)] = program
+                loaded += 1
+            else:
+                lowered[(kind, layout)] = self._lower(kind, args, layout)
+        keys = list(lowered)
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             futures = [pool.submit(lowered[k].compile) for k in keys]
             for key, future in zip(
                 keys, tqdm(futures, desc="Compiling", disable=envs.XLM_DISABLE_PROGRESS_BARS)
             ):
                 self._programs[key] = future.result()
-        self.num_compilations += len(keys)
-        # One real run per bucket: the first call of a program allocates its buffers.
-        for bucket in self.token_buckets:
-            self._run(*self._prepare_inputs([], [], bucket)[:2])
-        jax.block_until_ready(self.kv_caches)
-        logger.info("Compiled %d programs in %.1f s.", len(keys), time.perf_counter() - start)
+                self._executables.store(*key, self._programs[key])
+        self.num_compilations += len(keys) + loaded
+        logger.info(
+            "Compiled %d programs, loaded %d saved ones, in %.1f s.",
+            len(keys),
+            loaded,
+            time.perf_counter() - start,
+        )
