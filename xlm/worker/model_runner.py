@@ -33,6 +33,10 @@ from xlm.worker.packing import pack, unpack
 logger = init_logger(__name__)
 
 
+# Prompt positions scored per call of the prompt-logprobs program (one compiled shape).
+PROMPT_LOGPROB_ROWS = 128
+
+
 def executable_cache_dir(config: XlmConfig) -> str | None:
     """Where compiled programs are saved, or None when the cache is off.
 
@@ -98,19 +102,29 @@ class ModelRunner:
             executable_cache_dir(config), self._engine_fingerprint(config, num_blocks, kv_dtype)
         )
         self._sample_fn = jax.jit(self._sample_step, static_argnums=(2,))
+        self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs_step)
 
     # ---- the jitted programs ---------------------------------------------------------
     def _model_step(
         self, state: nnx.State, kv_caches: list[jax.Array], packed: jax.Array, layout: Any
-    ) -> tuple[list[jax.Array], jax.Array]:
-        """Model forward over the ragged batch; logits of each request's last token."""
+    ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+        """Model forward over the ragged batch: caches, last-token logits, hidden states."""
         inputs = unpack(packed, layout)
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(inputs["input_ids"], kv_caches, inputs["attn"])
         logits = model.compute_logits(hidden[inputs["logits_indices"]])
         # Pad (not compute) up to the sampler's row bucket, so its program fits every step.
         rows = self._sampler_bucket(logits.shape[0])
-        return kv_caches, jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
+        return kv_caches, jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0))), hidden
+
+    def _prompt_logprobs_step(
+        self, state: nnx.State, hidden: jax.Array, next_token_ids: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        """Logprobs of the next prompt tokens from hidden states [P, H] (plus the top-k)."""
+        model = nnx.merge(self.graphdef, state)
+        return sampler_lib.compute_prompt_logprobs(
+            model.compute_logits(hidden), next_token_ids, self.sampler_config.max_num_logprobs
+        )
 
     def _sample_step(self, logits: jax.Array, packed: jax.Array, layout: Any) -> Any:
         """Sample one token per row of logits [R, V] (R: the sampler's row bucket)."""
@@ -138,12 +152,16 @@ class ModelRunner:
         """Input and output pytree structures of a program (to load it without tracing)."""
         in_tree = jax.tree_util.tree_structure((args, {}))
         if kind == "model":
-            out_tree = jax.tree_util.tree_structure((list(self.kv_caches), 0))
+            out_tree = jax.tree_util.tree_structure((list(self.kv_caches), 0, 0))
+        elif kind == "prompt_logprobs":
+            out_tree = jax.tree_util.tree_structure((0, 0, 0, 0))
         else:
             out_tree = jax.tree_util.tree_structure(sampler_lib.SamplerOutput(0, 0, 0, 0, 0))
         return in_tree, out_tree
 
     def _lower(self, kind: str, args: tuple, layout: Any) -> Any:
+        if kind == "prompt_logprobs":
+            return self._prompt_logprobs_fn.lower(*args)
         fn = self._model_fn if kind == "model" else self._sample_fn
         return fn.lower(*args, layout)
 
@@ -254,10 +272,60 @@ class ModelRunner:
     def _run(self, inputs: dict[str, Any], sampling: Any) -> Any:
         packed, layout = pack(inputs)
         model_args = (self.state, self.kv_caches, jax.device_put(packed))
-        self.kv_caches, logits = self._program("model", model_args, layout)(*model_args)
+        self.kv_caches, logits, hidden = self._program("model", model_args, layout)(*model_args)
         packed, layout = pack(sampling)
         sample_args = (logits, jax.device_put(packed))
-        return jax.device_get(self._program("sampler", sample_args, layout)(*sample_args))
+        sampled = self._program("sampler", sample_args, layout)(*sample_args)
+        return jax.device_get(sampled), hidden
+
+    def _prompt_logprobs(
+        self, req_ids: list[str], num_scheduled: list[int], hidden: jax.Array
+    ) -> dict[str, LogprobsLists] | None:
+        """Logprobs of the prompt tokens this step computed, for requests that asked."""
+        batch = self.input_batch
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: dict[str, tuple[int, int, int]] = {}
+        offset = 0
+        for req_id, n in zip(req_ids, num_scheduled):
+            state = batch.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            computed = int(batch.num_computed_tokens[state.slot])  # before this step
+            if k is not None:
+                # Positions p in this chunk whose next token is still a prompt token (and
+                # not already scored before a preemption).
+                start = max(computed, state.num_prompt_logprobs_done)
+                stop = min(computed + n, len(state.prompt_token_ids) - 1)
+                if stop > start:
+                    spans[req_id] = (len(rows), stop - start, k)
+                    first_row = offset + start - computed
+                    rows.extend(range(first_row, first_row + stop - start))
+                    targets.extend(state.prompt_token_ids[start + 1 : stop + 1])
+                    state.num_prompt_logprobs_done = stop
+            offset += n
+        if not rows:
+            return None
+        chunk = PROMPT_LOGPROB_ROWS
+        hidden_rows = np.asarray(hidden)[rows]
+        results = []
+        for i in range(0, len(rows), chunk):
+            h = np.zeros((chunk, hidden_rows.shape[1]), hidden_rows.dtype)
+            ids = np.zeros(chunk, np.int32)
+            part = hidden_rows[i : i + chunk]
+            h[: len(part)] = part
+            ids[: len(part)] = targets[i : i + chunk]
+            args = (self.state, jax.device_put(h), jax.device_put(ids))
+            results.append(jax.device_get(self._program("prompt_logprobs", args, chunk)(*args)))
+        lp, ranks, top_ids, top_lps = (
+            np.concatenate(parts)[: len(rows)] for parts in zip(*results)
+        )
+        out = {}
+        for req_id, (first, count, k) in spans.items():
+            sl = slice(first, first + count)
+            out[req_id] = LogprobsLists.from_sampler(
+                targets[sl], lp[sl], ranks[sl], top_ids[sl, :k], top_lps[sl, :k]
+            )
+        return out
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return the sampled tokens per request."""
@@ -269,7 +337,8 @@ class ModelRunner:
         inputs, sampling, samples = self._prepare_inputs(
             req_ids, num_scheduled, self._bucket(so.total_num_scheduled_tokens)
         )
-        sampled = self._run(inputs, sampling)
+        sampled, hidden = self._run(inputs, sampling)
+        prompt_logprobs = self._prompt_logprobs(req_ids, num_scheduled, hidden)
         batch = self.input_batch
         token_ids = np.asarray(sampled.sampled_token_ids)
         sampled_token_ids: list[list[int]] = []
@@ -304,6 +373,7 @@ class ModelRunner:
             req_ids=req_ids,
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs if any_logprobs else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def warmup(self) -> None:
@@ -318,6 +388,13 @@ class ModelRunner:
             rows = self._sampler_bucket(min(bucket, self.max_num_seqs))
             logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32)
             programs[("sampler", layout)] = (logits, packed)
+        hidden_size = self.config.model_config.hf_config.hidden_size
+        dtype = jax.tree_util.tree_leaves(self.state)[0].dtype
+        programs[("prompt_logprobs", PROMPT_LOGPROB_ROWS)] = (
+            self.state,
+            jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS, hidden_size), dtype),
+            jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32),
+        )
         lowered: dict[tuple[str, Any], Any] = {}
         loaded = 0
         for (kind, layout), args in programs.items():
