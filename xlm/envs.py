@@ -55,7 +55,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "XLM_CPU_KVCACHE_SPACE": _get_float("XLM_CPU_KVCACHE_SPACE", None),
     # Root of xlm's caches (compilation cache, converted models).
     "XLM_CACHE_ROOT": lambda: os.environ.get("XLM_CACHE_ROOT", _default_cache_root()),
-    # JAX persistent compilation cache directory ("" disables it).
+    # Cache of compiled step programs, reused by the next start ("" disables it).
     "XLM_COMPILATION_CACHE_DIR": lambda: os.environ.get(
         "XLM_COMPILATION_CACHE_DIR", os.path.join(_get_cache_root(), "jax_compilation_cache")
     ),

@@ -55,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if extra and args.command not in PENDING:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        # Bad options, paths or a missing package: one clear line, no traceback.
+        print(f"xlm {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
