@@ -250,6 +250,18 @@ def print_table(levels: list[dict]) -> None:
     print("(latencies in ms; TPOT excludes the first token; ITL is per streamed chunk)")
 
 
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("xlm", "jax", "jaxlib", "fastapi", "uvicorn", "pyzmq", "httpx"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -272,6 +284,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "serve.json"))
     args = parser.parse_args()
 
+    load_before = os.getloadavg()[0]
     proc = None
     base_url = args.base_url
     if args.launch:
@@ -314,6 +327,8 @@ def main() -> None:
     out = Path(args.out)
     report = {
         "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        "versions": _versions(),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
