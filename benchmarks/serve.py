@@ -250,6 +250,34 @@ def print_table(levels: list[dict]) -> None:
     print("(latencies in ms; TPOT excludes the first token; ITL is per streamed chunk)")
 
 
+def offline_baseline(serve_args: str, prompts: list[str], output_len: int) -> dict:
+    """The same engine in-process (xlm.LLM) on the same prompts: the no-server reference."""
+    import argparse
+
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.entrypoints.llm import LLM
+    from xlm.entrypoints.openai.cli_args import finish_args, make_arg_parser
+    from xlm.sampling_params import SamplingParams
+
+    args = finish_args(make_arg_parser(argparse.ArgumentParser()), shlex.split(serve_args))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    try:
+        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        duration = time.perf_counter() - start
+    finally:
+        llm.llm_engine.shutdown()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "num_requests": len(prompts),
+        "duration_s": duration,
+        "request_throughput": len(prompts) / duration,
+        "output_throughput": tokens / duration,
+    }
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -281,6 +309,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--offline-baseline",
+        action="store_true",
+        help="with --launch: also run the same engine in-process on the last level's prompts",
+    )
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "serve.json"))
     args = parser.parse_args()
 
@@ -324,6 +357,19 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     print_table(levels)
+    baseline = None
+    if args.offline_baseline and args.launch:
+        last = levels[-1]
+        prompts = make_prompts(
+            last["num_requests"], args.input_words, args.seed + last["concurrency"]
+        )
+        baseline = offline_baseline(args.launch, prompts, args.output_len)
+        ratio = last["output_throughput"] / baseline["output_throughput"]
+        print(
+            f"offline xlm.LLM, same engine and prompts: {baseline['output_throughput']:.1f} "
+            f"out tok/s; serve at concurrency {last['concurrency']} reaches {ratio:.2f}x of it"
+        )
+        baseline["serve_over_offline"] = ratio
     out = Path(args.out)
     report = {
         "command": " ".join(shlex.quote(a) for a in sys.argv),
@@ -339,6 +385,7 @@ def main() -> None:
         "input_words": args.input_words,
         "output_len": args.output_len,
         "levels": levels,
+        "offline_baseline": baseline,
     }
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(

@@ -22,7 +22,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -60,22 +59,10 @@ _NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step", "shutdown"}
 EngineCoreFactory = Callable[[Any, bool], Any]
 
 
-@dataclass
-class _FallbackEngineCoreOutputs:
-    """Used only when xlm.engine.core is not importable (stand-in cores in tests)."""
-
-    outputs: list = field(default_factory=list)
-    scheduler_stats: Any = None
-    timestamp: float = 0.0
-
-
 def _outputs_cls() -> type:
-    try:
-        from xlm.engine.core import EngineCoreOutputs
+    from xlm.engine.core import EngineCoreOutputs
 
-        return EngineCoreOutputs
-    except ImportError:
-        return _FallbackEngineCoreOutputs
+    return EngineCoreOutputs
 
 
 def _default_factory(xlm_config: Any, log_stats: bool) -> Any:
