@@ -236,7 +236,12 @@ class AsyncLLM:
             processed = self.output_processor.process_outputs(chunk, timestamp)
             for request_output in processed.request_outputs:
                 self._route(request_output)
-            if processed.reqs_to_abort:
+            if processed.reqs_to_abort:  # stop strings matched: finished here, not in the core
+                now = time.monotonic()
+                for core_id in processed.reqs_to_abort:
+                    finished = self.stats_tracker.finish(core_id, "stop", now)
+                    if finished is not None:
+                        iteration_stats.finished_requests.append(finished)
                 await self.engine_core.abort_requests_async(list(processed.reqs_to_abort))
         if outputs.scheduler_stats is not None:
             self.last_scheduler_stats = outputs.scheduler_stats

@@ -56,6 +56,11 @@ class RequestStatsTracker:
         """Forget a request (aborted by the front end)."""
         self.requests.pop(request_id, None)
 
+    def finish(self, request_id: str, reason: str, now: float) -> FinishedRequestStats | None:
+        """End a request the front end finished (a stop string matched)."""
+        timing = self.requests.pop(request_id, None)
+        return None if timing is None else _finished(timing, reason, now)
+
     def update(self, outputs: list[Any], now: float) -> IterationStats:
         """Account the EngineCoreOutputs of one step."""
         stats = IterationStats()

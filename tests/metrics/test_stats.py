@@ -1,0 +1,72 @@
+"""Front-end request statistics and the Prometheus / log stat loggers."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from xlm.core.outputs import EngineCoreOutput, SchedulerStats
+from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from xlm.metrics.stats import RequestStatsTracker
+
+
+def test_tracker_times_first_token_inter_token_and_finish():
+    tracker = RequestStatsTracker()
+    tracker.add("a", arrival=10.0, num_prompt_tokens=5)
+    tracker.add("b", arrival=10.0, num_prompt_tokens=3)
+    first = tracker.update([EngineCoreOutput("a", [1]), EngineCoreOutput("b", [])], now=10.5)
+    assert first.time_to_first_tokens == [0.5] and first.num_prompt_tokens == 5
+    second = tracker.update([EngineCoreOutput("a", [2, 3], "length")], now=11.5)
+    assert second.inter_token_latencies == [0.5] and second.num_generation_tokens == 2
+    (done,) = second.finished_requests
+    assert done.finish_reason == "length" and done.e2e_latency == 1.5
+    assert done.num_generation_tokens == 3 and done.mean_time_per_output_token == 0.5
+    stopped = tracker.finish("b", "stop", now=12.0)
+    assert stopped.finish_reason == "stop" and stopped.time_to_first_token is None
+    assert tracker.requests == {}
+
+
+def test_prometheus_logger_counts_deltas_and_histograms():
+    logger = PrometheusStatLogger("m")
+    tracker = RequestStatsTracker()
+    tracker.add("a", 0.0, 4)
+    it = tracker.update([EngineCoreOutput("a", [7], "stop")], now=0.25)
+    stats = SchedulerStats(
+        num_running_reqs=2,
+        kv_cache_usage=0.5,
+        prefix_cache_queries=10,
+        prefix_cache_hits=4,
+        num_preemptions=1,
+    )
+    logger.record(stats, it)
+    logger.record(SchedulerStats(prefix_cache_queries=12, prefix_cache_hits=4), None)
+    logger.record_aborted(2)
+    text = generate_latest(logger.registry).decode()
+    assert 'xlm:num_requests_running{model_name="m"} 0.0' in text  # the latest snapshot
+    assert 'xlm:kv_cache_usage_perc{model_name="m"} 0.0' in text
+    assert 'xlm:num_preemptions_total{model_name="m"} 1.0' in text
+    assert 'xlm:prefix_cache_queries_total{model_name="m"} 12.0' in text
+    assert 'xlm:prefix_cache_hits_total{model_name="m"} 4.0' in text
+    assert 'xlm:prompt_tokens_total{model_name="m"} 4.0' in text
+    assert 'xlm:generation_tokens_total{model_name="m"} 1.0' in text
+    assert 'xlm:request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
+    assert 'xlm:request_success_total{finished_reason="abort",model_name="m"} 2.0' in text
+    assert 'xlm:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
+    assert 'xlm:e2e_request_latency_seconds_sum{model_name="m"} 0.25' in text
+
+
+def test_logging_stat_logger_logs_one_line(caplog):
+    logger = LoggingStatLogger()
+    tracker = RequestStatsTracker()
+    tracker.add("a", 0.0, 4)
+    logger.record(
+        SchedulerStats(num_running_reqs=1), tracker.update([EngineCoreOutput("a", [1])], 1)
+    )
+    import logging
+
+    xlm_logger = logging.getLogger("xlm")
+    xlm_logger.addHandler(caplog.handler)
+    try:
+        logger.log()
+    finally:
+        xlm_logger.removeHandler(caplog.handler)
+    assert "Avg generation throughput" in caplog.text and "Running: 1 reqs" in caplog.text
