@@ -175,3 +175,22 @@ def test_malformed_bodies_and_auth(client):
     assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
     r = client.post("/detokenize", json={"tokens": r.json()["tokens"]})
     assert r.json()["prompt"] == "Hello"
+
+
+def test_prompt_larger_than_the_kv_cache_is_a_400(tokenizer):
+    from types import SimpleNamespace
+
+    from xlm.entrypoints.openai.api_server import build_app
+    from xlm.entrypoints.openai.cli_args import make_arg_parser
+
+    engine = FakeAsyncEngine(tokenizer, max_model_len=64)
+    engine.ready_info = {"num_blocks": 3}  # two usable blocks of 16: 32 tokens
+    engine.xlm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args([MODEL])
+    args.model, args.api_key = MODEL, None
+    with TestClient(build_app(args, engine)) as c:
+        r = c.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 2})
+        assert r.status_code == 400 and "holds only 32 tokens" in r.json()["error"]["message"]
+        assert (
+            c.post("/v1/completions", json={"prompt": [5] * 30, "max_tokens": 2}).status_code == 200
+        )

@@ -123,7 +123,13 @@ class ServerState:
         self.registry = registry
         tokenizer = engine.get_tokenizer()
         names = list(args.served_model_name or [args.model])
-        vocab = (getattr(engine, "ready_info", None) or {}).get("vocab_size") or len(tokenizer)
+        ready = getattr(engine, "ready_info", None) or {}
+        vocab = ready.get("vocab_size") or len(tokenizer)
+        kv_cache_tokens = None
+        block_size = getattr(getattr(engine, "xlm_config", None), "cache_config", None)
+        if ready.get("num_blocks") and block_size is not None:
+            # Block 0 is the null block; the rest hold tokens.
+            kv_cache_tokens = (int(ready["num_blocks"]) - 1) * block_size.block_size
         self.ctx = ServingContext(
             engine=engine,
             served_model_names=names,
@@ -131,6 +137,7 @@ class ServerState:
             max_logprobs=args.max_logprobs,
             vocab_size=int(vocab),
             enable_log_requests=args.enable_log_requests,
+            kv_cache_tokens=kv_cache_tokens,
         )
         chat_template = _load_chat_template(args.chat_template)
         self.completion = OpenAIServingCompletion(self.ctx)

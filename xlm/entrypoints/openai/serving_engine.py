@@ -93,6 +93,8 @@ class ServingContext:
     max_logprobs: int
     vocab_size: int
     enable_log_requests: bool = False
+    # Tokens the whole KV cache holds (None: unknown); a longer prompt can never run.
+    kv_cache_tokens: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -150,6 +152,13 @@ class ServingContext:
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None) -> int:
         """Check prompt + max_tokens against max_model_len; returns the max_tokens to use."""
         limit = self.max_model_len
+        if self.kv_cache_tokens is not None and num_prompt_tokens > self.kv_cache_tokens:
+            raise OpenAIError(
+                f"The prompt has {num_prompt_tokens} tokens but the server's KV cache holds only "
+                f"{self.kv_cache_tokens} tokens, so it can never run. Please shorten the prompt.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         if num_prompt_tokens >= limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens. However, your "
