@@ -15,10 +15,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("xlm.entrypoints.generate", "generate a completion for a prompt"),
     "chat": ("xlm.entrypoints.generate", "interactive chat on the terminal"),
     "convert": ("xlm.entrypoints.convert", "convert a GGUF file to a safetensors directory"),
+    "serve": ("xlm.entrypoints.openai.cli_args", "start the OpenAI-compatible server"),
 }
 # Subcommands whose issue has not landed yet.
 PENDING: dict[str, str] = {
-    "serve": "start the OpenAI-compatible server",
     "run-batch": "run a file of OpenAI batch requests",
 }
 
