@@ -199,6 +199,18 @@ def test_echo_token_prompts_and_tokenize(client, tokenizer):
     assert len(out.choices) == 2 and out.choices[0].text.startswith(PROMPT)
     assert out.choices[0].text == out.choices[1].text
     assert out.usage.prompt_tokens == 2 * len(ids)
+    scored = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
     tok = httpx.post(server_url(client) + "/tokenize", json={"prompt": PROMPT}).json()
     assert tok["tokens"] == ids and tok["count"] == len(ids)
     detok = httpx.post(server_url(client) + "/detokenize", json={"tokens": ids}).json()

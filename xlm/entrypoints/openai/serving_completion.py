@@ -121,6 +121,7 @@ class _Run:
         self.created = int(time.time())
         self.tokenizer = ctx.engine.get_tokenizer()
         self.num_cached = [0] * len(prompts)
+        self.prompt_logprobs: list[list[Any]] = [[] for _ in prompts]
 
     def _logprobs(
         self, choice: _Choice, token_ids: list[int], entries: list[Any], offset: int
@@ -141,6 +142,35 @@ class _Run:
             out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(tok)
+        return out
+
+    def _echo_logprobs(self, prompt_idx: int, completion: CompletionLogProbs) -> CompletionLogProbs:
+        """Prompt-token logprobs (the first is None) before the completion's, as OpenAI echoes."""
+        out = CompletionLogProbs()
+        entries = self.prompt_logprobs[prompt_idx]
+        offset = 0
+        k = self.request.logprobs or 0
+        for i, token_id in enumerate(self.prompts[prompt_idx]):
+            position = entries[i] if i < len(entries) else None
+            lp = position.get(token_id) if position else None
+            tok = token_text(self.tokenizer, token_id, lp)
+            out.tokens.append(tok)
+            out.token_logprobs.append(lp.logprob if lp is not None else None)
+            top = None
+            if position:
+                top = {
+                    token_text(self.tokenizer, t, e): e.logprob
+                    for t, e in top_entries(position, token_id, k)
+                }
+                if lp is not None:
+                    top.setdefault(tok, lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(tok)
+        out.tokens += completion.tokens
+        out.token_logprobs += completion.token_logprobs
+        out.top_logprobs += completion.top_logprobs
+        out.text_offset += completion.text_offset
         return out
 
     def _usage(self, choices: dict[int, _Choice]) -> Any:
@@ -173,6 +203,8 @@ class _Run:
                 logprobs = self._logprobs(
                     choice, choice.token_ids, choice.logprobs, len(self.echo_texts[prompt_idx])
                 )
+                if self.request.echo:
+                    logprobs = self._echo_logprobs(prompt_idx, logprobs)
             response_choices.append(
                 CompletionResponseChoice(
                     index=idx,
@@ -193,6 +225,8 @@ class _Run:
     def _accumulate(self, choices: dict[int, _Choice], prompt_idx: int, output: Any) -> None:
         if output.num_cached_tokens:
             self.num_cached[prompt_idx] = output.num_cached_tokens
+        if output.prompt_logprobs:
+            self.prompt_logprobs[prompt_idx].extend(output.prompt_logprobs)
         for completion in output.outputs:
             choice = choices[prompt_idx * self.n + completion.index]
             choice.text += completion.text
