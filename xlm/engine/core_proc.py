@@ -15,6 +15,7 @@ ENGINE_ERROR(message). The client binds both sockets; the engine connects.
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import signal
@@ -104,6 +105,10 @@ class EngineCoreProc:
             self._send_error("engine core failed to start:\n" + traceback.format_exc())
             raise
         self._outputs_cls = _outputs_cls()
+        # Everything built so far lives as long as the process: keep the collector from
+        # rescanning it (the block pool alone is tens of thousands of objects).
+        gc.collect()
+        gc.freeze()
         self.output_queue.put((OutputType.READY, self._ready_info()))
         self._input_thread = threading.Thread(
             target=self._process_input_socket, args=(input_address,), daemon=True

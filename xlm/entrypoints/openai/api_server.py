@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import signal
 import sys
@@ -393,6 +394,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine, registry = build_engine(args)
     try:
         app = build_app(args, engine, registry)
+        gc.collect()
+        gc.freeze()  # long-lived start-up objects: out of the collector's way
         asyncio.run(serve_http(app, args, engine))
     finally:
         engine.shutdown()
