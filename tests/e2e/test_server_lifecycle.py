@@ -90,7 +90,7 @@ def test_sigterm_drains_in_flight_then_aborts_the_rest():
     server = RemoteServer(["--shutdown-timeout", "1.5"])
     engine_pid = server.engine_pid()
 
-    async def run() -> tuple[list, list, float]:
+    async def run() -> tuple[list, list, dict, float]:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             long_first, short_first = asyncio.Event(), asyncio.Event()
             long_body = {
@@ -108,6 +108,8 @@ def test_sigterm_drains_in_flight_then_aborts_the_rest():
                 "stream": True,
             }
             long_task = asyncio.create_task(_stream_events(http, long_body, long_first))
+            full_body = {**long_body, "stream": False}
+            full_task = asyncio.create_task(http.post("/v1/completions", json=full_body))
             await asyncio.wait_for(long_first.wait(), 60)
             short_task = asyncio.create_task(_stream_events(http, short_body, short_first))
             await asyncio.sleep(0.05)  # the short request reaches the server
@@ -121,9 +123,14 @@ def test_sigterm_drains_in_flight_then_aborts_the_rest():
                 pass
             long_events = await asyncio.wait_for(long_task, 60)
             short_events = await asyncio.wait_for(short_task, 60)
-            return long_events, short_events, sent
+            full = await asyncio.wait_for(full_task, 60)
+            assert full.status_code == 200, full.text
+            return long_events, short_events, full.json(), sent
 
-    long_events, short_events, sent = asyncio.run(run())
+    long_events, short_events, full, sent = asyncio.run(run())
+    # A non-streamed request cut at the deadline answers with its partial text.
+    assert full["choices"][0]["finish_reason"] == "abort"
+    assert 0 < full["usage"]["completion_tokens"] < 240
     # The short request finished normally within the grace period.
     assert short_events[-1] == "[DONE]"
     assert [

@@ -51,7 +51,7 @@ def test_sampling_params_from_request():
     params = req.to_sampling_params(default_max_tokens=10, max_logprobs=5)
     assert params.temperature == 0.5 and params.top_k == 3 and params.stop == ["x"]
     assert params.logit_bias == {7: 2.0} and params.max_tokens == 16
-    assert params.output_kind == RequestOutputKind.FINAL_ONLY
+    assert params.output_kind == RequestOutputKind.DELTA  # accumulated by the handler
     assert "top_p" not in params._explicit_fields  # model defaults may apply
     stream = CompletionRequest(prompt="hi", stream=True, max_tokens=None)
     assert stream.to_sampling_params(10, 5).output_kind == RequestOutputKind.DELTA

@@ -175,7 +175,9 @@ class _SamplingRequest(OpenAIBaseModel):
                 raise RequestValidationError(
                     "logit_bias keys must be integer token ids", "logit_bias"
                 ) from None
-        kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        # DELTA for non-streamed requests too: the handler accumulates, so a request aborted
+        # at shutdown can still answer with its partial text.
+        kind = RequestOutputKind.DELTA
         try:
             return SamplingParams(
                 n=self.n,
