@@ -19,8 +19,14 @@ class Batch:
     num_seqs: np.ndarray  # [1] int32
 
     def args(self) -> tuple:
-        return (self.q, self.kv_cache, self.block_tables, self.seq_lens,
-                self.query_start_loc, self.num_seqs)
+        return (
+            self.q,
+            self.kv_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.num_seqs,
+        )
 
 
 def make_batch(
@@ -49,11 +55,11 @@ def make_batch(
     block_tables = np.zeros((num_reqs, max_blocks), np.int32)
     used = 0
     for r, p in enumerate(pages):
-        block_tables[r, :p] = perm[used:used + p]
+        block_tables[r, :p] = perm[used : used + p]
         used += p
     qsl = np.zeros(num_reqs + 1, np.int32)
-    qsl[1:n + 1] = np.cumsum(q_lens)
-    qsl[n + 1:] = qsl[n]
+    qsl[1 : n + 1] = np.cumsum(q_lens)
+    qsl[n + 1 :] = qsl[n]
     lens = np.zeros(num_reqs, np.int32)
     lens[:n] = seq_lens
     kv = rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim), np.float32)

@@ -34,8 +34,17 @@ CASES = {
 
 def _batch(name: str, seed: int = 0, dtype=jnp.float32) -> Batch:
     q_lens, seq_lens, hq, hkv, bs, t, r = CASES[name]
-    b = make_batch(np.random.default_rng(seed), q_lens, seq_lens, num_q_heads=hq,
-                   num_kv_heads=hkv, head_dim=HEAD_DIM, block_size=bs, num_tokens=t, num_reqs=r)
+    b = make_batch(
+        np.random.default_rng(seed),
+        q_lens,
+        seq_lens,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=HEAD_DIM,
+        block_size=bs,
+        num_tokens=t,
+        num_reqs=r,
+    )
     if dtype != jnp.float32:
         b.q = np.asarray(jnp.asarray(b.q, dtype))
         b.kv_cache = np.asarray(jnp.asarray(b.kv_cache, dtype))
@@ -54,8 +63,11 @@ def _tol(dtype) -> dict:
 def test_reference_matches_brute_force(name, window, cap):
     b = _batch(name, seed=1)
     expect = brute_force_attention(b, SM_SCALE, window, cap)
-    got = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE,
-                                    sliding_window=window, soft_cap=cap))(*b.args())
+    got = jax.jit(
+        functools.partial(
+            ragged_paged_attention_reference, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap
+        )
+    )(*b.args())
     np.testing.assert_allclose(np.asarray(got), expect, rtol=1e-5, atol=1e-5)
     n_real = int(b.query_start_loc[b.num_seqs[0]])
     assert np.all(np.asarray(got)[n_real:] == 0)  # padding rows are defined as 0
@@ -82,8 +94,7 @@ def test_write_kv_scatters_into_slots_then_attention_sees_them():
     slots = np.array([pages[(p // bs)] * bs + p % bs for p in (4, 5, 6)], np.int32)
     b.kv_cache = np.asarray(write_kv(b.kv_cache, new_k, new_v, slots))
     got = ragged_paged_attention_reference(*b.args(), sm_scale=0.5)
-    np.testing.assert_allclose(np.asarray(got), brute_force_attention(b, 0.5), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), brute_force_attention(b, 0.5), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- kernels in interpret mode
@@ -95,12 +106,14 @@ def _to_tpu_layout(kv_cache):
 
 def _check_kernel(kernel, b: Batch, dtype, window=None, cap=None, **knobs):
     args = [jnp.asarray(a) for a in b.args()]
-    expect = ragged_paged_attention_reference(*args, sm_scale=SM_SCALE, sliding_window=window,
-                                              soft_cap=cap)
+    expect = ragged_paged_attention_reference(
+        *args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap
+    )
     if kernel is ragged_paged_attention_tpu:
         args[1] = _to_tpu_layout(args[1])
-    got = kernel(*args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap, interpret=True,
-                 **knobs)
+    got = kernel(
+        *args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap, interpret=True, **knobs
+    )
     assert got.shape == b.q.shape and got.dtype == dtype
     got = np.asarray(got.astype(jnp.float32))
     assert np.isfinite(got).all()
@@ -121,8 +134,9 @@ GPU_CASES = [
 
 @pytest.mark.parametrize("name,dtype,window,cap,knobs", GPU_CASES)
 def test_gpu_kernel_interpret(name, dtype, window, cap, knobs):
-    _check_kernel(ragged_paged_attention_gpu, _batch(name, dtype=dtype), dtype, window, cap,
-                  **knobs)
+    _check_kernel(
+        ragged_paged_attention_gpu, _batch(name, dtype=dtype), dtype, window, cap, **knobs
+    )
 
 
 def test_gpu_kernel_interpret_random_batches():
@@ -132,11 +146,26 @@ def test_gpu_kernel_interpret_random_batches():
         q_lens = [int(x) for x in rng.choice([1, 1, 2, 5, 12], size=n)]
         seq_lens = [q + int(rng.integers(0, 30)) for q in q_lens]
         hkv = int(rng.choice([1, 2]))
-        b = make_batch(rng, q_lens, seq_lens, num_q_heads=hkv * int(rng.choice([1, 4, 8])),
-                       num_kv_heads=hkv, head_dim=HEAD_DIM, block_size=int(rng.choice([4, 8])),
-                       num_tokens=sum(q_lens) + 3, num_reqs=n + 1)
-        _check_kernel(ragged_paged_attention_gpu, b, jnp.float32, window=None, cap=None,
-                      block_q=int(rng.choice([1, 4])), block_kv=16)
+        b = make_batch(
+            rng,
+            q_lens,
+            seq_lens,
+            num_q_heads=hkv * int(rng.choice([1, 4, 8])),
+            num_kv_heads=hkv,
+            head_dim=HEAD_DIM,
+            block_size=int(rng.choice([4, 8])),
+            num_tokens=sum(q_lens) + 3,
+            num_reqs=n + 1,
+        )
+        _check_kernel(
+            ragged_paged_attention_gpu,
+            b,
+            jnp.float32,
+            window=None,
+            cap=None,
+            block_q=int(rng.choice([1, 4])),
+            block_kv=16,
+        )
 
 
 TPU_CASES = [
@@ -152,8 +181,9 @@ TPU_CASES = [
 
 @pytest.mark.parametrize("name,dtype,window,cap,knobs", TPU_CASES)
 def test_tpu_kernel_interpret(name, dtype, window, cap, knobs):
-    _check_kernel(ragged_paged_attention_tpu, _batch(name, dtype=dtype), dtype, window, cap,
-                  **knobs)
+    _check_kernel(
+        ragged_paged_attention_tpu, _batch(name, dtype=dtype), dtype, window, cap, **knobs
+    )
 
 
 def test_write_kv_tpu_matches_shared_layout():
@@ -180,16 +210,26 @@ def test_tpu_kernel_rejects_untileable_block_q():
 
 def _abstract_args(dtype, t=64, r=8, hq=32, hkv=8, d=128, num_blocks=64, bs=16, max_blocks=16):
     s = jax.ShapeDtypeStruct
-    return (s((t, hq, d), dtype), s(kv_cache_shape(num_blocks, bs, hkv, d), dtype),
-            s((r, max_blocks), jnp.int32), s((r,), jnp.int32), s((r + 1,), jnp.int32),
-            s((1,), jnp.int32))
+    return (
+        s((t, hq, d), dtype),
+        s(kv_cache_shape(num_blocks, bs, hkv, d), dtype),
+        s((r, max_blocks), jnp.int32),
+        s((r,), jnp.int32),
+        s((r + 1,), jnp.int32),
+        s((1,), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_gpu_kernel_lowers_for_cuda(splits, dtype):
-    f = functools.partial(ragged_paged_attention_gpu, sm_scale=0.1, sliding_window=64,
-                          soft_cap=30.0, num_kv_splits=splits)
+    f = functools.partial(
+        ragged_paged_attention_gpu,
+        sm_scale=0.1,
+        sliding_window=64,
+        soft_cap=30.0,
+        num_kv_splits=splits,
+    )
     text = jax.jit(f).trace(*_abstract_args(dtype)).lower(lowering_platforms=("cuda",)).as_text()
     assert "ragged_paged_attention_gpu" in text
 
@@ -202,13 +242,19 @@ def test_tpu_kernel_lowers_for_tpu(device_kind, dtype, num_tokens, num_reqs):
     # on a CPU-only machine; Mosaic's own compile to TPU code still needs a TPU.
     s = jax.ShapeDtypeStruct
     t, r, hq, hkv, d, num_blocks, bs, max_blocks = num_tokens, num_reqs, 32, 8, 128, 64, 16, 16
-    args = (s((t, hq, d), dtype), s(kv_cache_shape_tpu(num_blocks, bs, hkv, d), dtype),
-            s((r, max_blocks), jnp.int32), s((r,), jnp.int32), s((r + 1,), jnp.int32),
-            s((1,), jnp.int32))
+    args = (
+        s((t, hq, d), dtype),
+        s(kv_cache_shape_tpu(num_blocks, bs, hkv, d), dtype),
+        s((r, max_blocks), jnp.int32),
+        s((r,), jnp.int32),
+        s((r + 1,), jnp.int32),
+        s((1,), jnp.int32),
+    )
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    f = functools.partial(ragged_paged_attention_tpu, sm_scale=0.1, sliding_window=64,
-                          soft_cap=30.0)
+    f = functools.partial(
+        ragged_paged_attention_tpu, sm_scale=0.1, sliding_window=64, soft_cap=30.0
+    )
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
@@ -231,14 +277,17 @@ def test_gpu_kernel_on_device(name, dtype, window, cap, knobs):
         pytest.skip("no GPU device")
     b = _batch(name, dtype=dtype)
     args = [jnp.asarray(a) for a in b.args()]
-    expect = ragged_paged_attention_reference(*args, sm_scale=SM_SCALE, sliding_window=window,
-                                              soft_cap=cap)
-    got = ragged_paged_attention_gpu(*args, sm_scale=SM_SCALE, sliding_window=window,
-                                     soft_cap=cap, **knobs)
+    expect = ragged_paged_attention_reference(
+        *args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap
+    )
+    got = ragged_paged_attention_gpu(
+        *args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap, **knobs
+    )
     # f32 dots on GPU may use TF32-free IEEE but accumulate in another order: looser atol.
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else _tol(dtype)
-    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)),
-                               np.asarray(expect.astype(jnp.float32)), **tol)
+    np.testing.assert_allclose(
+        np.asarray(got.astype(jnp.float32)), np.asarray(expect.astype(jnp.float32)), **tol
+    )
 
 
 @pytest.mark.tpu
@@ -248,11 +297,17 @@ def test_tpu_kernel_on_device(name, dtype, window, cap, knobs):
         pytest.skip("no TPU device")
     b = _batch(name, dtype=dtype)
     args = [jnp.asarray(a) for a in b.args()]
-    expect = ragged_paged_attention_reference(*args, sm_scale=SM_SCALE, sliding_window=window,
-                                              soft_cap=cap)
+    expect = ragged_paged_attention_reference(
+        *args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap
+    )
     args[1] = _to_tpu_layout(args[1])
-    got = ragged_paged_attention_tpu(*args, sm_scale=SM_SCALE, sliding_window=window,
-                                     soft_cap=cap, **knobs)
+    got = ragged_paged_attention_tpu(
+        *args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap, **knobs
+    )
     # The MXU runs f32 matmuls in bf16 passes at default precision: compare loosely.
-    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)),
-                               np.asarray(expect.astype(jnp.float32)), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(got.astype(jnp.float32)),
+        np.asarray(expect.astype(jnp.float32)),
+        rtol=2e-2,
+        atol=2e-2,
+    )
