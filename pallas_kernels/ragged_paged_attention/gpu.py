@@ -49,9 +49,26 @@ def q_block_schedule(
 
 
 def _kernel(
-    blk_req_ref, blk_row_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, kv_ref, *out_refs,
-    sm_scale, sliding_window, soft_cap, group, num_q_heads, block_q, rows, block_kv,
-    block_size, kv_plane, num_splits, dummy_row,
+    blk_req_ref,
+    blk_row_ref,
+    qsl_ref,
+    seq_lens_ref,
+    bt_ref,
+    q_ref,
+    kv_ref,
+    *out_refs,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    group,
+    num_q_heads,
+    block_q,
+    rows,
+    block_kv,
+    block_size,
+    kv_plane,
+    num_splits,
+    dummy_row,
 ):
     g, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     req = blk_req_ref[g]
@@ -111,8 +128,9 @@ def _kernel(
         alpha = jnp.exp(m_prev - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         l_new = alpha * l_prev + p.sum(axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         return acc * alpha[:, None] + pv, m_new, l_new
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
@@ -145,8 +163,17 @@ def default_knobs(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "block_q",
-                     "block_kv", "num_kv_splits", "num_warps", "num_stages"),
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "interpret",
+        "block_q",
+        "block_kv",
+        "num_kv_splits",
+        "num_warps",
+        "num_stages",
+    ),
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,
@@ -184,9 +211,18 @@ def ragged_paged_attention_gpu(
     num_q_blocks = pl.cdiv(num_tokens, block_q) + num_reqs
     blk_req, blk_row = q_block_schedule(query_start_loc, num_seqs, block_q, num_q_blocks)
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        group=group, num_q_heads=num_q_heads, block_q=block_q, rows=rows, block_kv=block_kv,
-        block_size=block_size, kv_plane=num_blocks * block_size, num_splits=num_splits,
+        _kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        group=group,
+        num_q_heads=num_q_heads,
+        block_q=block_q,
+        rows=rows,
+        block_kv=block_kv,
+        block_size=block_size,
+        kv_plane=num_blocks * block_size,
+        num_splits=num_splits,
         dummy_row=num_tokens * num_q_heads,
     )
     flat_rows = num_tokens * num_q_heads + 1  # + the spare row padding lanes write to
@@ -206,8 +242,12 @@ def ragged_paged_attention_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="ragged_paged_attention_gpu",
     )(
-        blk_req, blk_row, query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
-        block_tables.astype(jnp.int32), q.reshape(flat_rows - 1, head_dim),
+        blk_req,
+        blk_row,
+        query_start_loc.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        q.reshape(flat_rows - 1, head_dim),
         kv_cache.reshape(2 * num_blocks * block_size, num_kv_heads, head_dim),
     )
     if num_splits == 1:

@@ -18,11 +18,16 @@ def kv_cache_shape(
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter k, v [T, Hkv, D] into the cache at slot = block_id * block_size + offset."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = jnp.asarray(kv_cache).reshape(2, num_blocks * block_size, num_kv_heads, head_dim)
+    num_blocks, block_size = kv_cache.shape[1:3]
     kv = jnp.stack([k, v]).astype(kv_cache.dtype)
-    flat = flat.at[:, slot_mapping.astype(jnp.int32)].set(kv, mode="drop")
-    return flat.reshape(kv_cache.shape)
+    slot_mapping = slot_mapping.astype(jnp.int32)
+    # Negative slots are dropped too (jnp would wrap them to the last block).
+    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
+    # Index (block, offset) directly: scattering through a flattening reshape made XLA copy
+    # the whole (donated) cache every step once attention also read it (~50x slower on CPU).
+    return kv_cache.at[:, blocks, slot_mapping % block_size].set(
+        kv, mode="drop", unique_indices=False
+    )
 
 
 def token_metadata(

@@ -41,8 +41,8 @@ def write_kv_tpu(
     slots = slot_mapping.astype(jnp.int32)
     # Index arrays split by a slice: numpy puts the indexed dim first, so values are [T, 2, ...].
     kv = jnp.stack([k, v], axis=1).astype(kv_cache.dtype)  # [T, 2, Hkv, D]
-    return jnp.asarray(kv_cache).at[:, slots // block_size, :, slots % block_size].set(
-        kv, mode="drop"
+    return (
+        jnp.asarray(kv_cache).at[:, slots // block_size, :, slots % block_size].set(kv, mode="drop")
     )
 
 
@@ -63,12 +63,30 @@ def default_knobs_tpu(
 
 def _kernel(
     # scalar prefetch (SMEM)
-    seq_lens_ref, qsl_ref, block_tables_ref, first_req_ref, last_req_ref,
+    seq_lens_ref,
+    qsl_ref,
+    block_tables_ref,
+    first_req_ref,
+    last_req_ref,
     # inputs / outputs
-    q_ref, kv_hbm, o_ref,
+    q_ref,
+    kv_hbm,
+    o_ref,
     # scratch
-    k_buf, v_buf, sems, acc_ref, m_ref, l_ref,
-    *, sm_scale, sliding_window, soft_cap, group, block_q, block_size, pages_per_tile,
+    k_buf,
+    v_buf,
+    sems,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    group,
+    block_q,
+    block_size,
+    pages_per_tile,
     max_pages,
 ):
     h, g = pl.program_id(0), pl.program_id(1)
@@ -93,10 +111,12 @@ def _kernel(
             page_idx = jnp.minimum(tile * pages_per_tile + j, max_pages - 1)
             page = block_tables_ref[req * max_pages + page_idx]
             dst = pl.ds(j * block_size, block_size)
-            copies.append(pltpu.make_async_copy(
-                kv_hbm.at[0, page, h], k_buf.at[slot, dst], sems.at[0, slot]))
-            copies.append(pltpu.make_async_copy(
-                kv_hbm.at[1, page, h], v_buf.at[slot, dst], sems.at[1, slot]))
+            copies.append(
+                pltpu.make_async_copy(kv_hbm.at[0, page, h], k_buf.at[slot, dst], sems.at[0, slot])
+            )
+            copies.append(
+                pltpu.make_async_copy(kv_hbm.at[1, page, h], v_buf.at[slot, dst], sems.at[1, slot])
+            )
         return copies
 
     def request_body(req, carry):
@@ -132,8 +152,10 @@ def _kernel(
                 c.wait()
             k = k_buf[slot]
             v = v_buf[slot]
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * sm_scale
+            s = (
+                lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                * sm_scale
+            )
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             col_pos = tile * tile_tokens + lax.broadcasted_iota(jnp.int32, (1, tile_tokens), 1)
@@ -147,8 +169,9 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
             l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
             m_ref[...] = m_new
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+            pv = lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
             acc_ref[...] = acc_ref[...] * alpha + pv
             return carry
 
@@ -174,8 +197,15 @@ def _block_request_ranges(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "block_q",
-                     "pages_per_tile", "vmem_limit_bytes"),
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "interpret",
+        "block_q",
+        "pages_per_tile",
+        "vmem_limit_bytes",
+    ),
 )
 def ragged_paged_attention_tpu(
     q: jax.Array,
@@ -198,8 +228,7 @@ def ragged_paged_attention_tpu(
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
     num_reqs, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
-    knobs = default_knobs_tpu(num_tokens, num_reqs, num_q_heads, num_kv_heads, block_size,
-                              q.dtype)
+    knobs = default_knobs_tpu(num_tokens, num_reqs, num_q_heads, num_kv_heads, block_size, q.dtype)
     block_q = block_q or knobs["block_q"]
     pages_per_tile = pages_per_tile or knobs["pages_per_tile"]
     rows = block_q * group
@@ -219,8 +248,14 @@ def ragged_paged_attention_tpu(
 
     tile_tokens = pages_per_tile * block_size
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        group=group, block_q=block_q, block_size=block_size, pages_per_tile=pages_per_tile,
+        _kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        group=group,
+        block_q=block_q,
+        block_size=block_size,
+        pages_per_tile=pages_per_tile,
         max_pages=max_pages,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -250,8 +285,13 @@ def ragged_paged_attention_tpu(
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
     )(
-        seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
-        block_tables.astype(jnp.int32).reshape(-1), first_req, last_req, q_t, kv_cache,
+        seq_lens.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        block_tables.astype(jnp.int32).reshape(-1),
+        first_req,
+        last_req,
+        q_t,
+        kv_cache,
     )
     out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]

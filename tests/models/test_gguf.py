@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import HEAD_DIM, random_hf_state_dict, write_gguf
+from tests.models.gguf_fixtures import HEAD_DIM, random_hf_state_dict, write_gguf
 from safetensors import safe_open
 
 from xlm.models import builtin

@@ -15,8 +15,6 @@ from safetensors.numpy import save_file
 
 from tests.models.test_logits import run_schedule
 from xlm.config import ModelConfig, XlmConfig
-from xlm.models import ModelRegistry, register_model
-from xlm.models.llama import LlamaForCausalLM
 from xlm.models.loader import get_model, resolve_dtype, resolve_load_format
 from xlm.models.loader.safetensors_format import iter_safetensors_tensors
 
@@ -91,27 +89,6 @@ def test_unsupported_architecture_lists_supported(tmp_path, tiny_checkpoint):
     edit_config(model_dir, architectures=["FancyForCausalLM"])
     with pytest.raises(ValueError, match="FancyForCausalLM.*Qwen3MoeForCausalLM"):
         load(model_dir)
-
-
-def test_plugin_registered_architecture_resolves(tmp_path, tiny_checkpoint):
-    class MyLlama(LlamaForCausalLM):
-        pass
-
-    register_model("MyLlamaForCausalLM", MyLlama)
-    register_model("MyLazyForCausalLM", "xlm.models.qwen2:Qwen2ForCausalLM")
-    try:
-        model_dir = str(tmp_path / "m")
-        shutil.copytree(tiny_checkpoint("llama"), model_dir)
-        edit_config(model_dir, architectures=["MyLlamaForCausalLM"])
-        assert isinstance(load(model_dir), MyLlama)
-        cfg = type("Cfg", (), {"architectures": ["MyLazyForCausalLM"]})()
-        cls, arch = ModelRegistry.resolve(cfg)
-        assert cls.__name__ == "Qwen2ForCausalLM" and arch == "MyLazyForCausalLM"
-        with pytest.raises(ValueError, match="module.path:ClassName"):
-            register_model("Bad", "no_colon")
-    finally:
-        ModelRegistry.models.pop("MyLlamaForCausalLM")
-        ModelRegistry.models.pop("MyLazyForCausalLM")
 
 
 def test_shape_mismatch_names_tensor_and_shapes(tmp_path, tiny_checkpoint):
@@ -221,3 +198,37 @@ def test_sharding_metadata_and_mesh_placement(tiny_checkpoint):
     sharding = attn.q_proj.kernel[...].sharding
     assert isinstance(sharding, jax.sharding.NamedSharding)
     assert sharding.spec == jax.sharding.PartitionSpec(None, "model")
+
+
+def test_moe_fused_expert_tensors_load_like_per_expert(tmp_path, tiny_checkpoint):
+    src = tiny_checkpoint("qwen3_moe")
+    tensors = read_all(src)
+    prefix = "model.layers.1.mlp.experts"
+    num_experts = 8
+
+    def pop(e, proj):
+        return tensors.pop(f"{prefix}.{e}.{proj}.weight")
+
+    gate_up, down = [], []
+    for e in range(num_experts):
+        gate_up.append(np.concatenate([pop(e, "gate_proj"), pop(e, "up_proj")]))
+        down.append(pop(e, "down_proj"))
+    tensors[f"{prefix}.gate_up_proj"] = np.stack(gate_up)
+    tensors[f"{prefix}.down_proj"] = np.stack(down)
+    fused = params(load(copy_with_tensors(src, str(tmp_path / "fused"), tensors)))
+    want = params(load(src))
+    for k in want:
+        np.testing.assert_array_equal(fused[k], want[k])
+
+
+def test_auto_dtype_follows_platform_and_checkpoint(monkeypatch):
+    import xlm.platforms
+
+    cfg = type("Cfg", (), {"dtype": "float32"})()
+    assert resolve_dtype("auto", cfg) == jnp.float32  # CPU: no fast bf16
+    platform = xlm.platforms.current_platform
+    monkeypatch.setattr(platform, "supports_fast_bf16", True)
+    assert resolve_dtype("auto", cfg) == jnp.bfloat16  # float32 checkpoints serve in bf16
+    assert resolve_dtype("auto", type("Cfg", (), {"dtype": "float16"})()) == jnp.float16
+    assert resolve_dtype("auto", type("Cfg", (), {"torch_dtype": "bfloat16"})()) == jnp.bfloat16
+    assert resolve_dtype("float32", cfg) == jnp.float32

@@ -40,7 +40,9 @@ def hf_logits(model_dir: str, token_ids: list[int]) -> np.ndarray:
         return model(torch.tensor([token_ids])).logits[0].numpy()
 
 
-def run_schedule(model, token_ids: dict[str, list[int]], seed: int) -> dict[str, np.ndarray]:
+def run_schedule(
+    model, token_ids: dict[str, list[int]], seed: int, mesh=None
+) -> dict[str, np.ndarray]:
     """Run SCHEDULE through the model; logits of every fed token, per request."""
     graphdef, state = nnx.split(model)
 
@@ -52,7 +54,7 @@ def run_schedule(model, token_ids: dict[str, list[int]], seed: int) -> dict[str,
 
     alloc = BlockAllocator(NUM_BLOCKS, seed)
     tables = {r: alloc.allocate(-(-(n + 3) // BLOCK_SIZE)) for r, n in PROMPT_LENS.items()}
-    kv_caches = model.make_kv_caches(NUM_BLOCKS, BLOCK_SIZE, np.float32)
+    kv_caches = model.make_kv_caches(NUM_BLOCKS, BLOCK_SIZE, np.float32, mesh=mesh)
     computed = dict.fromkeys(token_ids, 0)
     out = {r: [] for r in token_ids}
     for plan in SCHEDULE:

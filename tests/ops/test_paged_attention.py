@@ -149,3 +149,10 @@ def test_op_writes_cache_and_attends():
 def test_chunk_choice_per_token_for_decode_and_wide_for_prefill():
     assert choose_query_chunk(64, 64, 1024, 9, 3) == 1
     assert choose_query_chunk(512, 1, 1024, 9, 3) > 1
+
+
+def test_negative_slots_write_nowhere():
+    cache = jnp.zeros(kv_cache_shape(4, BLOCK_SIZE, 1, 2))
+    k = jnp.ones((2, 1, 2))
+    out = np.asarray(write_kv(cache, k, k, jnp.array([-1, 5], jnp.int32)))
+    assert out[:, 1, 1].sum() == 4 and out.sum() == 4  # only slot 5 = block 1, offset 1

@@ -11,8 +11,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlm.models.layers import (
+    TP_AXIS,
     Attention,
     GatedMLP,
     ParallelLMHead,
@@ -21,7 +23,7 @@ from xlm.models.layers import (
 )
 from xlm.models.weights import WeightTarget, default_weight_targets
 from xlm.ops import AttentionMetadata, RMSNorm
-from xlm.ops.paged_attention import kv_cache_shape
+from xlm.ops.paged_attention import KV_CACHE_SHARDING
 
 
 def head_dim_of(config: Any) -> int:
@@ -159,11 +161,16 @@ class LlamaForCausalLM(nnx.Module):
         attn = self.model.layers[0].self_attn
         return len(self.model.layers), attn.num_kv_heads, attn.head_dim
 
-    def make_kv_caches(self, num_blocks: int, block_size: int, dtype: Any) -> list[jax.Array]:
-        """One zeroed KV cache per layer, in the attention op's layout."""
-        num_layers, num_kv_heads, head_dim = self.kv_cache_spec()
-        shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+    def make_kv_caches(
+        self, num_blocks: int, block_size: int, dtype: Any, mesh: Mesh | None = None
+    ) -> list[jax.Array]:
+        """One zeroed KV cache per layer in the attention op's layout (sharded over heads)."""
+        num_layers, num_kv_heads, _ = self.kv_cache_spec()
+        shape = self.model.layers[0].self_attn.attn.kv_cache_shape(num_blocks, block_size)
+        sharding = None
+        if mesh is not None and num_kv_heads % mesh.shape[TP_AXIS] == 0:
+            sharding = NamedSharding(mesh, PartitionSpec(*KV_CACHE_SHARDING))
+        return [jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)]
 
     def hf_weight_targets(
         self, name: str, param_shapes: dict[str, tuple[int, ...]]

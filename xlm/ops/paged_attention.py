@@ -12,7 +12,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import kv_cache_shape, write_kv
 from xlm.ops.custom_op import CustomOp
+
+__all__ = [
+    "KV_CACHE_SHARDING",
+    "AttentionMetadata",
+    "PagedAttention",
+    "kv_cache_shape",
+    "ragged_paged_attention",
+    "write_kv",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -33,21 +43,12 @@ class AttentionMetadata:
     num_seqs: jax.Array  # [1] number of real requests
 
 
-def kv_cache_shape(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-) -> tuple[int, ...]:
-    """Shape of one layer's KV cache."""
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+# Logical sharding of a layer's cache: over KV heads on the tensor-parallel axis.
+KV_CACHE_SHARDING: tuple[str | None, ...] = (None, None, None, "model", None)
 
 
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter new keys/values [T, Hkv, D] into their slots of the cache."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)
-    kv = jnp.stack([k, v]).astype(kv_cache.dtype)
-    flat = flat.at[:, slot_mapping].set(kv, mode="drop", unique_indices=False)
-    return flat.reshape(kv_cache.shape)
-
+# Tokens of context per step of the attention loop.
+_TILE_TOKENS = 256
 
 # A gathered cache element costs about this many score/value multiply-adds on CPU (the
 # gather is memory-bound, the einsums are not); only the ratio matters to the choice.
@@ -99,8 +100,6 @@ def ragged_paged_attention(
     Each request's queries are cut into chunks of `query_chunk` rows; chunk v attends to
     the pages of its request only ([V, Q] queries x [V, C] keys), so the work is
     V * Q * C instead of T * R * C. Padding rows compute finite garbage, never read.
-    The gather costs R-ish * block_tables.shape[1] pages whatever the real context lengths,
-    so callers should pad block_tables' width to a bucket of the step's longest context.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -129,26 +128,55 @@ def ragged_paged_attention(
     ctx_start = metadata.seq_lens - q_lens  # [R]
     row_pos = ctx_start[chunk_req][:, None] + row_local  # [V, Q]
 
+    # Heads-major layouts make both einsums plain batched matmuls over (chunk, kv head);
+    # on CPU the other output layouts cost a transpose as large as the matmul.
     queries = q[row_token].reshape(num_chunks, qc, num_kv_heads, group, head_dim)
+    queries = queries * jnp.asarray(scale, q.dtype)
+    # Pages are visited in tiles with an online softmax; the loop runs only over the tiles
+    # the step's longest context needs, so work follows real context lengths, not the
+    # block-table width (sized for max_model_len), with one small loop body to compile.
+    tile_pages = max(1, min(max_blocks, _TILE_TOKENS // block_size))
+    num_tiles_max = -(-max_blocks // tile_pages)
     pages = metadata.block_tables[chunk_req]  # [V, B]
-    keys = kv_cache[0][pages].reshape(num_chunks, context_len, num_kv_heads, head_dim)
-    values = kv_cache[1][pages].reshape(num_chunks, context_len, num_kv_heads, head_dim)
-
+    pages = jnp.pad(pages, ((0, 0), (0, num_tiles_max * tile_pages - max_blocks)))
+    tile_len = tile_pages * block_size
+    longest = jnp.max(jnp.where(jnp.arange(num_reqs) < metadata.num_seqs[0], metadata.seq_lens, 0))
+    num_tiles = jnp.minimum((longest + tile_len - 1) // tile_len, num_tiles_max)
     # float32 accumulation; asked for only when inputs are narrower (on CPU, asking for it
     # with float32 inputs picked a slower dot).
-    acc = {} if q.dtype == jnp.float32 else {"preferred_element_type": jnp.float32}
-    scores = jnp.einsum("vqkgd,vckd->vkgqc", queries, keys.astype(q.dtype), **acc)
-    scores = scores * scale
-    if logits_soft_cap is not None:
-        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
-    key_pos = jnp.arange(context_len, dtype=jnp.int32)
-    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [V, Q, C]
-    if sliding_window is not None:
-        mask &= key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
-    scores = jnp.where(mask[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("vkgqc,vckd->vqkgd", probs.astype(q.dtype), values.astype(q.dtype), **acc)
-    out = out.reshape(num_chunks * qc, num_heads, head_dim)
+    acc_kw = {} if q.dtype == jnp.float32 else {"preferred_element_type": jnp.float32}
+
+    def tile(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
+        m, denom, acc = carry
+        tile_pages_ids = jax.lax.dynamic_slice_in_dim(pages, i * tile_pages, tile_pages, axis=1)
+        keys = kv_cache[0][tile_pages_ids].reshape(num_chunks, tile_len, num_kv_heads, head_dim)
+        values = kv_cache[1][tile_pages_ids].reshape(num_chunks, tile_len, num_kv_heads, head_dim)
+        scores = jnp.einsum("vqkgd,vckd->vkgqc", queries, keys.astype(q.dtype), **acc_kw)
+        scores = scores.astype(jnp.float32)
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+        key_pos = i * tile_len + jnp.arange(tile_len, dtype=jnp.int32)
+        mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [V, Q, C]
+        if sliding_window is not None:
+            mask &= key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
+        mask = mask[:, None, None]
+        scores = jnp.where(mask, scores, -1e30)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        denom = denom * correction + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("vkgqc,vckd->vkgqd", p.astype(q.dtype), values.astype(q.dtype), **acc_kw)
+        return m_new, denom, acc * correction[..., None] + pv.astype(jnp.float32)
+
+    stats_shape = (num_chunks, num_kv_heads, group, qc)
+    init = (
+        jnp.full(stats_shape, -1e30, jnp.float32),
+        jnp.zeros(stats_shape, jnp.float32),
+        jnp.zeros((*stats_shape, head_dim), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(0, num_tiles, tile, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # padding rows saw no key: zeros
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_chunks * qc, num_heads, head_dim)
 
     # Token -> its row in the chunked output.
     token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -191,6 +219,11 @@ class PagedAttention(CustomOp):
         self.logits_soft_cap = logits_soft_cap
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's cache shape in the layout of the path this instance dispatches to."""
+        if self._forward_name == "forward_tpu":
+            from pallas_kernels.ragged_paged_attention import kv_cache_shape_tpu
+
+            return kv_cache_shape_tpu(num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def forward_native(
@@ -210,5 +243,55 @@ class PagedAttention(CustomOp):
             scale=self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+        )
+        return out, kv_cache
+
+    def forward_cuda(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        kv_cache: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The Pallas Triton kernel over the shared layout."""
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu
+
+        kv_cache = write_kv(kv_cache, k, v, metadata.slot_mapping)
+        out = ragged_paged_attention_gpu(
+            q,
+            kv_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            metadata.num_seqs,
+            sm_scale=self.scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.logits_soft_cap,
+        )
+        return out, kv_cache
+
+    def forward_tpu(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        kv_cache: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The Pallas Mosaic kernel over its own (head-major pages) layout."""
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv_tpu
+
+        kv_cache = write_kv_tpu(kv_cache, k, v, metadata.slot_mapping)
+        out = ragged_paged_attention_tpu(
+            q,
+            kv_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            metadata.num_seqs,
+            sm_scale=self.scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.logits_soft_cap,
         )
         return out, kv_cache

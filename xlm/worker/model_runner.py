@@ -8,7 +8,9 @@ KV cache is donated to the step so XLA updates it in place.
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -70,25 +72,45 @@ class ModelRunner:
         self.kv_caches = model.make_kv_caches(num_blocks, self.block_size, kv_dtype)
         # Unseeded requests draw from the engine seed folded with the step count.
         self.step_count = config.model_config.seed << 20
-        # Programs traced so far; after warm-up it must not move (a compile is a bug).
+        # The sampler compiles per row bucket, fewer than token buckets (its logits are
+        # padded up to the bucket): powers of four up to max_num_seqs.
+        self.sampler_buckets = sorted({min(4**i, self.max_num_seqs) for i in range(16)})
+        # Programs compiled so far; after warm-up it must not move (a compile is a bug).
         self.num_compilations = 0
-        self._step = jax.jit(self._step_impl, static_argnums=(3,), donate_argnums=(1,))
+        self._programs: dict[tuple[str, Any], Any] = {}
+        self._model_fn = jax.jit(self._model_step, static_argnums=(3,), donate_argnums=(1,))
+        self._sample_fn = jax.jit(self._sample_step, static_argnums=(2,))
 
-    # ---- the jitted step -------------------------------------------------------------
-    def _step_impl(
-        self,
-        state: nnx.State,
-        kv_caches: list[jax.Array],
-        packed: jax.Array,
-        layout: Any,
-    ) -> tuple[list[jax.Array], Any]:
-        self.num_compilations += 1  # runs only while tracing
+    # ---- the jitted programs ---------------------------------------------------------
+    def _model_step(
+        self, state: nnx.State, kv_caches: list[jax.Array], packed: jax.Array, layout: Any
+    ) -> tuple[list[jax.Array], jax.Array]:
+        """Model forward over the ragged batch; logits of each request's last token."""
         inputs = unpack(packed, layout)
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(inputs["input_ids"], kv_caches, inputs["attn"])
-        logits = model.compute_logits(hidden[inputs["logits_indices"]])
-        sampled = sampler_lib.sample(logits, inputs["sampling"], self.sampler_config)
-        return kv_caches, sampled
+        return kv_caches, model.compute_logits(hidden[inputs["logits_indices"]])
+
+    def _sample_step(self, logits: jax.Array, packed: jax.Array, layout: Any) -> Any:
+        """Sample from logits [R, V], padded up to the sampler's row bucket."""
+        md = unpack(packed, layout)
+        rows = md.temperature.shape[0]
+        if logits.shape[0] < rows:
+            logits = jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
+        return sampler_lib.sample(logits[:rows], md, self.sampler_config)
+
+    def _lower(self, kind: str, args: tuple, layout: Any) -> Any:
+        fn = self._model_fn if kind == "model" else self._sample_fn
+        return fn.lower(*args, layout)
+
+    def _program(self, kind: str, args: tuple, layout: Any) -> Any:
+        """The compiled program for these shapes (compiling it is a bug after warm-up)."""
+        program = self._programs.get((kind, layout))
+        if program is None:
+            logger.warning("Compiling a %s program for new shapes during serving.", kind)
+            program = self._programs[(kind, layout)] = self._lower(kind, args, layout).compile()
+            self.num_compilations += 1
+        return program
 
     # ---- host side -------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -120,9 +142,12 @@ class ModelRunner:
             f"step of {num_tokens} tokens exceeds the largest token bucket {self.token_buckets[-1]}"
         )
 
+    def _sampler_bucket(self, num_rows: int) -> int:
+        return next(b for b in self.sampler_buckets if b >= num_rows)
+
     def _prepare_inputs(
         self, req_ids: list[str], num_scheduled: list[int], num_tokens_padded: int
-    ) -> tuple[dict[str, Any], np.ndarray]:
+    ) -> tuple[dict[str, Any], Any, np.ndarray]:
         """Build the padded ragged batch; returns the arrays and which rows sample."""
         batch = self.input_batch
         num_reqs = len(req_ids)
@@ -154,14 +179,15 @@ class ModelRunner:
         logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
         # A request samples when this step computes its last known token.
         samples = seq_lens[:num_reqs] >= batch.num_tokens[slots]
+        rows = self._sampler_bucket(num_reqs_padded)
         params = [batch.requests[r].sampling_params for r in req_ids]
         outputs = [batch.requests[r].output_token_ids for r in req_ids]
         prompts = [batch.requests[r].prompt_token_ids for r in req_ids]
         sampling = sampler_lib.build_sampling_metadata(
-            params + [None] * (num_reqs_padded - num_reqs),
-            outputs + [[]] * (num_reqs_padded - num_reqs),
-            prompts + [[]] * (num_reqs_padded - num_reqs),
-            num_reqs_padded,
+            params + [None] * (rows - num_reqs),
+            outputs + [[]] * (rows - num_reqs),
+            prompts + [[]] * (rows - num_reqs),
+            rows,
             self.vocab_size,
             self.max_model_len,
             step_seed=self.step_count,
@@ -178,16 +204,16 @@ class ModelRunner:
                 num_seqs=np.array([num_reqs], dtype=np.int32),
             ),
             "logits_indices": logits_indices,
-            "sampling": sampling,
         }
-        return inputs, samples
+        return inputs, sampling, samples
 
-    def _run(self, inputs: dict[str, Any]) -> Any:
+    def _run(self, inputs: dict[str, Any], sampling: Any) -> Any:
         packed, layout = pack(inputs)
-        self.kv_caches, sampled = self._step(
-            self.state, self.kv_caches, jax.device_put(packed), layout
-        )
-        return jax.device_get(sampled)
+        model_args = (self.state, self.kv_caches, jax.device_put(packed))
+        self.kv_caches, logits = self._program("model", model_args, layout)(*model_args)
+        packed, layout = pack(sampling)
+        sample_args = (logits, jax.device_put(packed))
+        return jax.device_get(self._program("sampler", sample_args, layout)(*sample_args))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return the sampled tokens per request."""
@@ -196,10 +222,10 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
-        inputs, samples = self._prepare_inputs(
+        inputs, sampling, samples = self._prepare_inputs(
             req_ids, num_scheduled, self._bucket(so.total_num_scheduled_tokens)
         )
-        sampled = self._run(inputs)
+        sampled = self._run(inputs, sampling)
         batch = self.input_batch
         token_ids = np.asarray(sampled.sampled_token_ids)
         sampled_token_ids: list[list[int]] = []
@@ -237,17 +263,30 @@ class ModelRunner:
         )
 
     def warmup(self) -> None:
-        """Compile the step for every token bucket before serving."""
+        """Compile every bucket's programs before serving, in parallel threads."""
         start = time.perf_counter()
-        buckets = tqdm(
-            self.token_buckets, desc="Compiling buckets", disable=envs.XLM_DISABLE_PROGRESS_BARS
-        )
-        for bucket in buckets:
-            inputs, _ = self._prepare_inputs([], [], bucket)
-            self._run(inputs)
+        lowered: dict[tuple[str, Any], Any] = {}
+        for bucket in self.token_buckets:
+            inputs, sampling, _ = self._prepare_inputs([], [], bucket)
+            packed, layout = pack(inputs)
+            lowered[("model", layout)] = self._lower(
+                "model", (self.state, self.kv_caches, packed), layout
+            )
+            packed, layout = pack(sampling)
+            rows = min(bucket, self.max_num_seqs)
+            logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32)
+            if ("sampler", layout) not in lowered:
+                lowered[("sampler", layout)] = self._lower("sampler", (logits, packed), layout)
+        keys = [k for k in lowered if k not in self._programs]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = [pool.submit(lowered[k].compile) for k in keys]
+            for key, future in zip(
+                keys, tqdm(futures, desc="Compiling", disable=envs.XLM_DISABLE_PROGRESS_BARS)
+            ):
+                self._programs[key] = future.result()
+        self.num_compilations += len(keys)
+        # One real run per bucket: the first call of a program allocates its buffers.
+        for bucket in self.token_buckets:
+            self._run(*self._prepare_inputs([], [], bucket)[:2])
         jax.block_until_ready(self.kv_caches)
-        logger.info(
-            "Compiled %d step programs in %.1f s.",
-            len(self.token_buckets),
-            time.perf_counter() - start,
-        )
+        logger.info("Compiled %d programs in %.1f s.", len(keys), time.perf_counter() - start)

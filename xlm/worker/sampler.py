@@ -323,11 +323,21 @@ def _random_logits(logits: jax.Array, md: SamplingMetadata, cap: int) -> jax.Arr
 
 
 def _argmax(x: jax.Array) -> jax.Array:
-    """First index of the row maximum (3x faster than jnp.argmax on XLA:CPU)."""
-    V = x.shape[-1]
-    m = jnp.max(x, axis=-1, keepdims=True)
-    idx = jnp.min(jnp.where(x == m, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
-    return jnp.minimum(idx, V - 1)
+    """First index of the row maximum, in two levels (blocks, then one block).
+
+    XLA:CPU lowers argmax to a slow variadic reduce (~20 ms at 64 x 49152); a plain max
+    over the row plus an argmax over block maxima and one block is ~15x cheaper.
+    """
+    R, V = x.shape
+    block = 256 if V >= 4096 else V
+    num_blocks = -(-V // block)
+    if num_blocks * block != V:
+        x = jnp.pad(x, ((0, 0), (0, num_blocks * block - V)), constant_values=-jnp.inf)
+    blocks = x.reshape(R, num_blocks, block)
+    best_block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+    inside = jnp.take_along_axis(blocks, best_block[:, None, None], axis=1)[:, 0]
+    idx = best_block * block + jnp.argmax(inside, axis=-1)
+    return jnp.minimum(idx, V - 1).astype(jnp.int32)
 
 
 def _sample_random(x: jax.Array, md: SamplingMetadata) -> jax.Array:

@@ -28,6 +28,7 @@ from xlm.models.loader.safetensors_format import (
     iter_safetensors_tensors,
 )
 from xlm.models.registry import ModelRegistry
+from xlm.plugins import load_general_plugins
 
 logger = init_logger(__name__)
 
@@ -221,6 +222,7 @@ def build_abstract_model(
 
 def get_model(xlm_config: XlmConfig, mesh: Mesh | None = None) -> nnx.Module:
     """Read the config, build the model abstractly and load its weights."""
+    load_general_plugins()  # plugins may register architectures; runs once per process
     model_config = xlm_config.model_config
     load_format = resolve_load_format(model_config.model, model_config.load_format)
     hf_config = model_config.hf_config or load_hf_config(model_config.model, load_format)
