@@ -18,9 +18,15 @@ def tiny_path(tiny_checkpoint) -> str:
     return tiny_checkpoint("llama")
 
 
+# Step programs compiled by each engine's construction (warm-up), by id(engine).
+WARMUP_COMPILATIONS: dict[int, int] = {}
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_path):
-    return xlm.LLM(model=tiny_path, **TINY_ENGINE)
+    engine = xlm.LLM(model=tiny_path, **TINY_ENGINE)
+    WARMUP_COMPILATIONS[id(engine)] = engine.llm_engine.num_compilations
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +138,10 @@ def test_prefix_cache_computes_only_new_tokens_and_output_is_unchanged(llm, tiny
 
 
 def test_no_compilation_after_warmup(llm):
-    num_programs = llm.llm_engine.num_compilations
-    assert num_programs == len(TINY_ENGINE["token_buckets"])  # warm-up: one per bucket
+    num_programs = WARMUP_COMPILATIONS[id(llm)]
+    assert num_programs >= len(TINY_ENGINE["token_buckets"])  # at least one per bucket
+    # Nothing compiled since warm-up, by the tests before this one either.
+    assert llm.llm_engine.num_compilations == num_programs
     prompts = [random_prompt(40 + i, n) for i, n in enumerate((1, 4, 15, 16, 17, 63, 64, 65, 200))]
     params = [
         greedy(5),

@@ -38,8 +38,9 @@ def run_in_preempting_batch(llm, prompts, max_tokens, vocab_size, max_prompt, ma
         greedy(n) if i in REFERENCE_SLOTS else xlm.SamplingParams(max_tokens=n, ignore_eos=True)
         for i, (_, n) in enumerate(batch)
     ]
-    before = num_preemptions(llm)
+    before, compiled = num_preemptions(llm), llm.llm_engine.num_compilations
     outputs = llm.generate([p for p, _ in batch], params, use_tqdm=False)
+    assert llm.llm_engine.num_compilations == compiled  # no program compiled while serving
     for (prompt, n), out in zip(batch, outputs):
         assert out.prompt_token_ids == prompt
         assert len(out.outputs[0].token_ids) == n

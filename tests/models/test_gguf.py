@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from tests.models.gguf_fixtures import HEAD_DIM, random_hf_state_dict, write_gguf
 from safetensors import safe_open
 
+from tests.models.gguf_fixtures import HEAD_DIM, random_hf_state_dict, write_gguf
 from xlm.models import builtin
 from xlm.models.builtin import resolve_model_name
 from xlm.models.loader.gguf import (
