@@ -18,7 +18,7 @@ TINY_ENGINE = dict(
     enable_chunked_prefill=True,
     num_gpu_blocks_override=24,
 )
-SMOLLM2_ENGINE = dict(TINY_ENGINE, max_model_len=512, num_gpu_blocks_override=48)
+SMOLLM2_ENGINE = dict(TINY_ENGINE, num_gpu_blocks_override=20)
 
 
 def cli_engine_flags(engine: dict) -> list[str]:
