@@ -127,7 +127,12 @@ def test_smollm2_greedy_alone_equals_transformers(smollm2_case):
     llm, prompts, refs = smollm2_case
     for prompt, ref in zip(prompts, refs):
         (out,) = llm.generate([prompt], greedy(SMOLLM2_NEW_TOKENS), use_tqdm=False)
-        assert_greedy_matches(out.outputs[0].token_ids, ref.token_ids, ref.logits)
+        completion = out.outputs[0]
+        assert_greedy_matches(completion.token_ids, ref.token_ids, ref.logits)
+        # Incremental detokenization ends with the same text as decoding all at once.
+        assert completion.text == llm.get_tokenizer().decode(
+            completion.token_ids, skip_special_tokens=True
+        )
 
 
 @pytest.mark.slow
