@@ -63,14 +63,18 @@ def make_inputs(q_lens: list[int], ctx_lens: list[int], dtype, seed: int = 0):
     tables = np.zeros((len(q_lens), max_pages), np.int32)
     used = 0
     for r, p in enumerate(pages):
-        tables[r, :p] = perm[used:used + p]
+        tables[r, :p] = perm[used : used + p]
         used += p
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     k1, k2 = jax.random.split(jax.random.key(seed))
     q = jax.random.normal(k1, (sum(q_lens), NUM_Q_HEADS, HEAD_DIM), dtype)
     kv = jax.random.normal(k2, (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype)
-    meta = (jnp.asarray(tables), jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(qsl),
-            jnp.asarray([len(q_lens)], jnp.int32))
+    meta = (
+        jnp.asarray(tables),
+        jnp.asarray(ctx_lens, jnp.int32),
+        jnp.asarray(qsl),
+        jnp.asarray([len(q_lens)], jnp.int32),
+    )
     return q, kv, meta
 
 
@@ -89,8 +93,11 @@ def cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
     for ctx in contexts:
         for r in batches:
             out.append((f"decode r={r} ctx={ctx}", [1] * r, [ctx] * r))
-    prefill = [(1, 256, 256)] if quick else [
-        (1, 512, 512), (1, 2048, 2048), (1, 512, 8192), (4, 512, 4096), (8, 256, 2048)]
+    prefill = (
+        [(1, 256, 256)]
+        if quick
+        else [(1, 512, 512), (1, 2048, 2048), (1, 512, 8192), (4, 512, 4096), (8, 256, 2048)]
+    )
     for r, chunk, ctx in prefill:
         out.append((f"prefill r={r} chunk={chunk} ctx={ctx}", [chunk] * r, [ctx] * r))
     if not quick:  # a mixed step: 1 prefill chunk plus 63 decodes
@@ -100,6 +107,7 @@ def cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
 
 def format_row(row: dict) -> str:
     """One table line; '-' where a column was not measured."""
+
     def num(value: float | None, width: int) -> str:
         return f"{value:{width}.1f}" if value is not None else f"{'-':>{width}}"
 
@@ -109,8 +117,10 @@ def format_row(row: dict) -> str:
     ker, ref = row.get("kernel_us"), row.get("ref_us")
     ratio = f"{ker / row['floor_us']:10.2f}" if ker else f"{'-':>10}"
     speedup = f"{ref / ker:9.2f}" if ker and ref else f"{'-':>9}"
-    return (f"{row['case']:<36} {num(row['floor_us'], 9)} {num(ref, 9)} {num(gbs('ref_us'), 9)} "
-            f"{num(ker, 9)} {num(gbs('kernel_us'), 9)} {ratio} {speedup}")
+    return (
+        f"{row['case']:<36} {num(row['floor_us'], 9)} {num(ref, 9)} {num(gbs('ref_us'), 9)} "
+        f"{num(ker, 9)} {num(gbs('kernel_us'), 9)} {ratio} {speedup}"
+    )
 
 
 def main() -> None:
@@ -130,14 +140,18 @@ def main() -> None:
     if kernel is None:
         print(f"backend {backend}: no compiled Pallas kernel here; timing the jnp reference only")
     bandwidth = measure_bandwidth((256 << 20) if backend == "cpu" else (2 << 30))
-    print(f"device: {device.device_kind} ({backend}), dtype {jnp.dtype(dtype).name}, "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, jax {jax.__version__}")
+    print(
+        f"device: {device.device_kind} ({backend}), dtype {jnp.dtype(dtype).name}, "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, jax {jax.__version__}"
+    )
 
     scale = HEAD_DIM**-0.5
     ref_fn = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
     ker_fn = jax.jit(functools.partial(kernel, sm_scale=scale)) if kernel else None
-    header = (f"{'case':<36} {'floor us':>9} {'ref us':>9} {'ref GB/s':>9} {'kern us':>9} "
-              f"{'kern GB/s':>9} {'kern/floor':>10} {'ref/kern':>9}")
+    header = (
+        f"{'case':<36} {'floor us':>9} {'ref us':>9} {'ref GB/s':>9} {'kern us':>9} "
+        f"{'kern GB/s':>9} {'kern/floor':>10} {'ref/kern':>9}"
+    )
     print(header)
     print("-" * len(header))
     rows = []
@@ -146,8 +160,14 @@ def main() -> None:
         nbytes = floor_bytes(q_lens, ctx_lens, itemsize)
         floor_s = nbytes / bandwidth
         gather = sum(q_lens) * max(ctx_lens) * 2 * NUM_KV_HEADS * HEAD_DIM * 4
-        row = dict(case=name, q_tokens=sum(q_lens), num_reqs=len(q_lens),
-                   context=max(ctx_lens), floor_bytes=nbytes, floor_us=floor_s * 1e6)
+        row = dict(
+            case=name,
+            q_tokens=sum(q_lens),
+            num_reqs=len(q_lens),
+            context=max(ctx_lens),
+            floor_bytes=nbytes,
+            floor_us=floor_s * 1e6,
+        )
         # Alternate reference and kernel on the same inputs.
         if gather <= REFERENCE_GATHER_LIMIT:
             row["ref_us"] = _time(ref_fn, q, kv, *meta, iters=iters) * 1e6
@@ -159,11 +179,20 @@ def main() -> None:
         print(format_row(row))
 
     result = dict(
-        device=device.device_kind, backend=backend, dtype=jnp.dtype(dtype).name,
-        jax=jax.__version__, python=platform.python_version(), machine=platform.machine(),
-        bandwidth_gbs=bandwidth / 1e9, kernel=kernel.__name__ if kernel else None,
-        shape=dict(num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                   block_size=BLOCK_SIZE),
+        device=device.device_kind,
+        backend=backend,
+        dtype=jnp.dtype(dtype).name,
+        jax=jax.__version__,
+        python=platform.python_version(),
+        machine=platform.machine(),
+        bandwidth_gbs=bandwidth / 1e9,
+        kernel=kernel.__name__ if kernel else None,
+        shape=dict(
+            num_q_heads=NUM_Q_HEADS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=BLOCK_SIZE,
+        ),
         rows=rows,
     )
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -38,8 +38,9 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 def make_prompts(vocab_size: int, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     # Skip the low ids, where tokenizers keep their special tokens.
-    return [rng.integers(100, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist()
-            for _ in range(n)]
+    return [
+        rng.integers(100, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)
+    ]
 
 
 class XlmRunner:
@@ -53,10 +54,8 @@ class XlmRunner:
         self.vocab_size = self.llm.get_tokenizer().vocab_size
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        params = self.xlm.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                         ignore_eos=True)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                 use_tqdm=False)
+        params = self.xlm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -68,8 +67,9 @@ class HfRunner:
         torch.set_num_threads(os.cpu_count() or 1)
         self.torch = torch
         d, f = os.path.split(gguf_path)
-        self.model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f,
-                                                          torch_dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=f, torch_dtype=torch.float32
+        ).eval()
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         torch = self.torch
@@ -78,12 +78,17 @@ class HfRunner:
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding, as batched generate needs
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                      max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                      pad_token_id=pad)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                pad_token_id=pad,
+            )
         return [row[width:].tolist() for row in out]
 
 
@@ -112,8 +117,13 @@ print(time.perf_counter() - t0)
 
 def start_time(model: str, cache_dir: str) -> float:
     env = dict(os.environ, XLM_COMPILATION_CACHE_DIR=cache_dir, XLM_DISABLE_PROGRESS_BARS="1")
-    out = subprocess.run([sys.executable, "-c", START_SNIPPET, model], env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", START_SNIPPET, model],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -143,10 +153,12 @@ def main() -> None:
     xlm_runner = XlmRunner(args.model, max_num_seqs=args.num_prompts)
     results["xlm_startup_in_process_s"] = xlm_runner.startup_s
     model = xlm_runner.llm.llm_engine.config.model_config
-    weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in
-                       __import__("jax").tree_util.tree_leaves(
-                           xlm_runner.llm.llm_engine.engine_core.engine_core.executor
-                           .model_runner.state))
+    weight_bytes = sum(
+        int(np.prod(x.shape)) * x.dtype.itemsize
+        for x in __import__("jax").tree_util.tree_leaves(
+            xlm_runner.llm.llm_engine.engine_core.engine_core.executor.model_runner.state
+        )
+    )
     results["weight_bytes"] = weight_bytes
     results["decode_floor_tok_s"] = bandwidth / weight_bytes
     prompts = make_prompts(xlm_runner.vocab_size, args.num_prompts, args.min_len, args.max_len)
@@ -167,10 +179,12 @@ def main() -> None:
     if hf_runner is not None:
         results["latency"]["hf"] = latency(hf_runner, prompts[0], args.output_len)
         results["throughput_ratio"] = rows["xlm"][-1] / rows["hf"][-1]
-        results["decode_ratio"] = (results["latency"]["xlm"]["decode_tok_s"]
-                                   / results["latency"]["hf"]["decode_tok_s"])
-    results["decode_fraction_of_floor"] = (results["latency"]["xlm"]["decode_tok_s"]
-                                           / results["decode_floor_tok_s"])
+        results["decode_ratio"] = (
+            results["latency"]["xlm"]["decode_tok_s"] / results["latency"]["hf"]["decode_tok_s"]
+        )
+    results["decode_fraction_of_floor"] = (
+        results["latency"]["xlm"]["decode_tok_s"] / results["decode_floor_tok_s"]
+    )
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
 

@@ -230,7 +230,7 @@ class CompilationConfig:
     token_buckets: list[int] | None = None
     # Compile every bucket before serving.
     warmup: bool = True
-    # JAX persistent compilation cache (directory from XLM_COMPILATION_CACHE_DIR).
+    # Save compiled programs for the next start (directory: XLM_COMPILATION_CACHE_DIR).
     enable_compilation_cache: bool = True
     # "python": a Python loop over layers (faster decode, slower compile); "scan": lax.scan.
     layer_loop: Literal["python", "scan"] = "python"

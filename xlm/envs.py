@@ -55,7 +55,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "XLM_CPU_KVCACHE_SPACE": _get_float("XLM_CPU_KVCACHE_SPACE", None),
     # Root of xlm's caches (compilation cache, converted models).
     "XLM_CACHE_ROOT": lambda: os.environ.get("XLM_CACHE_ROOT", _default_cache_root()),
-    # JAX persistent compilation cache directory ("" disables it).
+    # Cache of compiled step programs, reused by the next start ("" disables it).
     "XLM_COMPILATION_CACHE_DIR": lambda: os.environ.get(
         "XLM_COMPILATION_CACHE_DIR", os.path.join(_get_cache_root(), "jax_compilation_cache")
     ),
@@ -67,6 +67,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "XLM_RPC_BASE_PATH": lambda: os.environ.get("XLM_RPC_BASE_PATH", "/tmp"),
     # Seconds the engine-core client waits for the engine process to start.
     "XLM_ENGINE_READY_TIMEOUT_S": _get_float("XLM_ENGINE_READY_TIMEOUT_S", 600.0),
+    # API key the server requires on /v1/* when --api-key is not given.
+    "XLM_API_KEY": lambda: os.environ.get("XLM_API_KEY") or None,
     # Seconds between periodic stat log lines of the server (0 disables).
     "XLM_LOG_STATS_INTERVAL": _get_float("XLM_LOG_STATS_INTERVAL", 10.0),
 }

@@ -18,9 +18,10 @@ def kv_cache_shape(
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter k, v [T, Hkv, D] into the cache at slot = block_id * block_size + offset."""
+    kv_cache = jnp.asarray(kv_cache)
     num_blocks, block_size = kv_cache.shape[1:3]
     kv = jnp.stack([k, v]).astype(kv_cache.dtype)
-    slot_mapping = slot_mapping.astype(jnp.int32)
+    slot_mapping = jnp.asarray(slot_mapping, jnp.int32)
     # Negative slots are dropped too (jnp would wrap them to the last block).
     blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     # Index (block, offset) directly: scattering through a flattening reshape made XLA copy

@@ -46,7 +46,7 @@ class KVCacheManager:
 
         Never the whole sequence: its last token is always recomputed to produce logits.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

@@ -41,6 +41,7 @@ class Request:
     """One generation request: prompt, outputs so far, progress through the KV cache."""
 
     __slots__ = (
+        "skip_prefix_cache",
         "request_id",
         "prompt_token_ids",
         "sampling_params",
@@ -95,6 +96,8 @@ class Request:
         self.min_tokens: int = sampling_params.min_tokens or 0
         self.ignore_eos: bool = bool(sampling_params.ignore_eos)
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids or ())
+        # Prompt logprobs need logits at every prompt position: no cached prefix.
+        self.skip_prefix_cache = getattr(sampling_params, "prompt_logprobs", None) is not None
 
     @property
     def num_tokens(self) -> int:

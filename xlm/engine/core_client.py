@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from xlm.config import XlmConfig
 from xlm.engine.core import EngineCore, EngineCoreOutputs
 from xlm.engine.processor import EngineCoreRequest
@@ -33,8 +35,17 @@ class InprocClient:
         self.engine_core.shutdown()
 
 
-def make_client(config: XlmConfig, multiprocess: bool, asyncio_mode: bool, log_stats: bool = True):
-    """The engine-core client for this use: in-process, or over ZeroMQ."""
+def make_client(
+    config: XlmConfig,
+    multiprocess: bool,
+    asyncio_mode: bool,
+    log_stats: bool = True,
+    engine_core_factory: Any = None,
+):
+    """The engine-core client for this use: in-process, or over ZeroMQ (sync or asyncio)."""
     if not multiprocess and not asyncio_mode:
         return InprocClient(config, log_stats=log_stats)
-    raise NotImplementedError("multiprocess engine-core clients land with the serving issue")
+    from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
+
+    cls = AsyncMPClient if asyncio_mode else SyncMPClient
+    return cls(config, log_stats, engine_core_factory)

@@ -17,6 +17,8 @@ class CachedRequestState:
     sampling_params: Any
     output_token_ids: list[int] = field(default_factory=list)
     slot: int = -1
+    # Prompt positions whose logprobs were already emitted (a recompute skips them).
+    num_prompt_logprobs_done: int = 0
 
 
 class InputBatch:

@@ -26,10 +26,29 @@ from xlm.engine.output_processor import LogprobsLists
 from xlm.logger import init_logger
 from xlm.ops.paged_attention import AttentionMetadata
 from xlm.worker import sampler as sampler_lib
+from xlm.worker.executable_cache import ExecutableCache
 from xlm.worker.input_batch import CachedRequestState, InputBatch
 from xlm.worker.packing import pack, unpack
 
 logger = init_logger(__name__)
+
+
+# Prompt positions scored per call of the prompt-logprobs program (one compiled shape).
+PROMPT_LOGPROB_ROWS = 128
+
+
+def executable_cache_dir(config: XlmConfig) -> str | None:
+    """Where compiled programs are saved, or None when the cache is off.
+
+    This replaces JAX's persistent compilation cache for the step programs: that cache
+    still traces and lowers each program (~1 s each), and on XLA:CPU an executable it
+    loaded cannot be serialized again (the reloaded copy fails with "Function ... not
+    found"), so the two must not be mixed.
+    """
+    cache_dir = envs.XLM_COMPILATION_CACHE_DIR
+    if not config.compilation_config.enable_compilation_cache or not cache_dir:
+        return None
+    return os.path.join(cache_dir, "xlm_executables")
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -79,27 +98,70 @@ class ModelRunner:
         self.num_compilations = 0
         self._programs: dict[tuple[str, Any], Any] = {}
         self._model_fn = jax.jit(self._model_step, static_argnums=(3,), donate_argnums=(1,))
+        self._executables = ExecutableCache(
+            executable_cache_dir(config), self._engine_fingerprint(config, num_blocks, kv_dtype)
+        )
         self._sample_fn = jax.jit(self._sample_step, static_argnums=(2,))
+        self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs_step)
 
     # ---- the jitted programs ---------------------------------------------------------
     def _model_step(
         self, state: nnx.State, kv_caches: list[jax.Array], packed: jax.Array, layout: Any
-    ) -> tuple[list[jax.Array], jax.Array]:
-        """Model forward over the ragged batch; logits of each request's last token."""
+    ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+        """Model forward over the ragged batch: caches, last-token logits, hidden states."""
         inputs = unpack(packed, layout)
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(inputs["input_ids"], kv_caches, inputs["attn"])
-        return kv_caches, model.compute_logits(hidden[inputs["logits_indices"]])
+        logits = model.compute_logits(hidden[inputs["logits_indices"]])
+        # Pad (not compute) up to the sampler's row bucket, so its program fits every step.
+        rows = self._sampler_bucket(logits.shape[0])
+        return kv_caches, jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0))), hidden
+
+    def _prompt_logprobs_step(
+        self, state: nnx.State, hidden: jax.Array, next_token_ids: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        """Logprobs of the next prompt tokens from hidden states [P, H] (plus the top-k)."""
+        model = nnx.merge(self.graphdef, state)
+        return sampler_lib.compute_prompt_logprobs(
+            model.compute_logits(hidden), next_token_ids, self.sampler_config.max_num_logprobs
+        )
 
     def _sample_step(self, logits: jax.Array, packed: jax.Array, layout: Any) -> Any:
-        """Sample from logits [R, V], padded up to the sampler's row bucket."""
-        md = unpack(packed, layout)
-        rows = md.temperature.shape[0]
-        if logits.shape[0] < rows:
-            logits = jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
-        return sampler_lib.sample(logits[:rows], md, self.sampler_config)
+        """Sample one token per row of logits [R, V] (R: the sampler's row bucket)."""
+        return sampler_lib.sample(logits, unpack(packed, layout), self.sampler_config)
+
+    @staticmethod
+    def _engine_fingerprint(config: XlmConfig, num_blocks: int, kv_dtype: Any) -> str:
+        """What besides shapes decides the compiled programs."""
+        model = config.model_config
+        return repr(
+            (
+                model.model,
+                model.dtype,
+                model.hf_config.to_json_string(),
+                config.scheduler_config,
+                config.cache_config.block_size,
+                num_blocks,
+                str(jnp.dtype(kv_dtype)),
+                config.compilation_config.custom_ops,
+                config.parallel_config,
+            )
+        )
+
+    def _trees(self, kind: str, args: tuple) -> tuple[Any, Any]:
+        """Input and output pytree structures of a program (to load it without tracing)."""
+        in_tree = jax.tree_util.tree_structure((args, {}))
+        if kind == "model":
+            out_tree = jax.tree_util.tree_structure((list(self.kv_caches), 0, 0))
+        elif kind == "prompt_logprobs":
+            out_tree = jax.tree_util.tree_structure((0, 0, 0, 0))
+        else:
+            out_tree = jax.tree_util.tree_structure(sampler_lib.SamplerOutput(0, 0, 0, 0, 0))
+        return in_tree, out_tree
 
     def _lower(self, kind: str, args: tuple, layout: Any) -> Any:
+        if kind == "prompt_logprobs":
+            return self._prompt_logprobs_fn.lower(*args)
         fn = self._model_fn if kind == "model" else self._sample_fn
         return fn.lower(*args, layout)
 
@@ -210,10 +272,60 @@ class ModelRunner:
     def _run(self, inputs: dict[str, Any], sampling: Any) -> Any:
         packed, layout = pack(inputs)
         model_args = (self.state, self.kv_caches, jax.device_put(packed))
-        self.kv_caches, logits = self._program("model", model_args, layout)(*model_args)
+        self.kv_caches, logits, hidden = self._program("model", model_args, layout)(*model_args)
         packed, layout = pack(sampling)
         sample_args = (logits, jax.device_put(packed))
-        return jax.device_get(self._program("sampler", sample_args, layout)(*sample_args))
+        sampled = self._program("sampler", sample_args, layout)(*sample_args)
+        return jax.device_get(sampled), hidden
+
+    def _prompt_logprobs(
+        self, req_ids: list[str], num_scheduled: list[int], hidden: jax.Array
+    ) -> dict[str, LogprobsLists] | None:
+        """Logprobs of the prompt tokens this step computed, for requests that asked."""
+        batch = self.input_batch
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: dict[str, tuple[int, int, int]] = {}
+        offset = 0
+        for req_id, n in zip(req_ids, num_scheduled):
+            state = batch.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            computed = int(batch.num_computed_tokens[state.slot])  # before this step
+            if k is not None:
+                # Positions p in this chunk whose next token is still a prompt token (and
+                # not already scored before a preemption).
+                start = max(computed, state.num_prompt_logprobs_done)
+                stop = min(computed + n, len(state.prompt_token_ids) - 1)
+                if stop > start:
+                    spans[req_id] = (len(rows), stop - start, k)
+                    first_row = offset + start - computed
+                    rows.extend(range(first_row, first_row + stop - start))
+                    targets.extend(state.prompt_token_ids[start + 1 : stop + 1])
+                    state.num_prompt_logprobs_done = stop
+            offset += n
+        if not rows:
+            return None
+        chunk = PROMPT_LOGPROB_ROWS
+        hidden_rows = np.asarray(hidden)[rows]
+        results = []
+        for i in range(0, len(rows), chunk):
+            h = np.zeros((chunk, hidden_rows.shape[1]), hidden_rows.dtype)
+            ids = np.zeros(chunk, np.int32)
+            part = hidden_rows[i : i + chunk]
+            h[: len(part)] = part
+            ids[: len(part)] = targets[i : i + chunk]
+            args = (self.state, jax.device_put(h), jax.device_put(ids))
+            results.append(jax.device_get(self._program("prompt_logprobs", args, chunk)(*args)))
+        lp, ranks, top_ids, top_lps = (
+            np.concatenate(parts)[: len(rows)] for parts in zip(*results)
+        )
+        out = {}
+        for req_id, (first, count, k) in spans.items():
+            sl = slice(first, first + count)
+            out[req_id] = LogprobsLists.from_sampler(
+                targets[sl], lp[sl], ranks[sl], top_ids[sl, :k], top_lps[sl, :k]
+            )
+        return out
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return the sampled tokens per request."""
@@ -225,7 +337,8 @@ class ModelRunner:
         inputs, sampling, samples = self._prepare_inputs(
             req_ids, num_scheduled, self._bucket(so.total_num_scheduled_tokens)
         )
-        sampled = self._run(inputs, sampling)
+        sampled, hidden = self._run(inputs, sampling)
+        prompt_logprobs = self._prompt_logprobs(req_ids, num_scheduled, hidden)
         batch = self.input_batch
         token_ids = np.asarray(sampled.sampled_token_ids)
         sampled_token_ids: list[list[int]] = []
@@ -260,33 +373,51 @@ class ModelRunner:
             req_ids=req_ids,
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs if any_logprobs else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def warmup(self) -> None:
         """Compile every bucket's programs before serving, in parallel threads."""
         start = time.perf_counter()
-        lowered: dict[tuple[str, Any], Any] = {}
+        programs: dict[tuple[str, Any], tuple] = {}
         for bucket in self.token_buckets:
             inputs, sampling, _ = self._prepare_inputs([], [], bucket)
             packed, layout = pack(inputs)
-            lowered[("model", layout)] = self._lower(
-                "model", (self.state, self.kv_caches, packed), layout
-            )
+            programs[("model", layout)] = (self.state, self.kv_caches, packed)
             packed, layout = pack(sampling)
-            rows = min(bucket, self.max_num_seqs)
+            rows = self._sampler_bucket(min(bucket, self.max_num_seqs))
             logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32)
-            if ("sampler", layout) not in lowered:
-                lowered[("sampler", layout)] = self._lower("sampler", (logits, packed), layout)
-        keys = [k for k in lowered if k not in self._programs]
+            programs[("sampler", layout)] = (logits, packed)
+        hidden_size = self.config.model_config.hf_config.hidden_size
+        dtype = jax.tree_util.tree_leaves(self.state)[0].dtype
+        programs[("prompt_logprobs", PROMPT_LOGPROB_ROWS)] = (
+            self.state,
+            jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS, hidden_size), dtype),
+            jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32),
+        )
+        lowered: dict[tuple[str, Any], Any] = {}
+        loaded = 0
+        for (kind, layout), args in programs.items():
+            if (kind, layout) in self._programs:
+                continue
+            program = self._executables.load(kind, layout, *self._trees(kind, args))
+            if program is not None:
+                self._programs[(kind, layout)] = program
+                loaded += 1
+            else:
+                lowered[(kind, layout)] = self._lower(kind, args, layout)
+        keys = list(lowered)
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             futures = [pool.submit(lowered[k].compile) for k in keys]
             for key, future in zip(
                 keys, tqdm(futures, desc="Compiling", disable=envs.XLM_DISABLE_PROGRESS_BARS)
             ):
                 self._programs[key] = future.result()
-        self.num_compilations += len(keys)
-        # One real run per bucket: the first call of a program allocates its buffers.
-        for bucket in self.token_buckets:
-            self._run(*self._prepare_inputs([], [], bucket)[:2])
-        jax.block_until_ready(self.kv_caches)
-        logger.info("Compiled %d programs in %.1f s.", len(keys), time.perf_counter() - start)
+                self._executables.store(*key, self._programs[key])
+        self.num_compilations += len(keys) + loaded
+        logger.info(
+            "Compiled %d programs, loaded %d saved ones, in %.1f s.",
+            len(keys),
+            loaded,
+            time.perf_counter() - start,
+        )

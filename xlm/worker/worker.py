@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
-import jax
 import jax.numpy as jnp
 
-from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.logger import init_logger
@@ -17,18 +13,6 @@ from xlm.worker.model_runner import ModelRunner
 logger = init_logger(__name__)
 
 GiB = 1 << 30
-
-
-def enable_compilation_cache(config: XlmConfig) -> None:
-    """Turn on JAX's persistent compilation cache so a second start skips compiling."""
-    cache_dir = envs.XLM_COMPILATION_CACHE_DIR
-    if not config.compilation_config.enable_compilation_cache or not cache_dir:
-        return
-    os.makedirs(cache_dir, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    logger.debug("JAX compilation cache at %s.", cache_dir)
 
 
 def kv_cache_bytes_per_block(model, block_size: int, dtype: jnp.dtype) -> int:
@@ -41,7 +25,6 @@ class Worker:
 
     def __init__(self, config: XlmConfig) -> None:
         self.config = config
-        enable_compilation_cache(config)
         from xlm.models.loader import get_model, resolve_dtype
 
         self.model = get_model(config)

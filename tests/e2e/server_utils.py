@@ -1,0 +1,133 @@
+"""Start a real `xlm serve` subprocess on 127.0.0.1 and wait for it to be healthy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m"
+# Small, fast engine settings for tests: short context, small KV pool, few buckets.
+DEFAULT_ARGS = [
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory",
+    "0.1",
+    "--max-num-seqs",
+    "32",
+    "--max-num-batched-tokens",
+    "256",
+    "--max-logprobs",
+    "5",
+]
+STARTUP_TIMEOUT_S = 420.0
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """An `xlm serve` subprocess; its log goes to a temp file shown on failure."""
+
+    def __init__(self, extra_args: list[str] | None = None, model: str = MODEL) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="xlm-serve-", suffix=".log")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env.setdefault("XLM_DISABLE_PROGRESS_BARS", "1")
+        cmd = [
+            sys.executable,
+            "-m",
+            "xlm.entrypoints.cli",
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *DEFAULT_ARGS,
+            *(extra_args or []),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT)
+        )
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"xlm serve exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"xlm serve not healthy in {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        """The last lines of the server's output."""
+        self.log.flush()
+        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-n:])
+
+    def child_pids(self) -> list[int]:
+        """Direct children of the server process (the engine core among them)."""
+        path = f"/proc/{self.proc.pid}/task/{self.proc.pid}/children"
+        try:
+            return [int(p) for p in Path(path).read_text().split()]
+        except OSError:
+            return []
+
+    def engine_pid(self) -> int:
+        """The pid of the engine-core process."""
+        for pid in self.child_pids():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmdline:
+                return pid
+        raise RuntimeError(f"no engine process among children {self.child_pids()}")
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, then SIGKILL; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """One sample's value from Prometheus text (labels must all match)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric = head.split("{", 1)[0]
+        if metric != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in head for k, v in labels.items()):
+            continue
+        return float(value)
+    return None

@@ -1,0 +1,53 @@
+"""`LLM(..., multiprocess=True)`: the offline API over the engine-core process (SyncMPClient)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import API_KEY
+from tests.e2e.server_utils import DEFAULT_ARGS, MODEL
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _engine_kwargs() -> dict:
+    """The shared server's engine flags as LLM keyword arguments (same numerics)."""
+    it = iter(DEFAULT_ARGS)
+    kwargs = {}
+    for flag, value in zip(it, it):
+        name = flag[2:].replace("-", "_")
+        if name != "max_logprobs":
+            kwargs[name] = float(value) if "." in value else int(value)
+    return kwargs
+
+
+def test_llm_multiprocess_generates_like_the_server(server):
+    import openai
+
+    from xlm.engine.mp_client import SyncMPClient
+    from xlm.entrypoints.llm import LLM
+    from xlm.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "def add(a, b):"]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    expected = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+    llm = LLM(model=MODEL, multiprocess=True, **_engine_kwargs())
+    core = llm.llm_engine.engine_core
+    assert isinstance(core, SyncMPClient)
+    proc = core.engine.proc
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+        assert [o.outputs[0].text for o in outs] == expected
+        seeded = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6)
+        first = llm.generate(prompts[:1], seeded, use_tqdm=False)[0]
+        again = llm.generate(prompts[:1], seeded, use_tqdm=False)[0]
+        assert [c.text for c in first.outputs] == [c.text for c in again.outputs]
+        assert len(first.outputs) == 2
+    finally:
+        llm.llm_engine.shutdown()
+    assert not proc.is_alive() and proc.exitcode == 0

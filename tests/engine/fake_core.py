@@ -1,0 +1,105 @@
+"""A stand-in engine core with EngineCore's methods, for transport tests only."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from xlm.core.outputs import EngineCoreOutput, SchedulerStats
+
+
+@dataclass
+class FakeRequest:
+    """The fields of an EngineCoreRequest the fake core reads."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int = 4
+    logprobs: bool = False
+
+
+@dataclass
+class FakeOutputs:
+    """Shape of EngineCoreOutputs."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class _FakeScheduler:
+    def __init__(self, core: FakeEngineCore) -> None:
+        self.core = core
+
+    def make_stats(self) -> SchedulerStats:
+        n = len(self.core.requests)
+        return SchedulerStats(num_running_reqs=n, kv_cache_usage=n / 10)
+
+
+class FakeEngineCore:
+    """Emits last-token+1 each step; a prompt starting with -1 makes step() raise."""
+
+    def __init__(self, config: dict[str, Any], log_stats: bool = True) -> None:
+        if config.get("fail_start"):
+            raise RuntimeError("boom at start")
+        self.step_sleep = config.get("step_sleep", 0.0)
+        self.requests: dict[str, tuple[FakeRequest, list[int]]] = {}
+        self.scheduler = _FakeScheduler(self)
+
+    def get_ready_info(self) -> dict[str, Any]:
+        return {"max_model_len": 128, "engine_pid": os.getpid()}
+
+    def add_request(self, request: Any) -> None:
+        if not hasattr(request, "max_tokens"):  # a real EngineCoreRequest
+            request = FakeRequest(
+                request.request_id, request.prompt_token_ids, request.sampling_params.max_tokens
+            )
+        if len(request.prompt_token_ids) > 100:
+            raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens never fits")
+        self.requests[request.request_id] = (request, [])
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> FakeOutputs:
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        outputs = []
+        for request_id, (request, generated) in list(self.requests.items()):
+            if request.prompt_token_ids[0] == -1:
+                raise RuntimeError("step failure")
+            last = generated[-1] if generated else request.prompt_token_ids[-1]
+            generated.append(last + 1)
+            done = len(generated) >= request.max_tokens
+            logprobs = np.full((1, 3), -0.5, dtype=np.float32) if request.logprobs else None
+            outputs.append(
+                EngineCoreOutput(request_id, [last + 1], "length" if done else None, None, logprobs)
+            )
+            if done:
+                del self.requests[request_id]
+        return FakeOutputs(outputs, self.scheduler.make_stats(), time.time())
+
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def echo(self, *args: Any) -> list[Any]:
+        return list(args)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def fake_core_factory(config: dict[str, Any], log_stats: bool) -> FakeEngineCore:
+    """Spawn-picklable factory for EngineCoreProc."""
+    return FakeEngineCore(config, log_stats)

@@ -1,0 +1,144 @@
+"""ZeroMQ clients and EngineCoreProc, against a stand-in core in a real spawned process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tests.engine.fake_core import FakeRequest, fake_core_factory
+from xlm.engine.core_client import make_client
+from xlm.engine.exceptions import EngineDeadError
+from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _collect(client: SyncMPClient, ids: set[str], timeout: float = 30.0) -> dict[str, list]:
+    got: dict[str, list] = {i: [] for i in ids}
+    finished: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while set(finished) != ids:
+        assert time.monotonic() < deadline, "timed out waiting for outputs"
+        for out in client.get_output().outputs:
+            got[out.request_id].append(out)
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    return got
+
+
+@pytest.fixture
+def sync_client():
+    client = make_client(
+        {}, multiprocess=True, asyncio_mode=False, engine_core_factory=fake_core_factory
+    )
+    yield client
+    client.shutdown()
+
+
+def test_sync_client_round_trip(sync_client: SyncMPClient):
+    assert sync_client.ready_info["max_model_len"] == 128
+    assert sync_client.ready_info["engine_pid"] != os.getpid()
+    sync_client.add_request(FakeRequest("a", [10], max_tokens=3))
+    sync_client.add_request(FakeRequest("b", [100, 200], max_tokens=2, logprobs=True))
+    got = _collect(sync_client, {"a", "b"})
+    assert [o.new_token_ids[0] for o in got["a"]] == [11, 12, 13]
+    assert [o.new_token_ids[0] for o in got["b"]] == [201, 202]
+    assert got["a"][-1].finish_reason == "length" and got["a"][0].finish_reason is None
+    lp = got["b"][0].new_logprobs
+    assert isinstance(lp, np.ndarray) and lp.dtype == np.float32 and lp.shape == (1, 3)
+    assert sync_client.call_utility("echo", 1, "x") == [1, "x"]
+    assert sync_client.reset_prefix_cache() is True
+    with pytest.raises(RuntimeError, match="cannot be called"):
+        sync_client.call_utility("step")
+
+
+def test_per_request_error_fails_only_that_request(sync_client: SyncMPClient):
+    sync_client.add_request(FakeRequest("bad", list(range(101))))
+    sync_client.add_request(FakeRequest("good", [1], max_tokens=2))
+    got = _collect(sync_client, {"bad", "good"})
+    assert got["bad"][0].finish_reason == "error"
+    assert "never fits" in got["bad"][0].stop_reason
+    assert got["good"][-1].finish_reason == "length"
+    sync_client.check_health()
+
+
+def test_abort_frees_request_and_idle_stats_follow(sync_client: SyncMPClient):
+    sync_client.add_request(FakeRequest("long", [1], max_tokens=10_000))
+    first = sync_client.get_output()
+    assert first.outputs[0].request_id == "long"
+    sync_client.abort_requests(["long"])
+    deadline = time.monotonic() + 20
+    while True:  # the engine reports zero usage once it goes idle
+        out = sync_client.get_output()
+        if out.scheduler_stats is not None and out.scheduler_stats.num_running_reqs == 0:
+            break
+        assert time.monotonic() < deadline
+    assert out.scheduler_stats.kv_cache_usage == 0.0
+
+
+def test_killed_engine_raises_engine_dead_not_hang(sync_client: SyncMPClient):
+    os.kill(sync_client.engine.proc.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError):
+        sync_client.get_output()
+    with pytest.raises(EngineDeadError):
+        sync_client.add_request(FakeRequest("late", [1]))
+    with pytest.raises(EngineDeadError):
+        sync_client.check_health()
+
+
+def test_step_failure_is_reported_and_process_exits(sync_client: SyncMPClient):
+    sync_client.add_request(FakeRequest("boom", [-1, 2]))
+    with pytest.raises(EngineDeadError, match="step failure"):
+        sync_client.get_output()
+    sync_client.engine.proc.join(10)
+    assert sync_client.engine.proc.exitcode == 1
+
+
+def test_startup_failure_raises_with_cause():
+    with pytest.raises(RuntimeError, match="boom at start"):
+        SyncMPClient({"fail_start": True}, True, fake_core_factory)
+
+
+def test_shutdown_reaps_engine_process():
+    client = SyncMPClient({}, True, fake_core_factory)
+    proc = client.engine.proc
+    client.shutdown()
+    assert not proc.is_alive() and proc.exitcode == 0
+    assert not os.path.exists(client.engine.tmpdir)
+
+
+def test_async_client_round_trip_and_death():
+    async def main() -> None:
+        client = make_client(
+            {"step_sleep": 0.01},
+            multiprocess=True,
+            asyncio_mode=True,
+            engine_core_factory=fake_core_factory,
+        )
+        assert isinstance(client, AsyncMPClient)
+        try:
+            for i in range(5):
+                await client.add_request_async(FakeRequest(f"r{i}", [i * 10], max_tokens=3))
+            tokens: dict[str, list[int]] = {}
+            finished = set()
+            while len(finished) < 5:
+                outs = await asyncio.wait_for(client.get_output_async(), 10)
+                for out in outs.outputs:
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.finish_reason:
+                        finished.add(out.request_id)
+            assert tokens == {f"r{i}": [i * 10 + 1, i * 10 + 2, i * 10 + 3] for i in range(5)}
+            assert await client.call_utility_async("echo", "y") == ["y"]
+            os.kill(client.engine.proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                for _ in range(100):  # leftover outputs first, then the error
+                    await asyncio.wait_for(client.get_output_async(), 10)
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())

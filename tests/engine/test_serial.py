@@ -1,0 +1,112 @@
+"""msgpack framing: round trips of requests, outputs and numpy arrays."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
+
+
+class Color(enum.IntEnum):
+    RED = 1
+    BLUE = 2
+
+
+@dataclass(slots=True)
+class Inner:
+    token_ids: list[int]
+    logprobs: np.ndarray | None = None
+
+
+@dataclass
+class Outer:
+    request_id: str
+    inner: list[Inner]
+    kind: Color = Color.RED
+    tags: set[str] = field(default_factory=set)
+    pair: tuple[int, str] = (1, "a")
+    mapping: dict[int, float] = field(default_factory=dict)
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.calls += 1
+
+
+class WithDict:
+    def __init__(self, a: int, b: list[str]) -> None:
+        self.a, self.b = a, b
+
+    def to_dict(self) -> dict:
+        return {"a": self.a, "b": self.b}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> WithDict:
+        return cls(data["a"], data["b"])
+
+
+def _roundtrip(obj):
+    frames = MsgpackEncoder().encode(obj)
+    return MsgpackDecoder().decode(frames), frames
+
+
+def test_dataclass_roundtrip_keeps_types_and_skips_post_init():
+    obj = Outer(
+        "req-1",
+        [Inner([1, 2, 3]), Inner([], np.arange(6, dtype=np.float32).reshape(2, 3))],
+        Color.BLUE,
+        {"x", "y"},
+        (7, "z"),
+        {5: 0.5, -1: 2.0},
+    )
+    out, _ = _roundtrip(obj)
+    assert isinstance(out, Outer) and out.request_id == "req-1"
+    assert out.kind is Color.BLUE
+    assert out.tags == {"x", "y"} and out.pair == (7, "z")
+    assert out.mapping == {5: 0.5, -1: 2.0}
+    assert out.calls == 1  # __post_init__ not re-run
+    assert isinstance(out.inner[0], Inner) and out.inner[0].token_ids == [1, 2, 3]
+    np.testing.assert_array_equal(out.inner[1].logprobs, obj.inner[1].logprobs)
+
+
+def test_large_arrays_travel_out_of_band_without_copies():
+    big = np.random.default_rng(0).standard_normal((64, 20)).astype(np.float32)
+    small = np.array([1, 2, 3], dtype=np.int32)
+    frames = MsgpackEncoder().encode({"big": big, "small": small})
+    assert len(frames) == 2  # body + one buffer for the big array
+    assert isinstance(frames[1], memoryview)
+    out = MsgpackDecoder().decode(frames)
+    np.testing.assert_array_equal(out["big"], big)
+    np.testing.assert_array_equal(out["small"], small)
+    assert out["big"].dtype == np.float32 and out["small"].dtype == np.int32
+    # The decoded array views the received frame's memory.
+    assert np.shares_memory(out["big"], np.frombuffer(frames[1], dtype=np.uint8))
+
+
+def test_to_dict_objects_and_numpy_scalars():
+    out, _ = _roundtrip([WithDict(3, ["s"]), np.int64(5), np.float32(0.25)])
+    assert isinstance(out[0], WithDict) and out[0].a == 3 and out[0].b == ["s"]
+    assert out[1] == 5 and out[2] == 0.25
+
+
+def test_real_sampling_params_roundtrip_if_available():
+    sp = pytest.importorskip("xlm.sampling_params")
+    params = sp.SamplingParams(temperature=0.5, max_tokens=7, stop=["x"], logit_bias={3: 1.0})
+    out, _ = _roundtrip(params)
+    assert out.temperature == 0.5 and out.max_tokens == 7 and out.stop == ["x"]
+    assert out.logit_bias == {3: 1.0}
+
+
+def test_refuses_classes_outside_allowed_modules():
+    frames = MsgpackEncoder().encode(Inner([1]))
+    body = bytes(frames[0]).replace(b"tests.engine.test_serial", b"os." + b"x" * 21)
+    with pytest.raises(ValueError, match="refusing"):
+        MsgpackDecoder().decode([body])
+
+
+def test_unencodable_object_is_a_type_error():
+    with pytest.raises(TypeError, match="cannot encode"):
+        MsgpackEncoder().encode(object())

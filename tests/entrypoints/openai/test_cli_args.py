@@ -1,0 +1,60 @@
+"""`xlm serve` argument parsing: positional model, engine flags, --config YAML."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from xlm.entrypoints.openai.cli_args import config_file_args, finish_args, make_arg_parser
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return finish_args(make_arg_parser(argparse.ArgumentParser()), argv)
+
+
+def test_positional_model_and_flags():
+    args = _parse(
+        [
+            "smollm2-135m",
+            "--port",
+            "9001",
+            "--max-model-len",
+            "512",
+            "--served-model-name",
+            "a",
+            "b",
+            "--no-enable-prefix-caching",
+        ]
+    )
+    assert args.model == "smollm2-135m" and args.port == 9001 and args.host == "127.0.0.1"
+    assert args.max_model_len == 512 and args.served_model_name == ["a", "b"]
+    assert args.enable_prefix_caching is False and args.shutdown_timeout == 30.0
+
+
+def test_config_file_values_sit_under_the_command_line(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "model: smollm2-135m\nport: 9100\nmax_num_seqs: 8\nenable_prefix_caching: false\n"
+        "served_model_name: [x, y]\napi-key: k\n"
+    )
+    assert config_file_args(str(path))[0] == "smollm2-135m"
+    args = _parse(["--config", str(path), "--port", "9200"])
+    assert args.model == "smollm2-135m" and args.port == 9200  # CLI wins
+    assert args.max_num_seqs == 8 and args.enable_prefix_caching is False
+    assert args.served_model_name == ["x", "y"] and args.api_key == "k"
+    other = _parse(["other-model", "--config", str(path)])
+    assert other.model == "other-model" and other.port == 9100
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("XLM_API_KEY", "from-env")
+    assert _parse(["m"]).api_key == "from-env"
+    assert _parse(["m", "--api-key", "flag"]).api_key == "flag"
+
+
+def test_bad_config_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        config_file_args(str(path))

@@ -1,0 +1,308 @@
+"""EngineCoreProc: the engine core in its own process, fed and drained over ZeroMQ.
+
+Three threads in the engine process: the input IO thread reads and decodes messages
+from the client into a queue; the main thread runs the busy loop (drain the queue,
+step while there is work, block on the queue when idle); the output IO thread encodes
+what the busy loop produced and sends it. Decoding and encoding thereby overlap the
+device steps.
+
+Wire protocol (multipart ZeroMQ messages, first frame the type, then serial frames):
+client -> engine: ADD(EngineCoreRequest), ABORT([ids]), UTILITY([call_id, method,
+args]), SHUTDOWN(None); engine -> client: READY({max_model_len, ...}),
+OUTPUTS(EngineCoreOutputs), UTILITY_RESULT([call_id, ok, result or message]),
+ENGINE_ERROR(message). The client binds both sockets; the engine connects.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class RequestType:
+    """First frame of a client -> engine message."""
+
+    ADD = b"A"
+    ABORT = b"X"
+    UTILITY = b"U"
+    SHUTDOWN = b"S"
+
+
+class OutputType:
+    """First frame of an engine -> client message."""
+
+    READY = b"R"
+    OUTPUTS = b"O"
+    UTILITY_RESULT = b"U"
+    ENGINE_ERROR = b"E"
+    # Sent by the client's own process monitor when the engine process exits.
+    ENGINE_DEAD = b"D"
+
+
+# Engine-core methods a client may not call through UTILITY messages (the busy loop owns
+# them); any other public method may be called ("ping" answers True without the core).
+_NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step", "shutdown"})
+
+EngineCoreFactory = Callable[[Any, bool], Any]
+
+
+@dataclass
+class _FallbackEngineCoreOutputs:
+    """Used only when xlm.engine.core is not importable (stand-in cores in tests)."""
+
+    outputs: list = field(default_factory=list)
+    scheduler_stats: Any = None
+    timestamp: float = 0.0
+
+
+def _outputs_cls() -> type:
+    try:
+        from xlm.engine.core import EngineCoreOutputs
+
+        return EngineCoreOutputs
+    except ImportError:
+        return _FallbackEngineCoreOutputs
+
+
+def _default_factory(xlm_config: Any, log_stats: bool) -> Any:
+    from xlm.engine.core import EngineCore
+
+    return EngineCore(xlm_config, log_stats=log_stats)
+
+
+def _scheduler_stats(core: Any) -> Any:
+    """The core's scheduler stats now, or None if it keeps none."""
+    scheduler = getattr(core, "scheduler", None)
+    make_stats = getattr(scheduler, "make_stats", None)
+    return make_stats() if make_stats is not None else None
+
+
+class EngineCoreProc:
+    """Runs an EngineCore behind ZeroMQ sockets: IO threads plus a busy loop."""
+
+    def __init__(
+        self,
+        xlm_config: Any,
+        input_address: str,
+        output_address: str,
+        log_stats: bool = True,
+        engine_core_factory: EngineCoreFactory | None = None,
+    ) -> None:
+        self.xlm_config = xlm_config
+        self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[bytes, Any] | None] = queue.Queue()
+        self._ctx = zmq.Context()
+        self._output_thread = threading.Thread(
+            target=self._process_output_socket, args=(output_address,), daemon=True
+        )
+        self._output_thread.start()
+        factory = engine_core_factory or _default_factory
+        try:
+            self.engine_core = factory(xlm_config, log_stats)
+        except BaseException:
+            self._send_error("engine core failed to start:\n" + traceback.format_exc())
+            raise
+        self._outputs_cls = _outputs_cls()
+        self.output_queue.put((OutputType.READY, self._ready_info()))
+        self._input_thread = threading.Thread(
+            target=self._process_input_socket, args=(input_address,), daemon=True
+        )
+        self._input_thread.start()
+        self._stats_dirty = False
+
+    def _ready_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"pid": os.getpid()}
+        model_config = getattr(self.xlm_config, "model_config", None)
+        cache_config = getattr(self.xlm_config, "cache_config", None)
+        info["max_model_len"] = getattr(model_config, "max_model_len", None)
+        info["num_blocks"] = getattr(cache_config, "num_blocks", None)
+        extra = getattr(self.engine_core, "get_ready_info", None)
+        if extra is not None:
+            info.update(extra())
+        return info
+
+    # ---- busy loop --------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        """Drain inputs, step while there is work, block when idle; until SHUTDOWN."""
+        core = self.engine_core
+        while True:
+            if not core.has_unfinished_requests() and self.input_queue.empty():
+                if self._stats_dirty:
+                    self._send_idle_stats()
+                if self._handle(*self.input_queue.get()):
+                    return
+            while True:
+                try:
+                    item = self.input_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if self._handle(*item):
+                    return
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self.output_queue.put((OutputType.OUTPUTS, outputs))
+                self._stats_dirty = True
+
+    def _handle(self, kind: bytes, payload: Any) -> bool:
+        """Apply one input message; True on SHUTDOWN."""
+        core = self.engine_core
+        if kind == RequestType.ADD:
+            try:
+                core.add_request(payload)
+            except Exception as e:  # per-request failure: only this request fails
+                logger.warning("Request %s failed: %s", getattr(payload, "request_id", "?"), e)
+                self._send_request_error(payload, str(e))
+        elif kind == RequestType.ABORT:
+            core.abort_requests(payload)
+            self._stats_dirty = True
+        elif kind == RequestType.UTILITY:
+            call_id, method, args = payload
+            try:
+                if method == "ping":
+                    value: Any = True
+                elif method.startswith("_") or method in _NOT_UTILITIES:
+                    raise ValueError(f"{method!r} cannot be called as a utility")
+                else:
+                    value = getattr(core, method)(*args)
+                result = (call_id, True, value)
+            except Exception as e:
+                result = (call_id, False, f"{type(e).__name__}: {e}")
+            self.output_queue.put((OutputType.UTILITY_RESULT, result))
+        elif kind == RequestType.SHUTDOWN:
+            return True
+        else:
+            logger.error("Unknown message type %r from the client", kind)
+        return False
+
+    def _send_request_error(self, request: Any, message: str) -> None:
+        from xlm.core.outputs import EngineCoreOutput
+
+        output = EngineCoreOutput(
+            request.request_id, [], finish_reason="error", stop_reason=message
+        )
+        stats = _scheduler_stats(self.engine_core)
+        outputs = self._outputs_cls(outputs=[output], scheduler_stats=stats, timestamp=time.time())
+        self.output_queue.put((OutputType.OUTPUTS, outputs))
+
+    def _send_idle_stats(self) -> None:
+        self._stats_dirty = False
+        stats = _scheduler_stats(self.engine_core)
+        if stats is not None:
+            outputs = self._outputs_cls(outputs=[], scheduler_stats=stats, timestamp=time.time())
+            self.output_queue.put((OutputType.OUTPUTS, outputs))
+
+    def _send_error(self, message: str) -> None:
+        self.output_queue.put((OutputType.ENGINE_ERROR, message))
+
+    # ---- IO threads -------------------------------------------------------------------
+
+    def _process_input_socket(self, address: str) -> None:
+        decoder = MsgpackDecoder()
+        socket = self._ctx.socket(zmq.PULL)
+        socket.connect(address)
+        try:
+            while True:
+                frames = socket.recv_multipart(copy=False)
+                kind = frames[0].bytes
+                payload = decoder.decode(frames[1:])
+                self.input_queue.put((kind, payload))
+                if kind == RequestType.SHUTDOWN:
+                    return
+        except zmq.ContextTerminated:
+            return
+        except Exception:
+            logger.exception("Input thread failed")
+            self.input_queue.put((RequestType.SHUTDOWN, None))
+        finally:
+            socket.close(linger=0)
+
+    def _process_output_socket(self, address: str) -> None:
+        encoder = MsgpackEncoder()
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.connect(address)
+        try:
+            while True:
+                item = self.output_queue.get()
+                if item is None:
+                    return
+                kind, payload = item
+                socket.send_multipart([kind, *encoder.encode(payload)], copy=False)
+        finally:
+            socket.close(linger=2000)
+
+    def shutdown(self) -> None:
+        """Stop the core and flush pending outputs."""
+        shutdown = getattr(self.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.output_queue.put(None)
+        self._output_thread.join(timeout=5)
+
+    # ---- process entry point ----------------------------------------------------------
+
+    @staticmethod
+    def run_engine_core(
+        xlm_config: Any,
+        input_address: str,
+        output_address: str,
+        log_stats: bool = True,
+        engine_core_factory: EngineCoreFactory | None = None,
+        parent_pid: int | None = None,
+    ) -> None:
+        """Entry point of the engine process (multiprocessing spawn target)."""
+        # The front end handles Ctrl-C and tells us to stop; SIGTERM stops us cleanly.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        proc: EngineCoreProc | None = None
+        stop = threading.Event()
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if proc is not None:
+                proc.input_queue.put((RequestType.SHUTDOWN, None))
+            else:
+                raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        if parent_pid is not None:
+            threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
+        try:
+            proc = EngineCoreProc(
+                xlm_config, input_address, output_address, log_stats, engine_core_factory
+            )
+        except BaseException:
+            logger.exception("Engine core failed to start")
+            time.sleep(0.5)  # let the output thread send the error
+            os._exit(1)
+        try:
+            proc.run_busy_loop()
+        except BaseException:
+            logger.exception("Engine core failed while running")
+            proc._send_error("engine core failed:\n" + traceback.format_exc())
+            proc.output_queue.put(None)
+            proc._output_thread.join(timeout=5)
+            os._exit(1)
+        stop.set()
+        proc.shutdown()
+        logger.info("Engine core process %d exiting", os.getpid())
+
+
+def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
+    """Exit when the front-end process is gone (killed without a chance to stop us)."""
+    while not stop.wait(1.0):
+        if os.getppid() != parent_pid:
+            logger.error("Front-end process %d is gone; engine core exiting", parent_pid)
+            os._exit(1)

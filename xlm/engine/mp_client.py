@@ -1,0 +1,379 @@
+"""Engine-core clients over ZeroMQ: the core runs in its own process (EngineCoreProc).
+
+`SyncMPClient` serves `LLMEngine` (blocking calls); `AsyncMPClient` serves `AsyncLLM`
+(coroutines). Both bind two ipc sockets in a private temp dir (input PUSH, output PULL),
+spawn the engine process, wait for its READY message, and watch the process sentinel:
+when the process exits unexpectedly a monitor thread pushes ENGINE_DEAD into the output
+socket, so any pending `get_output` raises `EngineDeadError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from multiprocessing.connection import wait as wait_for_sentinels
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from xlm import envs
+from xlm.engine.core_proc import EngineCoreFactory, EngineCoreProc, OutputType, RequestType
+from xlm.engine.exceptions import EngineDeadError
+from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class _EngineProcess:
+    """The spawned engine process, its sockets' addresses, and its monitor."""
+
+    def __init__(
+        self,
+        xlm_config: Any,
+        log_stats: bool,
+        engine_core_factory: EngineCoreFactory | None,
+    ) -> None:
+        base = envs.XLM_RPC_BASE_PATH
+        os.makedirs(base, exist_ok=True)
+        self.tmpdir = tempfile.mkdtemp(prefix="xlm-engine-", dir=base)
+        self.input_address = f"ipc://{self.tmpdir}/input.sock"
+        self.output_address = f"ipc://{self.tmpdir}/output.sock"
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.PUSH)
+        self.input_socket.bind(self.input_address)
+        self.output_socket = self.ctx.socket(zmq.PULL)
+        self.output_socket.bind(self.output_address)
+        self.closing = False
+        self.dead_message: str | None = None
+        spawn = multiprocessing.get_context("spawn")
+        self.proc = spawn.Process(
+            target=EngineCoreProc.run_engine_core,
+            name="XlmEngineCore",
+            args=(
+                xlm_config,
+                self.input_address,
+                self.output_address,
+                log_stats,
+                engine_core_factory,
+                os.getpid(),
+            ),
+            daemon=True,
+        )
+        self.proc.start()
+        try:
+            self.ready_info = self._wait_for_ready()
+        except BaseException:
+            self.close()
+            raise
+        self._monitor = threading.Thread(target=self._monitor_process, daemon=True)
+        self._monitor.start()
+
+    def _wait_for_ready(self) -> dict[str, Any]:
+        timeout = envs.XLM_ENGINE_READY_TIMEOUT_S or 600.0
+        deadline = time.monotonic() + timeout
+        decoder = MsgpackDecoder()
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        while time.monotonic() < deadline:
+            if poller.poll(100):
+                frames = self.output_socket.recv_multipart(copy=False)
+                kind, payload = frames[0].bytes, decoder.decode(frames[1:])
+                if kind == OutputType.READY:
+                    logger.info("Engine core process %d ready: %s", self.proc.pid, payload)
+                    return payload
+                if kind == OutputType.ENGINE_ERROR:
+                    raise RuntimeError(f"engine core failed to start: {payload}")
+                logger.warning("Unexpected message %r before READY", kind)
+            elif not self.proc.is_alive():
+                raise RuntimeError(
+                    f"engine core process exited with code {self.proc.exitcode} before it "
+                    "was ready; see its log above"
+                )
+        raise RuntimeError(f"engine core was not ready within {timeout:.0f} s")
+
+    def _monitor_process(self) -> None:
+        wait_for_sentinels([self.proc.sentinel])
+        if self.closing:
+            return
+        self.dead_message = f"the engine core process exited (code {self.proc.exitcode})"
+        logger.error("%s", self.dead_message)
+        self.wake_reader()
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the engine process runs."""
+        return self.proc.is_alive()
+
+    def stop_process(self, timeout: float = 5.0) -> None:
+        """Stop the engine process: SHUTDOWN, then SIGTERM, then SIGKILL."""
+        self.closing = True
+        if self.proc.is_alive():
+            try:
+                self.input_socket.send_multipart(
+                    [RequestType.SHUTDOWN, *MsgpackEncoder().encode(None)], flags=zmq.NOBLOCK
+                )
+            except zmq.ZMQError:
+                pass
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout)
+
+    def wake_reader(self) -> None:
+        """Push ENGINE_DEAD into our own output socket so a blocked reader returns."""
+        try:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(self.output_address)
+            sock.send_multipart(
+                [OutputType.ENGINE_DEAD, *MsgpackEncoder().encode(self.dead_message)]
+            )
+            sock.close(linger=1000)
+        except zmq.ZMQError:
+            pass
+
+    def close_sockets(self) -> None:
+        """Close the sockets and remove the socket directory."""
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop the process and release everything (also the GC finalizer)."""
+        if self.ctx.closed:
+            return
+        self.stop_process()
+        self.close_sockets()
+
+
+class _MPClientBase:
+    """Shared set-up of the ZeroMQ clients."""
+
+    def __init__(
+        self,
+        xlm_config: Any,
+        log_stats: bool = True,
+        engine_core_factory: EngineCoreFactory | None = None,
+    ) -> None:
+        self.xlm_config = xlm_config
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder()
+        self.engine = _EngineProcess(xlm_config, log_stats, engine_core_factory)
+        self.ready_info = self.engine.ready_info
+        self._call_ids = itertools.count()
+        self._finalizer = weakref.finalize(self, self.engine.close)
+
+    @property
+    def engine_dead(self) -> bool:
+        """Whether the engine process has died or failed."""
+        return self.engine.dead_message is not None or (
+            not self.engine.closing and not self.engine.is_alive
+        )
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine process is gone."""
+        if self.engine_dead:
+            raise EngineDeadError(self.engine.dead_message or "the engine core process is dead")
+
+    def _frames(self, kind: bytes, payload: Any) -> list[Any]:
+        return [kind, *self.encoder.encode(payload)]
+
+    def shutdown(self) -> None:
+        """Stop the engine process."""
+        self._finalizer()
+
+
+class SyncMPClient(_MPClientBase):
+    """Blocking client for LLMEngine; a reader thread routes outputs and utility results."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outputs_queue: queue.Queue[Any] = queue.Queue()
+        self._pending: dict[int, Future] = {}
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read_outputs, daemon=True)
+        self._reader.start()
+
+    def _read_outputs(self) -> None:
+        socket = self.engine.output_socket
+        try:
+            while True:
+                frames = socket.recv_multipart(copy=False)
+                kind, payload = frames[0].bytes, self.decoder.decode(frames[1:])
+                if kind == OutputType.OUTPUTS:
+                    self.outputs_queue.put(payload)
+                elif kind == OutputType.UTILITY_RESULT:
+                    call_id, ok, value = payload
+                    future = self._pending.pop(call_id, None)
+                    if future is not None:
+                        if ok:
+                            future.set_result(value)
+                        else:
+                            future.set_exception(RuntimeError(value))
+                elif kind in (OutputType.ENGINE_ERROR, OutputType.ENGINE_DEAD):
+                    self._fail_all(payload)
+                    return
+        except zmq.ZMQError:
+            self._fail_all(None)
+
+    def _fail_all(self, message: str | None) -> None:
+        if message and self.engine.dead_message is None:
+            self.engine.dead_message = message
+        error = EngineDeadError(self.engine.dead_message or "the engine core process is dead")
+        for future in list(self._pending.values()):
+            future.set_exception(error)
+        self._pending.clear()
+        self.outputs_queue.put(error)
+
+    def _send(self, kind: bytes, payload: Any) -> None:
+        self.check_health()
+        with self._send_lock:
+            self.engine.input_socket.send_multipart(self._frames(kind, payload), copy=False)
+
+    def get_output(self) -> Any:
+        """Block until the next EngineCoreOutputs (EngineDeadError if the engine died)."""
+        result = self.outputs_queue.get()
+        if isinstance(result, BaseException):
+            self.outputs_queue.put(result)  # every later caller fails the same way
+            raise result
+        return result
+
+    def add_request(self, request: Any) -> None:
+        """Send a new EngineCoreRequest."""
+        self._send(RequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests in the core, freeing their blocks."""
+        if request_ids:
+            self._send(RequestType.ABORT, list(request_ids))
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = 60.0) -> Any:
+        """Call a method of the engine core in its process and return its result."""
+        call_id = next(self._call_ids)
+        future: Future = Future()
+        self._pending[call_id] = future
+        self._send(RequestType.UTILITY, [call_id, method, list(args)])
+        return future.result(timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache in the core."""
+        return self.call_utility("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        """Stop the engine process and the reader thread."""
+        if self.engine.ctx.closed:
+            return
+        self.engine.stop_process()
+        self.engine.wake_reader()
+        self._reader.join(timeout=5)
+        self._finalizer()
+
+
+class AsyncMPClient(_MPClientBase):
+    """Asyncio client for AsyncLLM; a reader task routes outputs and utility results."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._actx = zmq.asyncio.Context.shadow(self.engine.ctx.underlying)
+        self._input = zmq.asyncio.Socket.shadow(self.engine.input_socket.underlying)
+        self._output = zmq.asyncio.Socket.shadow(self.engine.output_socket.underlying)
+        self._outputs_queue: asyncio.Queue[Any] | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader_task: asyncio.Task | None = None
+
+    def _ensure_reader(self) -> asyncio.Queue[Any]:
+        if self._outputs_queue is None:
+            self._outputs_queue = asyncio.Queue()
+            self._reader_task = asyncio.get_running_loop().create_task(self._read_outputs())
+        return self._outputs_queue
+
+    async def _read_outputs(self) -> None:
+        assert self._outputs_queue is not None
+        try:
+            while True:
+                frames = await self._output.recv_multipart(copy=False)
+                kind, payload = frames[0].bytes, self.decoder.decode(frames[1:])
+                if kind == OutputType.OUTPUTS:
+                    self._outputs_queue.put_nowait(payload)
+                elif kind == OutputType.UTILITY_RESULT:
+                    call_id, ok, value = payload
+                    future = self._pending.pop(call_id, None)
+                    if future is not None and not future.done():
+                        if ok:
+                            future.set_result(value)
+                        else:
+                            future.set_exception(RuntimeError(value))
+                elif kind in (OutputType.ENGINE_ERROR, OutputType.ENGINE_DEAD):
+                    self._fail_all(payload)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail_all(f"engine output socket failed: {e}")
+
+    def _fail_all(self, message: str | None) -> None:
+        if message and self.engine.dead_message is None:
+            self.engine.dead_message = message
+        error = EngineDeadError(self.engine.dead_message or "the engine core process is dead")
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+        assert self._outputs_queue is not None
+        self._outputs_queue.put_nowait(error)
+
+    async def _send(self, kind: bytes, payload: Any) -> None:
+        self._ensure_reader()
+        self.check_health()
+        await self._input.send_multipart(self._frames(kind, payload), copy=False)
+
+    async def get_output_async(self) -> Any:
+        """The next EngineCoreOutputs (EngineDeadError if the engine died)."""
+        outputs_queue = self._ensure_reader()
+        result = await outputs_queue.get()
+        if isinstance(result, BaseException):
+            outputs_queue.put_nowait(result)
+            raise result
+        return result
+
+    async def add_request_async(self, request: Any) -> None:
+        """Send a new EngineCoreRequest."""
+        await self._send(RequestType.ADD, request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        """Abort requests in the core, freeing their blocks."""
+        if request_ids:
+            await self._send(RequestType.ABORT, list(request_ids))
+
+    async def call_utility_async(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Call a method of the engine core in its process and return its result."""
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        await self._send(RequestType.UTILITY, [call_id, method, list(args)])
+        return await asyncio.wait_for(future, timeout)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        """Forget the prefix cache in the core."""
+        return await self.call_utility_async("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        """Stop the reader task and the engine process."""
+        if self.engine.ctx.closed:
+            return
+        if self._reader_task is not None and not self._reader_task.done():
+            self._reader_task.cancel()
+        self.engine.stop_process()
+        self._finalizer()

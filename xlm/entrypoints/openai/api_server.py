@@ -1,0 +1,404 @@
+"""The OpenAI-compatible HTTP server: FastAPI app over AsyncLLM, run by uvicorn.
+
+Start it with `xlm serve MODEL [flags]` or `python -m xlm.entrypoints.openai.api_server
+MODEL [flags]`. SIGTERM (or Ctrl-C) drains: new requests are refused, in-flight ones may
+finish within --shutdown-timeout, the rest end with finish_reason "abort", then the
+engine process is reaped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FastAPIValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import xlm
+from xlm import envs
+from xlm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from xlm.entrypoints.openai.serving_chat import OpenAIServingChat
+from xlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from xlm.entrypoints.openai.serving_engine import OpenAIError, ServingContext, error_from_exception
+from xlm.entrypoints.openai.serving_models import OpenAIServingModels
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    """An OpenAI-shaped JSON error with its status."""
+    return JSONResponse(error.to_response().model_dump(), status_code=int(error.status))
+
+
+def _status_type(status: int) -> str:
+    return {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "NotFoundError",
+        405: "invalid_request_error",
+        415: "invalid_request_error",
+        503: "service_unavailable",
+    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in errors[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+        where = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        msg = err.get("msg", "invalid")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request", param
+
+
+async def parse_body(raw_request: Request, model: type[BaseModel]) -> Any:
+    """Parse a JSON body into a protocol model; OpenAIError (400/415) for anything else."""
+    content_type = raw_request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise OpenAIError(
+            "Unsupported Media Type: only 'application/json' is allowed",
+            HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+        )
+    body = await raw_request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(f"The request body must be a JSON object, not {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        message, param = _validation_message(e.errors())
+        raise OpenAIError(message, param=param) from None
+
+
+async def _with_disconnect(raw_request: Request, work: Awaitable[Any]) -> Any:
+    """Run work; cancel it (aborting its requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def listen() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    listener = asyncio.ensure_future(listen())
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if task not in done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
+class ServerState:
+    """Per-app state: the engine, the handlers, metrics, and whether we are draining."""
+
+    def __init__(self, args: argparse.Namespace, engine: Any, registry: Any) -> None:
+        self.args = args
+        self.engine = engine
+        self.registry = registry
+        tokenizer = engine.get_tokenizer()
+        names = list(args.served_model_name or [args.model])
+        vocab = (getattr(engine, "ready_info", None) or {}).get("vocab_size") or len(tokenizer)
+        self.ctx = ServingContext(
+            engine=engine,
+            served_model_names=names,
+            max_model_len=engine.max_model_len,
+            max_logprobs=args.max_logprobs,
+            vocab_size=int(vocab),
+            enable_log_requests=args.enable_log_requests,
+        )
+        chat_template = _load_chat_template(args.chat_template)
+        self.completion = OpenAIServingCompletion(self.ctx)
+        self.chat = OpenAIServingChat(self.ctx, chat_template)
+        self.models = OpenAIServingModels(self.ctx, args.model)
+        self.draining = False
+
+
+def _load_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError:
+        return value
+
+
+def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> FastAPI:
+    """The FastAPI app serving `engine` (an AsyncLLM) with the parsed server flags."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None
+        interval = envs.XLM_LOG_STATS_INTERVAL or 0
+        if interval > 0 and not args.disable_log_stats:
+
+            async def log_stats() -> None:
+                while True:
+                    await asyncio.sleep(interval)
+                    engine.do_log_stats()
+
+            task = asyncio.create_task(log_stats())
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(lifespan=lifespan, title="xlm", version=xlm.__version__)
+    state = ServerState(args, engine, registry)
+    app.state.xlm = state
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_credentials=True,
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
+
+    api_key = args.api_key
+
+    @app.middleware("http")
+    async def gate(request: Request, call_next: Any) -> Response:
+        path = request.url.path
+        if request.method != "OPTIONS" and path.startswith("/v1"):
+            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response(
+                    OpenAIError(
+                        "Invalid or missing API key",
+                        HTTPStatus.UNAUTHORIZED,
+                        "authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
+            if state.draining:
+                return error_response(
+                    OpenAIError(
+                        "The server is shutting down",
+                        HTTPStatus.SERVICE_UNAVAILABLE,
+                        "service_unavailable",
+                    )
+                )
+        return await call_next(request)
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(FastAPIValidationError)
+    async def on_validation_error(request: Request, exc: FastAPIValidationError) -> JSONResponse:
+        message, param = _validation_message(list(exc.errors()))
+        return error_response(OpenAIError(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        return error_response(OpenAIError(str(exc.detail), status, _status_type(status)))
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(error_from_exception(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return error_response(
+                OpenAIError(
+                    "The engine is dead",
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    code="engine_dead",
+                )
+            )
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": xlm.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if registry is None:
+            return Response("", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(state.models.show_available_models().model_dump())
+
+    async def _serve(raw_request: Request, model: type[BaseModel], handler: Any) -> Response:
+        request = await parse_body(raw_request, model)
+        try:
+            if engine.errored:
+                raise engine.dead_error
+            if getattr(request, "stream", False):
+                stream = await handler(request)
+                return StreamingResponse(stream, media_type="text/event-stream")
+            result = await _with_disconnect(raw_request, handler(request))
+        except Exception as e:
+            return error_response(error_from_exception(e))
+        if result is None:  # client went away
+            return Response(status_code=499)
+        return JSONResponse(result.model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(raw_request: Request) -> Response:
+        return await _serve(raw_request, CompletionRequest, state.completion.create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw_request: Request) -> Response:
+        return await _serve(raw_request, ChatCompletionRequest, state.chat.create_chat_completion)
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> JSONResponse:
+        request = await parse_body(raw_request, TokenizeRequest)
+        return JSONResponse(state.models.tokenize(request).model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> JSONResponse:
+        request = await parse_body(raw_request, DetokenizeRequest)
+        return JSONResponse(state.models.detokenize(request).model_dump())
+
+    return app
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Start the engine process for the parsed flags; returns (AsyncLLM, metrics registry)."""
+    from prometheus_client import CollectorRegistry
+
+    from xlm.engine.async_llm import AsyncLLM
+    from xlm.entrypoints.openai.cli_args import create_engine_config
+    from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+
+    config = create_engine_config(args)
+    registry = CollectorRegistry()
+    name = (args.served_model_name or [args.model])[0]
+    stat_loggers = [PrometheusStatLogger(name, registry)]
+    if not args.disable_log_stats:
+        stat_loggers.append(LoggingStatLogger())
+    engine = AsyncLLM.from_config(config, stat_loggers=stat_loggers, max_logprobs=args.max_logprobs)
+    return engine, registry
+
+
+async def serve_http(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
+    """Run uvicorn until a signal; drain in-flight requests first."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+    )
+    server = _DrainingServer(config, app.state.xlm, args.shutdown_timeout)
+    await server.serve()
+
+
+class _DrainingServer:
+    """A uvicorn server whose first SIGTERM/SIGINT drains requests before exiting."""
+
+    def __init__(self, config: Any, state: ServerState, shutdown_timeout: float) -> None:
+        import uvicorn
+
+        outer = self
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                if outer.draining_task is None and not self.should_exit:
+                    loop = outer.loop
+                    if loop is not None:
+                        loop.call_soon_threadsafe(outer.start_drain)
+                        return
+                super().handle_exit(sig, frame)
+
+        self.server = Server(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.draining_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start_drain(self) -> None:
+        if self.draining_task is None:
+            self.draining_task = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        engine = self.state.engine
+        logger.info(
+            "Shutting down: refusing new requests, waiting up to %.0f s for %d in flight",
+            self.shutdown_timeout,
+            engine.num_unfinished_requests,
+        )
+        self.state.draining = True
+        for listener in getattr(self.server, "servers", []) or []:
+            listener.close()  # stop accepting connections; open ones stay
+        deadline = time.monotonic() + self.shutdown_timeout
+        while engine.num_unfinished_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        aborted = await engine.abort_all()
+        if aborted:
+            logger.info("Aborted %d requests still running at the deadline", len(aborted))
+            await asyncio.sleep(0.5)  # let their handlers send the final chunks
+        self.server.should_exit = True
+
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve()
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Start the engine, serve HTTP until SIGTERM/SIGINT, then reap the engine process."""
+    logger.info(
+        "xlm %s serving %s on http://%s:%d", xlm.__version__, args.model, args.host, args.port
+    )
+    # SIGTERM while the model loads exits cleanly too (uvicorn takes over once serving).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    engine, registry = build_engine(args)
+    try:
+        app = build_app(args, engine, registry)
+        asyncio.run(serve_http(app, args, engine))
+    finally:
+        engine.shutdown()
+        logger.info("Server stopped; engine process reaped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m xlm.entrypoints.openai.api_server MODEL [flags]`."""
+    from xlm.entrypoints.openai.cli_args import parse_serve_args
+
+    return run_server(parse_serve_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

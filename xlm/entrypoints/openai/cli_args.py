@@ -1,0 +1,169 @@
+"""`xlm serve MODEL [flags]`: the server's flags, engine flags, and --config FILE.yaml."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from xlm import envs
+
+
+def _origins(value: str) -> list[str]:
+    """--allowed-origins as a JSON list or a comma list."""
+    value = value.strip()
+    if value.startswith("["):
+        parsed = json.loads(value)
+        if not isinstance(parsed, list):
+            raise argparse.ArgumentTypeError("--allowed-origins must be a list")
+        return [str(v) for v in parsed]
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def add_serving_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the HTTP server itself."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use for the model (default: the model argument)",
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $XLM_API_KEY)",
+    )
+    group.add_argument("--allowed-origins", type=_origins, default=["*"], help="CORS origins")
+    group.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for",
+    )
+    group.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
+    group.add_argument(
+        "--enable-log-requests", action="store_true", help="log every request's parameters"
+    )
+    group.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic stats log line"
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run after SIGTERM before they are aborted",
+    )
+    group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags: EngineArgs' own (--served-model-name is the server's, with aliases)."""
+    from xlm.engine.arg_utils import EngineArgs
+
+    EngineArgs.add_cli_args(parser, skip=("served_model_name",))
+
+
+def create_engine_config(args: argparse.Namespace) -> Any:
+    """The XlmConfig for parsed arguments."""
+    from xlm.engine.arg_utils import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.served_model_name:
+        engine_args.served_model_name = args.served_model_name[0]
+    return engine_args.create_config()
+
+
+def config_file_args(path: str) -> list[str]:
+    """A YAML mapping of long option names to values, as command-line arguments."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of option names to values")
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if key in ("model", "model_tag"):
+            argv.append(str(value))
+        elif value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv.extend([flag, *map(str, value)])
+        elif value is not None:
+            argv.extend([flag, str(value)])
+    return argv
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Fill a parser with the serve flags."""
+    parser.add_argument("model_tag", nargs="?", default=None, help="model path or built-in name")
+    parser.add_argument("--config", default=None, help="YAML file of flags (CLI flags win)")
+    add_serving_args(parser)
+    add_engine_args(parser)
+    return parser
+
+
+def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse `serve` arguments, expanding --config FILE first."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_arg_parser(argparse.ArgumentParser(prog="xlm serve"))
+    return finish_args(parser, argv)
+
+
+def finish_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Expand --config, parse, and settle model / api_key defaults."""
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            parser.error("--config needs a file")
+        path = argv[i + 1]
+        file_args = config_file_args(path)
+        rest = argv[:i] + argv[i + 2 :]
+        # A positional model given on the command line wins over the file's.
+        positional_in_rest = rest and not rest[0].startswith("-")
+        if positional_in_rest and file_args and not file_args[0].startswith("-"):
+            file_args = file_args[1:]
+        argv = (rest[:1] + file_args + rest[1:]) if positional_in_rest else file_args + rest
+        argv += ["--config", path]
+    args = parser.parse_args(argv)
+    return settle_args(parser, args)
+
+
+def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Model from the positional argument; api key from $XLM_API_KEY."""
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if not getattr(args, "model", None):
+        parser.error("a model is required: xlm serve MODEL")
+    if args.api_key is None:
+        args.api_key = envs.XLM_API_KEY
+    if args.max_logprobs < 0:
+        parser.error("--max-logprobs must be >= 0")
+    return args
+
+
+def add_parser(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    """Register `xlm serve`."""
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    make_arg_parser(parser)
+    parser.set_defaults(func=_run, _parser=parser)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.config:
+        # Re-parse with the file's values under the command line's.
+        argv = sys.argv[sys.argv.index("serve") + 1 :] if "serve" in sys.argv else []
+        args = finish_args(args._parser, argv)
+    else:
+        args = settle_args(args._parser, args)
+    from xlm.entrypoints.openai.api_server import run_server
+
+    return run_server(args)

@@ -1,0 +1,286 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) to completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from xlm.engine.exceptions import RequestAbortedError
+from xlm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    random_uuid,
+)
+from xlm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIError,
+    ServingContext,
+    engine_prompt,
+    error_from_exception,
+    make_usage,
+    merge_async_iterators,
+    sse,
+    token_text,
+    top_entries,
+)
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Choice:
+    """A choice being accumulated from DELTA outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServingCompletion:
+    """Handler of the completions endpoint."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create_completion(
+        self, request: CompletionRequest
+    ) -> CompletionResponse | AsyncIterator[str]:
+        """Validate, submit and answer (a response, or an SSE stream when stream=true)."""
+        ctx = self.ctx
+        ctx.check_model(request.model)
+        prompts = ctx.tokenize_prompts(request.prompt, request.add_special_tokens)
+        tokenizer = ctx.engine.get_tokenizer()
+        texts = [request.prompt if isinstance(request.prompt, str) else None for _ in prompts]
+        if (
+            isinstance(request.prompt, list)
+            and request.prompt
+            and isinstance(request.prompt[0], str)
+        ):
+            texts = list(request.prompt)
+        params_list = []
+        for ids in prompts:
+            max_tokens = ctx.max_tokens_for(len(ids), request.max_tokens)
+            params = request.to_sampling_params(max_tokens, ctx.max_logprobs)
+            ctx.check_sampling_vocab(params)
+            if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+                params.prompt_logprobs = request.logprobs
+            params_list.append(params)
+        request_id = f"cmpl-{request.request_id or random_uuid()}"
+        if ctx.enable_log_requests:
+            logger.info(
+                "Received request %s: %d prompt(s), %s", request_id, len(prompts), params_list[0]
+            )
+        generators = [
+            ctx.engine.generate(
+                engine_prompt(ids, text),
+                params,
+                f"{request_id}-{i}",
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
+            for i, (ids, text, params) in enumerate(zip(prompts, texts, params_list))
+        ]
+        echo_texts = [
+            (text if text is not None else tokenizer.decode(ids)) if request.echo else ""
+            for ids, text in zip(prompts, texts)
+        ]
+        run = _Run(self.ctx, request, request_id, prompts, echo_texts, generators)
+        if request.stream:
+            return run.stream()
+        return await run.full()
+
+
+class _Run:
+    """One completion request in flight."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[list[int]],
+        echo_texts: list[str],
+        generators: list[Any],
+    ) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.request_id = request_id
+        self.prompts = prompts
+        self.echo_texts = echo_texts
+        self.generators = generators
+        self.n = request.n
+        self.created = int(time.time())
+        self.tokenizer = ctx.engine.get_tokenizer()
+        self.num_cached = [0] * len(prompts)
+
+    def _logprobs(
+        self, choice: _Choice, token_ids: list[int], entries: list[Any], offset: int
+    ) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        k = self.request.logprobs or 0
+        for token_id, position in zip(token_ids, entries):
+            lp = position.get(token_id) if position else None
+            tok = token_text(self.tokenizer, token_id, lp)
+            out.tokens.append(tok)
+            out.token_logprobs.append(lp.logprob if lp is not None else None)
+            top = {
+                token_text(self.tokenizer, t, e): e.logprob
+                for t, e in top_entries(position or {}, token_id, k)
+            }
+            if lp is not None:
+                top.setdefault(tok, lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(tok)
+        return out
+
+    def _usage(self, choices: dict[int, _Choice]) -> Any:
+        num_prompt = sum(len(p) for p in self.prompts)
+        num_completion = sum(len(c.token_ids) for c in choices.values())
+        return make_usage(num_prompt, num_completion)
+
+    async def full(self) -> CompletionResponse:
+        """Collect every output, then build one response."""
+        choices = {i: _Choice() for i in range(len(self.prompts) * self.n)}
+        try:
+            async for prompt_idx, output in merge_async_iterators(*self.generators):
+                self._accumulate(choices, prompt_idx, output)
+        except RequestAbortedError:
+            for choice in choices.values():
+                choice.finish_reason = choice.finish_reason or "abort"
+        for choice in choices.values():
+            if choice.finish_reason == "error":
+                raise OpenAIError(
+                    f"The engine failed the request: {choice.stop_reason}",
+                    status=500,
+                    err_type="server_error",
+                )
+        response_choices = []
+        for idx, choice in choices.items():
+            prompt_idx = idx // self.n
+            text = self.echo_texts[prompt_idx] + choice.text
+            logprobs = None
+            if self.request.logprobs is not None:
+                logprobs = self._logprobs(
+                    choice, choice.token_ids, choice.logprobs, len(self.echo_texts[prompt_idx])
+                )
+            response_choices.append(
+                CompletionResponseChoice(
+                    index=idx,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.ctx.model_name,
+            choices=response_choices,
+            usage=self._usage(choices),
+        )
+
+    def _accumulate(self, choices: dict[int, _Choice], prompt_idx: int, output: Any) -> None:
+        if output.num_cached_tokens:
+            self.num_cached[prompt_idx] = output.num_cached_tokens
+        for completion in output.outputs:
+            choice = choices[prompt_idx * self.n + completion.index]
+            choice.text += completion.text
+            choice.token_ids.extend(completion.token_ids)
+            if completion.logprobs:
+                choice.logprobs.extend(completion.logprobs)
+            choice.finish_reason = completion.finish_reason
+            choice.stop_reason = completion.stop_reason
+
+    async def stream(self) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per new text, usage if asked, then [DONE]."""
+        choices = {i: _Choice() for i in range(len(self.prompts) * self.n)}
+        options = self.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        echoed: set[int] = set()
+        try:
+            async for prompt_idx, output in merge_async_iterators(*self.generators):
+                for completion in output.outputs:
+                    idx = prompt_idx * self.n + completion.index
+                    choice = choices[idx]
+                    offset = len(choice.text)
+                    text = completion.text
+                    choice.text += text
+                    choice.token_ids.extend(completion.token_ids)
+                    choice.finish_reason = completion.finish_reason
+                    if completion.finish_reason == "error":
+                        raise OpenAIError(
+                            f"The engine failed the request: {completion.stop_reason}",
+                            status=500,
+                            err_type="server_error",
+                        )
+                    if self.request.echo and idx not in echoed:
+                        echoed.add(idx)
+                        text = self.echo_texts[prompt_idx] + text
+                    if not text and completion.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if self.request.logprobs is not None:
+                        logprobs = self._logprobs(
+                            choice, completion.token_ids, completion.logprobs or [], offset
+                        )
+                    chunk = CompletionStreamResponse(
+                        id=self.request_id,
+                        created=self.created,
+                        model=self.ctx.model_name,
+                        choices=[
+                            CompletionResponseStreamChoice(
+                                index=idx,
+                                text=text,
+                                logprobs=logprobs,
+                                finish_reason=completion.finish_reason,
+                                stop_reason=completion.stop_reason,
+                            )
+                        ],
+                    )
+                    if include_usage and continuous:
+                        chunk.usage = self._usage(choices)
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(
+                    CompletionStreamResponse(
+                        id=self.request_id,
+                        created=self.created,
+                        model=self.ctx.model_name,
+                        choices=[],
+                        usage=self._usage(choices),
+                    )
+                )
+        except RequestAbortedError:
+            for idx, choice in choices.items():
+                if choice.finish_reason is None:
+                    yield sse(
+                        CompletionStreamResponse(
+                            id=self.request_id,
+                            created=self.created,
+                            model=self.ctx.model_name,
+                            choices=[
+                                CompletionResponseStreamChoice(
+                                    index=idx,
+                                    text="",
+                                    logprobs=None,
+                                    finish_reason="abort",
+                                    stop_reason=None,
+                                )
+                            ],
+                        )
+                    )
+        except Exception as e:
+            yield sse(error_from_exception(e).to_response())
+        yield SSE_DONE

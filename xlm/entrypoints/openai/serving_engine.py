@@ -1,0 +1,265 @@
+"""Shared parts of the OpenAI handlers: model names, errors, prompts, lengths, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from xlm.engine.exceptions import EngineDeadError, EngineGenerateError
+from xlm.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    RequestValidationError,
+    UsageInfo,
+)
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class OpenAIError(Exception):
+    """An error to answer with OpenAI's error shape and an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        err_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+        self.param = param
+        self.code = code
+
+    def to_response(self) -> ErrorResponse:
+        """The error body."""
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message, type=self.err_type, param=self.param, code=self.code
+            )
+        )
+
+
+def error_from_exception(e: BaseException) -> OpenAIError:
+    """Map an exception from validation or the engine to an OpenAIError."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, RequestValidationError):
+        return OpenAIError(str(e), param=e.param)
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(
+            f"The engine is dead: {e}",
+            HTTPStatus.INTERNAL_SERVER_ERROR,
+            "server_error",
+            code="engine_dead",
+        )
+    if isinstance(e, EngineGenerateError):
+        return OpenAIError(str(e), HTTPStatus.INTERNAL_SERVER_ERROR, "server_error")
+    if isinstance(e, ValueError | TypeError | OverflowError):
+        return OpenAIError(str(e))
+    logger.exception("Unexpected error while serving a request", exc_info=e)
+    return OpenAIError(
+        f"Internal server error: {type(e).__name__}: {e}",
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        "server_error",
+    )
+
+
+def sse(data: Any) -> str:
+    """One server-sent event carrying JSON (or a pydantic model)."""
+    if hasattr(data, "model_dump_json"):
+        return f"data: {data.model_dump_json()}\n\n"
+    return f"data: {json.dumps(data)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ServingContext:
+    """What every handler needs: the engine, model names and limits."""
+
+    engine: Any
+    served_model_names: list[str]
+    max_model_len: int
+    max_logprobs: int
+    vocab_size: int
+    enable_log_requests: bool = False
+
+    @property
+    def model_name(self) -> str:
+        """The first served name (reported in responses)."""
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless model is unset or one of the served names."""
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(
+                f"The model `{model}` does not exist.",
+                HTTPStatus.NOT_FOUND,
+                "NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
+
+    def tokenize_prompts(self, prompt: Any, add_special_tokens: bool) -> list[list[int]]:
+        """A completion's prompt field as token-id lists (one per prompt)."""
+        tokenizer = self.engine.get_tokenizer()
+        if isinstance(prompt, str):
+            prompts: Sequence[Any] = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]
+        else:
+            prompts = prompt
+        if not prompts:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        result = []
+        for item in prompts:
+            if isinstance(item, str):
+                if item == "":
+                    raise OpenAIError("prompt must not be an empty string", param="prompt")
+                ids = list(tokenizer.encode(item, add_special_tokens=add_special_tokens))
+            else:
+                ids = list(item)
+                self.check_token_ids(ids)
+            if not ids:
+                raise OpenAIError("prompt has no tokens", param="prompt")
+            result.append(ids)
+        return result
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        """400 for token ids outside the vocabulary."""
+        if not ids:
+            raise OpenAIError("prompt must not be an empty list of token ids", param="prompt")
+        for token_id in ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise OpenAIError(
+                    f"prompt token id {token_id} is out of vocabulary: allowed token ids in "
+                    f"[0, {self.vocab_size})",
+                    param="prompt",
+                )
+
+    def max_tokens_for(self, num_prompt_tokens: int, requested: int | None) -> int:
+        """Check prompt + max_tokens against max_model_len; returns the max_tokens to use."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt has {num_prompt_tokens} tokens, which leaves no room for a completion. "
+                "Please reduce the length of the prompt.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if requested is not None and num_prompt_tokens + requested > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                f"prompt, {requested} in the completion). Please reduce the length of the "
+                "prompt or of max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested if requested is not None else limit - num_prompt_tokens
+
+    def check_sampling_vocab(self, params: Any) -> None:
+        """400 for stop_token_ids / logit_bias / allowed_token_ids outside the vocabulary."""
+        try:
+            params.verify_vocab(self.vocab_size)
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
+            raise OpenAIError(str(e), param=name) from None
+
+
+def engine_prompt(token_ids: list[int], text: str | None = None) -> dict[str, Any]:
+    """The prompt form handed to AsyncLLM.generate: token ids (plus the text if known)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if text is not None:
+        prompt["prompt"] = text
+    return prompt
+
+
+def make_usage(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None
+) -> UsageInfo:
+    """UsageInfo from counts."""
+    usage = UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+    )
+    return usage
+
+
+def token_text(tokenizer: Any, token_id: int, logprob: Any) -> str:
+    """Text of one token for logprobs (the detokenizer's, else decoded alone)."""
+    text = getattr(logprob, "decoded_token", None)
+    if text is None:
+        text = tokenizer.decode([token_id])
+    return text
+
+
+def top_entries(entries: dict[int, Any], sampled: int, k: int) -> list[tuple[int, Any]]:
+    """The top-k of a position's logprob dict, by rank (the sampled token if it is among them)."""
+    ranked = sorted(
+        entries.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30
+    )
+    return ranked[:k]
+
+
+async def merge_async_iterators(
+    *iterators: AsyncIterator[Any],
+) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave async iterators as (index, item); closes all of them on exit."""
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await _aclose(iterators[0])
+        return
+    loop = asyncio.get_running_loop()
+    pending = {loop.create_task(_anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                item = task.result()
+                if item is _STOP:
+                    continue
+                pending[loop.create_task(_anext(iterators[index]))] = index
+                yield index, item
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:  # let cancelled generators unwind (they abort their requests)
+            await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            await _aclose(it)
+
+
+_STOP = object()
+
+
+async def _anext(it: AsyncIterator[Any]) -> Any:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return _STOP
+
+
+async def _aclose(it: Any) -> None:
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except (RuntimeError, asyncio.CancelledError):
+            pass
