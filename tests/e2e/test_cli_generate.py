@@ -68,18 +68,14 @@ def test_bad_sampling_flag_exits_with_a_clear_message(tiny_path, flags, message)
     assert result.stdout == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine BUG: `xlm generate` lets engine-config ValueError/FileNotFoundError escape "
-    "as a traceback (xlm/entrypoints/generate.py: _make_llm is outside the try)",
-)
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--max-model-len", "100000"], "max_model_len"),
         (["--dtype", "float99"], "dtype"),
+        (["--model", "/nonexistent/model"], "/nonexistent/model"),
     ],
-    ids=["max_model_len", "dtype"],
+    ids=["max_model_len", "dtype", "missing_model"],
 )
 def test_bad_engine_flag_exits_with_a_clear_message(tiny_path, flags, message):
     result = run_cli("--model", tiny_path, PROMPT, *cli_engine_flags(TINY_ENGINE), *flags)

@@ -135,11 +135,6 @@ def test_logprobs_equal_log_softmax_of_transformers_logits(llm, hf_model):
     assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine BUG: prompt_logprobs is accepted but never computed: the model runner "
-    "does not call sampler.compute_prompt_logprobs, so RequestOutput.prompt_logprobs is [None]",
-)
 def test_prompt_logprobs_equal_log_softmax_of_transformers_logits(llm, hf_model):
     prompt = random_prompt(21, 100)  # longer than the step budget: chunked prefill
     params = greedy(2, prompt_logprobs=3)
