@@ -37,7 +37,6 @@ from xlm.platforms.cpu import CpuPlatform
         (lambda: ParallelConfig(num_processes=2, process_id=2), r"process_id=2.*\[0, 2\)"),
         (lambda: ParallelConfig(executor_backend="multihost"), "coordinator_address=None"),
         (lambda: CompilationConfig(token_buckets=[0, 8]), r"token_buckets=\[0, 8\]"),
-        (lambda: CompilationConfig(layer_loop="while"), "layer_loop='while'"),
     ],
 )
 def test_invalid_values_name_field_and_value(factory, message):

@@ -232,8 +232,6 @@ class CompilationConfig:
     warmup: bool = True
     # Save compiled programs for the next start (directory: XLM_COMPILATION_CACHE_DIR).
     enable_compilation_cache: bool = True
-    # "python": a Python loop over layers (faster decode, slower compile); "scan": lax.scan.
-    layer_loop: Literal["python", "scan"] = "python"
 
     def __post_init__(self) -> None:
         owner = "CompilationConfig"
@@ -272,13 +270,6 @@ class CompilationConfig:
                     "a non-empty list of positive integers",
                 )
                 setattr(self, name, sorted(set(buckets)))
-        _require(
-            self.layer_loop in ("python", "scan"),
-            owner,
-            "layer_loop",
-            self.layer_loop,
-            "'python' or 'scan'",
-        )
 
 
 @dataclass

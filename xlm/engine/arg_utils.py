@@ -40,7 +40,6 @@ _HELP = {
     "token_buckets": "comma list of padded token counts per step",
     "warmup": "compile every bucket before serving",
     "enable_compilation_cache": "use JAX's persistent compilation cache",
-    "layer_loop": "python (faster decode) or scan (faster compile)",
 }
 
 
@@ -71,7 +70,6 @@ class EngineArgs:
     token_buckets: list[int] | None = None
     warmup: bool = True
     enable_compilation_cache: bool = True
-    layer_loop: str = "python"
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -168,7 +166,6 @@ class EngineArgs:
                 token_buckets=self.token_buckets,
                 warmup=self.warmup,
                 enable_compilation_cache=self.enable_compilation_cache,
-                layer_loop=self.layer_loop,
             ),
         )
         current_platform.check_and_update_config(config)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from xlm.config import XlmConfig
@@ -48,7 +47,6 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         """Validate and tokenize a prompt, then hand it (or its n samples) to the core."""
-        arrival_time = time.time() if arrival_time is None else arrival_time
         request = self.processor.process_inputs(
             request_id, prompt, params, arrival_time, priority=priority, cache_salt=cache_salt
         )

@@ -246,19 +246,11 @@ class PagedAttention(CustomOp):
         )
         return out, kv_cache
 
-    def forward_cuda(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        kv_cache: jax.Array,
-        metadata: AttentionMetadata,
+    def _run_kernel(
+        self, kernel, write, q, k, v, kv_cache, metadata: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
-        """The Pallas Triton kernel over the shared layout."""
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu
-
-        kv_cache = write_kv(kv_cache, k, v, metadata.slot_mapping)
-        out = ragged_paged_attention_gpu(
+        kv_cache = write(kv_cache, k, v, metadata.slot_mapping)
+        out = kernel(
             q,
             kv_cache,
             metadata.block_tables,
@@ -270,6 +262,19 @@ class PagedAttention(CustomOp):
             soft_cap=self.logits_soft_cap,
         )
         return out, kv_cache
+
+    def forward_cuda(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        kv_cache: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The Pallas Triton kernel over the shared layout."""
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu
+
+        return self._run_kernel(ragged_paged_attention_gpu, write_kv, q, k, v, kv_cache, metadata)
 
     def forward_tpu(
         self,
@@ -282,16 +287,6 @@ class PagedAttention(CustomOp):
         """The Pallas Mosaic kernel over its own (head-major pages) layout."""
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv_tpu
 
-        kv_cache = write_kv_tpu(kv_cache, k, v, metadata.slot_mapping)
-        out = ragged_paged_attention_tpu(
-            q,
-            kv_cache,
-            metadata.block_tables,
-            metadata.seq_lens,
-            metadata.query_start_loc,
-            metadata.num_seqs,
-            sm_scale=self.scale,
-            sliding_window=self.sliding_window,
-            soft_cap=self.logits_soft_cap,
+        return self._run_kernel(
+            ragged_paged_attention_tpu, write_kv_tpu, q, k, v, kv_cache, metadata
         )
-        return out, kv_cache
