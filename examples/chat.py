@@ -19,7 +19,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--system", default="You are a concise, helpful assistant.")
+    parser.add_argument(
+        "--system", default="You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    )
     parser.add_argument("--message", default="What is the capital of France?")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens in the reply")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
