@@ -68,7 +68,7 @@ class HfRunner:
         self.torch = torch
         d, f = os.path.split(gguf_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            d, gguf_file=f, torch_dtype=torch.float32
+            d, gguf_file=f, dtype=torch.float32
         ).eval()
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
