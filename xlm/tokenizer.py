@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
@@ -21,10 +22,7 @@ def _load_tokenizer(source: str, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
     if _is_gguf(source):
-        # transformers rebuilds the fast tokenizer from the GGUF vocabulary and merges, and takes
-        # the chat template and bos/eos/pad/unk tokens from the same metadata.
-        directory, filename = os.path.split(os.path.abspath(source))
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+        tokenizer = _gguf_tokenizer(source)
     else:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if not getattr(tokenizer, "is_fast", False):
@@ -33,6 +31,63 @@ def _load_tokenizer(source: str, trust_remote_code: bool) -> Any:
             "xlm needs a fast (Rust `tokenizers`) tokenizer"
         )
     logger.debug("Loaded tokenizer %s from %s", type(tokenizer).__name__, source)
+    return tokenizer
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    """The fast tokenizer a GGUF file describes, saved once under XLM_CACHE_ROOT.
+
+    transformers' own `gguf_file=` path reads the file with a reader that imports torch,
+    which xlm does not need; so the metadata comes from xlm's reader and transformers'
+    converter builds the tokenizer from it (vocabulary, merges, pre-tokenizer, special
+    tokens, chat template). Converting takes seconds; the saved copy loads in a fraction.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    from xlm import envs
+    from xlm.models.loader.gguf import open_gguf
+
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    cache_dir = os.path.join(envs.XLM_CACHE_ROOT, "gguf_tokenizers", key)
+    if os.path.isfile(os.path.join(cache_dir, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cache_dir)
+    metadata = open_gguf(path).metadata
+    grouped = {
+        group: {
+            name: metadata[f"tokenizer.{key}"]
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in metadata
+        }
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer_dict, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
+        config.setdefault("add_bos_token", True)
+    tokens = tokenizer_dict.get("tokens")
+    if not tokens:
+        raise ValueError(f"GGUF file {path} carries no tokenizer vocabulary")
+    for name, id_key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
+        token_id = metadata.get(f"tokenizer.ggml.{id_key}")
+        config[name] = tokens[token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **{**config, **extra})
+    try:
+        tmp = f"{cache_dir}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cache_dir)
+    except OSError as e:  # a read-only cache costs only the conversion next time
+        logger.warning("Could not save the converted GGUF tokenizer: %s", e)
     return tokenizer
 
 
