@@ -458,6 +458,8 @@ def test_100_streaming_clients_disconnect_early(server, client):
     assert metric_value(deadline_text, "xlm:num_requests_running") == 0.0
     aborted = metric_value(deadline_text, "xlm:request_success_total", {"finished_reason": "abort"})
     assert aborted - aborted_before >= 95
+    queued = metric_value(deadline_text, "xlm:request_queue_time_seconds_count")
+    assert queued is not None and queued >= 50  # every request scheduled reported its wait
     assert httpx.get(server.url + "/health").status_code == 200
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")

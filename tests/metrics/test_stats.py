@@ -30,6 +30,7 @@ def test_prometheus_logger_counts_deltas_and_histograms():
     tracker = RequestStatsTracker()
     tracker.add("a", 0.0, 4)
     it = tracker.update([EngineCoreOutput("a", [7], "stop")], now=0.25)
+    it.queue_times = [0.01, 0.02]
     stats = SchedulerStats(
         num_running_reqs=2,
         kv_cache_usage=0.5,
@@ -52,6 +53,7 @@ def test_prometheus_logger_counts_deltas_and_histograms():
     assert 'xlm:request_success_total{finished_reason="abort",model_name="m"} 2.0' in text
     assert 'xlm:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
     assert 'xlm:e2e_request_latency_seconds_sum{model_name="m"} 0.25' in text
+    assert 'xlm:request_queue_time_seconds_count{model_name="m"} 2.0' in text
 
 
 def test_logging_stat_logger_logs_one_line(caplog):

@@ -229,6 +229,9 @@ class AsyncLLM:
         core_outputs = outputs.outputs
         timestamp = getattr(outputs, "timestamp", None) or time.time()
         iteration_stats = self.stats_tracker.update(core_outputs, time.monotonic())
+        pop_queue_times = getattr(self.engine_core, "pop_queue_times", None)
+        if pop_queue_times is not None:
+            iteration_stats.queue_times = pop_queue_times()
         for start in range(0, len(core_outputs), OUTPUT_CHUNK_SIZE):
             if start:
                 await asyncio.sleep(0)

@@ -9,7 +9,7 @@ device steps.
 Wire protocol (multipart ZeroMQ messages, first frame the type, then serial frames):
 client -> engine: ADD(EngineCoreRequest), ABORT([ids]), UTILITY([call_id, method,
 args]), SHUTDOWN(None); engine -> client: READY({max_model_len, ...}),
-OUTPUTS(EngineCoreOutputs), UTILITY_RESULT([call_id, ok, result or message]),
+OUTPUTS(EngineCoreOutputs), QUEUE_TIMES({id: s}), UTILITY_RESULT([call_id, ok, result or message]),
 ENGINE_ERROR(message). The client binds both sockets; the engine connects.
 """
 
@@ -47,6 +47,8 @@ class OutputType:
 
     READY = b"R"
     OUTPUTS = b"O"
+    # {request_id: seconds from admission to first schedule}, sent before that step's OUTPUTS.
+    QUEUE_TIMES = b"Q"
     UTILITY_RESULT = b"U"
     ENGINE_ERROR = b"E"
     # Sent by the client's own process monitor when the engine process exits.
@@ -115,6 +117,8 @@ class EngineCoreProc:
         )
         self._input_thread.start()
         self._stats_dirty = False
+        # Admission time of requests not yet scheduled (for the queue-time histogram).
+        self._waiting_since: dict[str, float] = {}
 
     def _ready_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"pid": os.getpid()}
@@ -146,9 +150,31 @@ class EngineCoreProc:
                 if self._handle(*item):
                     return
             if core.has_unfinished_requests():
+                step_start = time.monotonic()
                 outputs = core.step()
+                if self._waiting_since:
+                    queue_times = self._take_queue_times(step_start)
+                    if queue_times:
+                        self.output_queue.put((OutputType.QUEUE_TIMES, queue_times))
                 self.output_queue.put((OutputType.OUTPUTS, outputs))
                 self._stats_dirty = True
+
+    def _take_queue_times(self, step_start: float) -> dict[str, float]:
+        """Queue times of requests this step scheduled for the first time."""
+        requests = getattr(getattr(self.engine_core, "scheduler", None), "requests", None)
+        if requests is None:
+            self._waiting_since.clear()
+            return {}
+        from xlm.core.request import RequestStatus
+
+        waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        out = {}
+        for request_id, since in list(self._waiting_since.items()):
+            request = requests.get(request_id)
+            if request is None or request.status not in waiting:
+                del self._waiting_since[request_id]
+                out[request_id] = max(step_start - since, 0.0)
+        return out
 
     def _handle(self, kind: bytes, payload: Any) -> bool:
         """Apply one input message; True on SHUTDOWN."""
@@ -156,11 +182,14 @@ class EngineCoreProc:
         if kind == RequestType.ADD:
             try:
                 core.add_request(payload)
+                self._waiting_since[payload.request_id] = time.monotonic()
             except Exception as e:  # per-request failure: only this request fails
                 logger.warning("Request %s failed: %s", getattr(payload, "request_id", "?"), e)
                 self._send_request_error(payload, str(e))
         elif kind == RequestType.ABORT:
             core.abort_requests(payload)
+            for request_id in payload:
+                self._waiting_since.pop(request_id, None)
             self._stats_dirty = True
         elif kind == RequestType.UTILITY:
             call_id, method, args = payload

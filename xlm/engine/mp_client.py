@@ -291,6 +291,8 @@ class AsyncMPClient(_MPClientBase):
         self._output = zmq.asyncio.Socket.shadow(self.engine.output_socket.underlying)
         self._outputs_queue: asyncio.Queue[Any] | None = None
         self._pending: dict[int, asyncio.Future] = {}
+        # Queue times (s) the engine reported since the last pop_queue_times().
+        self.queue_times: list[float] = []
         self._reader_task: asyncio.Task | None = None
 
     def _ensure_reader(self) -> asyncio.Queue[Any]:
@@ -307,6 +309,8 @@ class AsyncMPClient(_MPClientBase):
                 kind, payload = frames[0].bytes, self.decoder.decode(frames[1:])
                 if kind == OutputType.OUTPUTS:
                     self._outputs_queue.put_nowait(payload)
+                elif kind == OutputType.QUEUE_TIMES:
+                    self.queue_times.extend(payload.values())
                 elif kind == OutputType.UTILITY_RESULT:
                     call_id, ok, value = payload
                     future = self._pending.pop(call_id, None)
@@ -347,6 +351,11 @@ class AsyncMPClient(_MPClientBase):
             outputs_queue.put_nowait(result)
             raise result
         return result
+
+    def pop_queue_times(self) -> list[float]:
+        """Queue times reported since the last call (read before each outputs batch)."""
+        times, self.queue_times = self.queue_times, []
+        return times
 
     async def add_request_async(self, request: Any) -> None:
         """Send a new EngineCoreRequest."""

@@ -200,6 +200,8 @@ class PrometheusStatLogger(StatLoggerBase):
             self.ttft.observe(ttft)
         for itl in it.inter_token_latencies:
             self.itl.observe(itl)
+        for queue_time in it.queue_times:
+            self.queue_time.observe(queue_time)
         for fin in it.finished_requests:
             counter = self.request_success.get(fin.finish_reason)
             if counter is not None:

@@ -28,6 +28,8 @@ class IterationStats:
     num_cached_prompt_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
+    # Admission to first schedule, in the engine, of requests scheduled this step.
+    queue_times: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
