@@ -15,7 +15,6 @@ ENGINE_ERROR(message). The client binds both sockets; the engine connects.
 
 from __future__ import annotations
 
-import gc
 import os
 import queue
 import signal
@@ -81,6 +80,11 @@ def _scheduler_stats(core: Any) -> Any:
     return make_stats() if make_stats is not None else None
 
 
+def error_file_path(output_address: str) -> str:
+    """Where a failing engine leaves its error, beside its ipc sockets."""
+    return os.path.join(os.path.dirname(output_address.removeprefix("ipc://")), "engine_error")
+
+
 class EngineCoreProc:
     """Runs an EngineCore behind ZeroMQ sockets: IO threads plus a busy loop."""
 
@@ -93,6 +97,7 @@ class EngineCoreProc:
         engine_core_factory: EngineCoreFactory | None = None,
     ) -> None:
         self.xlm_config = xlm_config
+        self._output_address = output_address
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[bytes, Any] | None] = queue.Queue()
         self._ctx = zmq.Context()
@@ -107,10 +112,6 @@ class EngineCoreProc:
             self._send_error("engine core failed to start:\n" + traceback.format_exc())
             raise
         self._outputs_cls = _outputs_cls()
-        # Everything built so far lives as long as the process: keep the collector from
-        # rescanning it (the block pool alone is tens of thousands of objects).
-        gc.collect()
-        gc.freeze()
         self.output_queue.put((OutputType.READY, self._ready_info()))
         self._input_thread = threading.Thread(
             target=self._process_input_socket, args=(input_address,), daemon=True
@@ -229,6 +230,12 @@ class EngineCoreProc:
 
     def _send_error(self, message: str) -> None:
         self.output_queue.put((OutputType.ENGINE_ERROR, message))
+        # Also on disk: the process exits right after, and ZeroMQ may not have sent it yet.
+        try:
+            with open(error_file_path(self._output_address), "w") as f:
+                f.write(message)
+        except OSError:
+            pass
 
     # ---- IO threads -------------------------------------------------------------------
 

@@ -27,12 +27,21 @@ import zmq
 import zmq.asyncio
 
 from xlm import envs
-from xlm.engine.core_proc import EngineCoreFactory, EngineCoreProc, OutputType, RequestType
+from xlm.engine.core_proc import (
+    EngineCoreFactory,
+    EngineCoreProc,
+    OutputType,
+    RequestType,
+    error_file_path,
+)
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# Seconds between noticing the engine process exit and declaring it dead without a cause.
+_DEATH_GRACE_S = 0.5
 
 
 class _EngineProcess:
@@ -106,9 +115,17 @@ class _EngineProcess:
         wait_for_sentinels([self.proc.sentinel])
         if self.closing:
             return
-        self.dead_message = f"the engine core process exited (code {self.proc.exitcode})"
-        logger.error("%s", self.dead_message)
-        self.wake_reader()
+        # An engine that failed sent ENGINE_ERROR (the real cause) just before exiting: let
+        # the reader take it first; this generic message is only for silent deaths.
+        time.sleep(_DEATH_GRACE_S)
+        message = f"the engine core process exited (code {self.proc.exitcode})"
+        try:
+            with open(error_file_path(self.output_address)) as f:
+                message = f.read()
+        except OSError:
+            pass
+        logger.error("%s", message)
+        self.wake_reader(message)
 
     @property
     def is_alive(self) -> bool:
@@ -133,14 +150,12 @@ class _EngineProcess:
             self.proc.kill()
             self.proc.join(timeout)
 
-    def wake_reader(self) -> None:
+    def wake_reader(self, message: str) -> None:
         """Push ENGINE_DEAD into our own output socket so a blocked reader returns."""
         try:
             sock = self.ctx.socket(zmq.PUSH)
             sock.connect(self.output_address)
-            sock.send_multipart(
-                [OutputType.ENGINE_DEAD, *MsgpackEncoder().encode(self.dead_message)]
-            )
+            sock.send_multipart([OutputType.ENGINE_DEAD, *MsgpackEncoder().encode(message)])
             sock.close(linger=1000)
         except zmq.ZMQError:
             pass
@@ -276,7 +291,7 @@ class SyncMPClient(_MPClientBase):
         if self.engine.ctx.closed:
             return
         self.engine.stop_process()
-        self.engine.wake_reader()
+        self.engine.wake_reader("the engine core was shut down")
         self._reader.join(timeout=5)
         self._finalizer()
 
