@@ -48,7 +48,7 @@ KV_CACHE_SHARDING: tuple[str | None, ...] = (None, None, None, "model", None)
 
 
 # Tokens of context per step of the attention loop.
-_TILE_TOKENS = 256
+_TILE_TOKENS = 64
 
 # A gathered cache element costs about this many score/value multiply-adds on CPU (the
 # gather is memory-bound, the einsums are not); only the ratio matters to the choice.
