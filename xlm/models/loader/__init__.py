@@ -9,6 +9,7 @@ full copy of the weights exists in host memory.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,10 +81,42 @@ def _tensor_source(model: str, load_format: str) -> tuple[Iterator[tuple[str, np
     if load_format == "safetensors":
         return iter_safetensors_tensors(model), count_safetensors_tensors(model)
     if load_format == "gguf":
+        cached = _dequantized_gguf_dir(model)
+        if cached is not None:
+            return iter_safetensors_tensors(cached), count_safetensors_tensors(cached)
         from xlm.models.loader.gguf import iter_gguf_tensors
 
         return iter_gguf_tensors(model), None
     raise ValueError(f"load_format={load_format!r} has no tensor source")
+
+
+def _dequantized_gguf_dir(path: str) -> str | None:
+    """A float32 safetensors copy of a GGUF's weights under XLM_CACHE_ROOT (made once).
+
+    Dequantizing a GGUF takes seconds on every start; the saved copy is memory-mapped.
+    None (load the GGUF directly) when the cache cannot be written.
+    """
+    import hashlib
+
+    from xlm import envs
+    from xlm.models.loader.gguf import gguf_to_safetensors
+
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    cache_dir = os.path.join(envs.XLM_CACHE_ROOT, "gguf_weights", key)
+    if os.path.isfile(os.path.join(cache_dir, "model.safetensors")):
+        return cache_dir
+    tmp = f"{cache_dir}.tmp{os.getpid()}"
+    try:
+        logger.info("Dequantizing %s once into %s.", path, cache_dir)
+        gguf_to_safetensors(path, tmp)
+        os.replace(tmp, cache_dir)
+    except OSError as e:
+        logger.warning("Could not cache the dequantized GGUF weights (%s); loading the GGUF.", e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return cache_dir if os.path.isfile(os.path.join(cache_dir, "model.safetensors")) else None
+    return cache_dir
 
 
 def _sharding_for(var: nnx.Variable, shape: tuple[int, ...], mesh: Mesh | None) -> Any:
