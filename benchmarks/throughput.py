@@ -140,10 +140,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternating xlm/hf rounds")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-start", action="store_true", help="skip cold/warm start")
+    parser.add_argument(
+        "--start-only",
+        action="store_true",
+        help="only measure cold and warm start (writes start.json)",
+    )
     parser.add_argument("--out", default=str(HERE / "throughput.json"))
     args = parser.parse_args()
 
     from xlm.models.builtin import resolve_model_name
+
+    if args.start_only:
+        with tempfile.TemporaryDirectory() as cache:
+            start = {
+                "cold_start_s": start_time(args.model, cache),
+                "warm_start_s": [start_time(args.model, cache) for _ in range(3)],
+            }
+        (HERE / "start.json").write_text(json.dumps(start, indent=2))
+        print(json.dumps(start, indent=2))
+        return
 
     results: dict[str, object] = {"args": vars(args)}
     bandwidth = measure_bandwidth()
