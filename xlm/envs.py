@@ -57,7 +57,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "XLM_CACHE_ROOT": lambda: os.environ.get("XLM_CACHE_ROOT", _default_cache_root()),
     # Cache of compiled step programs, reused by the next start ("" disables it).
     "XLM_COMPILATION_CACHE_DIR": lambda: os.environ.get(
-        "XLM_COMPILATION_CACHE_DIR", os.path.join(_get_cache_root(), "jax_compilation_cache")
+        "XLM_COMPILATION_CACHE_DIR", os.path.join(_get_cache_root(), "compiled_programs")
     ),
     # Force a platform by name (cpu, cuda, rocm, tpu), skipping detection.
     "XLM_TARGET_PLATFORM": lambda: os.environ.get("XLM_TARGET_PLATFORM") or None,

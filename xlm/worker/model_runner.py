@@ -48,7 +48,7 @@ def executable_cache_dir(config: XlmConfig) -> str | None:
     cache_dir = envs.XLM_COMPILATION_CACHE_DIR
     if not config.compilation_config.enable_compilation_cache or not cache_dir:
         return None
-    return os.path.join(cache_dir, "xlm_executables")
+    return cache_dir
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> list[int]:
