@@ -79,3 +79,10 @@ def test_envs_read_at_access_time(monkeypatch):
         _ = envs.XLM_CPU_KVCACHE_SPACE
     with pytest.raises(AttributeError):
         _ = envs.XLM_NOT_A_VARIABLE
+
+
+def test_engine_refuses_tensor_parallelism_it_cannot_run_yet():
+    from xlm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
+        EngineArgs(model="smollm2-135m", tensor_parallel_size=2).create_config()
