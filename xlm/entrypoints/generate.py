@@ -51,11 +51,7 @@ def _make_llm(args: argparse.Namespace):
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    try:
-        params = _sampling_params(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    params = _sampling_params(args)  # a bad value: cli.main prints it, exit code 2
     llm = _make_llm(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.chat_template_prompt:
