@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "xlm.entrypoints.llm",
     "SamplingParams": "xlm.sampling_params",
+    "StructuredOutputsParams": "xlm.structured_output.params",
     "RequestOutput": "xlm.outputs",
     "CompletionOutput": "xlm.outputs",
     "platforms": "xlm.platforms",
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from xlm.entrypoints.llm import LLM
     from xlm.outputs import CompletionOutput, RequestOutput
     from xlm.sampling_params import SamplingParams
+    from xlm.structured_output.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
@@ -30,4 +32,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'xlm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "platforms", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "platforms",
+    "__version__",
+]

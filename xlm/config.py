@@ -272,6 +272,28 @@ class CompilationConfig:
                 setattr(self, name, sorted(set(buckets)))
 
 
+_REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Engine-wide structured-output settings (the constraint itself is per request)."""
+
+    # Reasoning format of the model: a constraint applies only once its reasoning ends.
+    reasoning_parser: str | None = None
+    # Apply constraints from the first token even while the model reasons.
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.reasoning_parser is None or self.reasoning_parser in _REASONING_PARSERS,
+            "StructuredOutputsConfig",
+            "reasoning_parser",
+            self.reasoning_parser,
+            f"None or one of {list(_REASONING_PARSERS)}",
+        )
+
+
 @dataclass
 class XlmConfig:
     """The one configuration object passed around the engine."""
@@ -281,6 +303,9 @@ class XlmConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """Fix the context length everywhere once the model's limit is known."""

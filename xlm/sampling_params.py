@@ -8,6 +8,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from xlm.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # Logit bias entries travel to the device as a fixed-width padded list (see
 # xlm.worker.sampler): this is its width, so it is also the per-request limit.
@@ -89,6 +91,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A constraint on the output (JSON schema, regex, choice, grammar): see xlm.structured_output.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: EOS ids plus stop_token_ids (what min_tokens masks).
     all_stop_token_ids: set[int] = field(default_factory=set)
     # Filled by update_from_tokenizer: each bad word as token ids (two spellings).
@@ -116,6 +120,8 @@ class SamplingParams:
                 self.output_kind = RequestOutputKind(self.output_kind)
             except ValueError:
                 raise _invalid("output_kind", self.output_kind, "a RequestOutputKind") from None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.seed is not None and _is_int(self.seed):
             self.seed = int(self.seed)
         self._verify()
@@ -193,6 +199,12 @@ class SamplingParams:
             )
         check(
             all(isinstance(w, str) and w for w in self.bad_words), "bad_words", "non-empty strings"
+        )
+        check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "None or a StructuredOutputsParams",
         )
 
     # -- properties ---------------------------------------------------------------------
@@ -273,6 +285,8 @@ class SamplingParams:
                 value = sorted(value)
             elif isinstance(value, RequestOutputKind):
                 value = int(value)
+            elif isinstance(value, StructuredOutputsParams):
+                value = value.to_dict()
             out[f.name] = value
         return out
 

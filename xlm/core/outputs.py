@@ -54,6 +54,10 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Preempted this step: workers drop them from the batch (they come back as resumed).
     preempted_req_ids: set[str]
+    # Constrained requests that sample this step, and their allowed-token bitmasks:
+    # int32 [len(structured_output_request_ids), ceil(V / 32)] (row i for request i).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
 
 @dataclass(slots=True)

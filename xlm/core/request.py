@@ -61,6 +61,7 @@ class Request:
         "min_tokens",
         "ignore_eos",
         "stop_token_ids",
+        "structured_output_request",
     )
 
     def __init__(
@@ -98,6 +99,8 @@ class Request:
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids or ())
         # Prompt logprobs need logits at every prompt position: no cached prefix.
         self.skip_prefix_cache = getattr(sampling_params, "prompt_logprobs", None) is not None
+        # The constraint's matcher state (xlm.structured_output.manager), set on admission.
+        self.structured_output_request: Any = None
 
     @property
     def num_tokens(self) -> int:

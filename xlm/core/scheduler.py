@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
 from xlm.core.kv_cache_manager import KVCacheManager
@@ -26,6 +27,7 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+_ERROR = RequestStatus.FINISHED_ERROR
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
@@ -36,7 +38,11 @@ class Scheduler:
     """Decides what runs each step and applies what the model sampled."""
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        structured_output_manager: Any = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -72,6 +78,11 @@ class Scheduler:
         # the last one is the one preempted.
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        # Constraints (xlm.structured_output.manager); None: constrained requests refused.
+        self.structured_output_manager = structured_output_manager
+        # Outputs of requests finished inside schedule() (a grammar that failed to compile),
+        # handed out by the next update_from_output.
+        self._early_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.num_steps = 0
         self.step_num_scheduled_tokens = 0
@@ -98,6 +109,16 @@ class Scheduler:
                 f"request {request.request_id!r}: the prompt has {num_prompt} tokens and needs "
                 f"{need} KV cache blocks of {self.block_size} tokens, but the cache has only "
                 f"{have} blocks ({have * self.block_size} tokens)"
+            )
+        constraint = getattr(request.sampling_params, "structured_outputs", None)
+        if constraint is not None:
+            if self.structured_output_manager is None:
+                raise ValueError(
+                    f"request {request.request_id!r} has structured_outputs but this engine "
+                    "has no structured output manager"
+                )
+            request.structured_output_request = self.structured_output_manager.init_request(
+                constraint, request.prompt_token_ids
             )
         request.status = _WAITING
         self.requests[request.request_id] = request
@@ -184,8 +205,18 @@ class Scheduler:
         if not preempted_req_ids:
             waiting = self.waiting
             chunked = self.enable_chunked_prefill
+            # Requests whose grammar still compiles step aside; they keep their place.
+            skipped: list[Request] = []
             while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
                 request = waiting.peek_request()
+                constraint = request.structured_output_request
+                if constraint is not None and not constraint.is_ready():
+                    skipped.append(waiting.pop_request())
+                    continue
+                if constraint is not None and constraint.error is not None:
+                    waiting.pop_request()
+                    self._fail_request(request, constraint.error)
+                    continue
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if not chunked and num_new > token_budget:
@@ -226,10 +257,27 @@ class Scheduler:
                 num_scheduled_tokens[req_id] = num_new
                 token_budget -= num_new
                 scheduled.append(request)
+            for request in reversed(skipped):
+                waiting.prepend_request(request)
 
         # The K/V of scheduled tokens count as computed from here on.
+        constrained: list[Request] = []
         for request in scheduled:
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+            constraint = request.structured_output_request
+            # Only a request that samples this step (its last known token is computed) and
+            # is past any reasoning needs a bitmask row.
+            if (
+                constraint is not None
+                and constraint.is_constraining
+                and request.num_computed_tokens >= len(request.all_token_ids)
+            ):
+                constrained.append(request)
+        grammar_bitmask = None
+        if constrained:
+            grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [r.structured_output_request for r in constrained]
+            )
 
         total = self.max_num_batched_tokens - token_budget
         finished_req_ids = self.finished_req_ids
@@ -244,6 +292,23 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids,
+            structured_output_request_ids=[r.request_id for r in constrained],
+            grammar_bitmask=grammar_bitmask,
+        )
+
+    def _fail_request(self, request: Request, message: str) -> None:
+        """Finish a waiting request with an error (reported by the next update)."""
+        request.status = _ERROR
+        request.stop_reason = message
+        self._free_request(request)
+        self._early_outputs.append(
+            EngineCoreOutput(
+                request.request_id,
+                [],
+                "error",
+                message,
+                num_cached_tokens=max(0, request.num_cached_tokens),
+            )
         )
 
     def _preempt(self, request: Request) -> None:
@@ -264,7 +329,8 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
         max_len = self.max_request_len
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self._early_outputs
+        self._early_outputs = []
         any_finished = False
         for idx, (req_id, token_ids) in enumerate(
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
@@ -299,6 +365,19 @@ class Scheduler:
                         stopped = True
                         new_token_ids = token_ids[:n]
                         break
+            constraint = request.structured_output_request
+            if constraint is not None and not stopped and constraint.matcher is not None:
+                # The grammar is complete ("stop") or, should it ever happen, refused the
+                # token: that ends this request with an error, never the engine.
+                verdict = self.structured_output_manager.advance(constraint, new_token_ids)
+                if verdict == "stop":
+                    request.status = _STOPPED
+                    stopped = True
+                elif verdict is not None:
+                    logger.error("Request %s: %s", req_id, verdict)
+                    request.status = _ERROR
+                    request.stop_reason = verdict
+                    stopped = True
             new_logprobs = logprobs[idx] if logprobs is not None else None
             if stopped:
                 any_finished = True

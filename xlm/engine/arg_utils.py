@@ -13,6 +13,7 @@ from xlm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     XlmConfig,
 )
 
@@ -40,6 +41,10 @@ _HELP = {
     "token_buckets": "comma list of padded token counts per step",
     "warmup": "compile every bucket before serving",
     "enable_compilation_cache": "use JAX's persistent compilation cache",
+    "reasoning_parser": "reasoning format (deepseek_r1, qwen3): splits reasoning_content "
+    "out of chat replies; constraints apply after the reasoning",
+    "structured_outputs_enable_in_reasoning": "apply structured-output constraints from the "
+    "first token, reasoning included",
 }
 
 
@@ -70,6 +75,8 @@ class EngineArgs:
     token_buckets: list[int] | None = None
     warmup: bool = True
     enable_compilation_cache: bool = True
+    reasoning_parser: str | None = None
+    structured_outputs_enable_in_reasoning: bool = False
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -173,6 +180,10 @@ class EngineArgs:
                 token_buckets=self.token_buckets,
                 warmup=self.warmup,
                 enable_compilation_cache=self.enable_compilation_cache,
+            ),
+            structured_outputs_config=StructuredOutputsConfig(
+                reasoning_parser=self.reasoning_parser,
+                enable_in_reasoning=self.structured_outputs_enable_in_reasoning,
             ),
         )
         current_platform.check_and_update_config(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
@@ -13,6 +14,7 @@ from xlm.core.scheduler import Scheduler
 from xlm.engine.processor import EngineCoreRequest
 from xlm.executor.uniproc import UniProcExecutor
 from xlm.logger import init_logger
+from xlm.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -34,8 +36,12 @@ class EngineCore:
         self.config = config
         self.log_stats = log_stats
         self.executor = UniProcExecutor(config)
+        self.structured_output_manager = make_structured_output_manager(config)
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.executor.num_blocks
+            config.scheduler_config,
+            config.cache_config,
+            self.executor.num_blocks,
+            self.structured_output_manager,
         )
         # Long-lived objects (the block pool: ~65k blocks at 1024 requests) leave the GC's
         # view, so full collections stop rescanning them mid-serving (p99 4x lower).
@@ -65,6 +71,9 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.num_scheduled_tokens and self.structured_output_manager.has_pending:
+            # Everything runnable waits for a grammar: idle until one compiles, not spin.
+            self.structured_output_manager.wait_for_any(timeout=0.05)
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs, self._stats(), time.monotonic())
@@ -84,4 +93,24 @@ class EngineCore:
         return self.executor.model_runner.num_compilations
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def make_structured_output_manager(config: XlmConfig) -> StructuredOutputManager:
+    """The core's structured-output manager (loads the tokenizer on the first constraint)."""
+    from xlm.tokenizer import get_eos_token_ids, get_tokenizer
+
+    model = config.model_config
+
+    def tokenizer_factory() -> Any:
+        return get_tokenizer(model.model, model.tokenizer, model.trust_remote_code)
+
+    so_config = config.structured_outputs_config
+    return StructuredOutputManager(
+        tokenizer_factory,
+        model.hf_config.vocab_size,
+        eos_token_ids=sorted(get_eos_token_ids(None, model.hf_config)),
+        reasoning_parser=so_config.reasoning_parser,
+        enable_in_reasoning=so_config.enable_in_reasoning,
+    )

@@ -243,8 +243,16 @@ class OutputProcessor:
             state.add_logprobs(
                 getattr(out, "new_logprobs", None), getattr(out, "new_prompt_logprobs", None)
             )
+            # "stop" after an EOS / stop token (whose text is not output), or after a
+            # structured-output grammar completed on an ordinary token (whose text is).
+            stop_terminated = finish_reason == "stop" and not (
+                state.params.structured_outputs is not None
+                and new_ids
+                and stop_reason is None
+                and new_ids[-1] not in state.params.all_stop_token_ids
+            )
             stop_str = state.detokenizer.update(
-                new_ids, stop_terminated=finish_reason == "stop", finished=finish_reason is not None
+                new_ids, stop_terminated=stop_terminated, finished=finish_reason is not None
             )
             if stop_str is not None:
                 if finish_reason is None:

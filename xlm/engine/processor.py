@@ -163,6 +163,10 @@ class Processor:
                     f"max_logprobs={self.max_logprobs}"
                 )
         params.verify_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            from xlm.structured_output.backend import validate
+
+            validate(params.structured_outputs)
         if params.bad_words and self.tokenizer is not None:
             params.update_from_tokenizer(self.tokenizer)
         return params

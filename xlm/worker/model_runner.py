@@ -208,7 +208,11 @@ class ModelRunner:
         return next(b for b in self.sampler_buckets if b >= num_rows)
 
     def _prepare_inputs(
-        self, req_ids: list[str], num_scheduled: list[int], num_tokens_padded: int
+        self,
+        req_ids: list[str],
+        num_scheduled: list[int],
+        num_tokens_padded: int,
+        so: SchedulerOutput | None = None,
     ) -> tuple[dict[str, Any], Any, np.ndarray]:
         """Build the padded ragged batch; returns the arrays and which rows sample."""
         batch = self.input_batch
@@ -245,6 +249,13 @@ class ModelRunner:
         params = [batch.requests[r].sampling_params for r in req_ids]
         outputs = [batch.requests[r].output_token_ids for r in req_ids]
         prompts = [batch.requests[r].prompt_token_ids for r in req_ids]
+        grammar_rows = None
+        if so is not None and so.structured_output_request_ids:
+            row_of = {r: i for i, r in enumerate(req_ids)}
+            grammar_rows = {
+                row_of[r]: so.grammar_bitmask[i]
+                for i, r in enumerate(so.structured_output_request_ids)
+            }
         sampling = sampler_lib.build_sampling_metadata(
             params + [None] * (rows - num_reqs),
             outputs + [[]] * (rows - num_reqs),
@@ -253,6 +264,7 @@ class ModelRunner:
             self.vocab_size,
             self.max_model_len,
             step_seed=self.step_count,
+            grammar_bitmask=grammar_rows,
         )
         self.step_count += 1
         inputs = {
@@ -335,7 +347,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
         inputs, sampling, samples = self._prepare_inputs(
-            req_ids, num_scheduled, self._bucket(so.total_num_scheduled_tokens)
+            req_ids, num_scheduled, self._bucket(so.total_num_scheduled_tokens), so
         )
         sampled, hidden = self._run(inputs, sampling)
         prompt_logprobs = self._prompt_logprobs(req_ids, num_scheduled, hidden)

@@ -7,9 +7,9 @@ run time by a device-side boolean through ``lax.cond``: a step where no request 
 feature skips its work, and no combination of features ever triggers a new compile.
 The only static inputs are in ``SamplerConfig``, fixed for the life of an engine.
 
-Order (vLLM v1): logit bias -> allowed/bad-word/min-token masks -> penalties
-(repetition on prompt+output tokens; presence/frequency on output counts) -> greedy
-argmax, or temperature -> min_p -> top_k -> top_p -> sample.
+Order (vLLM v1): structured-output grammar bitmask -> logit bias -> allowed/bad-word/
+min-token masks -> penalties (repetition on prompt+output tokens; presence/frequency on
+output counts) -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> sample.
 Logprobs: like vLLM's default ``logprobs_mode="raw_logprobs"``, log_softmax of the
 model's raw logits before any processing; "processed_logprobs" gives vLLM's other mode
 (after every processing step, temperature and filters included, for random rows).
@@ -82,6 +82,9 @@ class SamplingMetadata:
     logit_bias_ids: Any  # i32[R, MAX_LOGIT_BIAS_TOKENS]; padded with V
     logit_bias_values: Any  # f32[R, MAX_LOGIT_BIAS_TOKENS]
     token_mask: Any  # u8[R, ceil(V/8)]: packed little-endian bits, 1 = token allowed
+    # i32[R, ceil(V/32)]: structured-output bitmask, bit i of word w = token 32w+i allowed;
+    # -1 (all allowed) on free rows.
+    grammar_bitmask: Any
     step_seed: Any  # u32[2]: the engine's per-step seed for unseeded rows
     # Device-side feature switches (bool scalars): select lax.cond branches at run time.
     all_greedy: Any
@@ -89,6 +92,7 @@ class SamplingMetadata:
     any_penalties: Any
     any_logit_bias: Any
     any_mask: Any
+    any_grammar: Any
     any_logprobs: Any
 
 
@@ -131,8 +135,12 @@ def build_sampling_metadata(
     vocab_size: int,
     max_model_len: int,
     step_seed: int = 0,
+    grammar_bitmask: dict[int, np.ndarray] | None = None,
 ) -> SamplingMetadata:
-    """Build the host (numpy) SamplingMetadata for one step; None entries are padding."""
+    """Build the host (numpy) SamplingMetadata for one step; None entries are padding.
+
+    ``grammar_bitmask`` maps a row to its structured-output bitmask (int32 words).
+    """
     R, V, L = num_padded_reqs, vocab_size, max_model_len
     if len(params) > R:
         raise ValueError(f"{len(params)} requests do not fit num_padded_reqs={R}")
@@ -153,14 +161,18 @@ def build_sampling_metadata(
         logit_bias_ids=np.full((R, MAX_LOGIT_BIAS_TOKENS), V, np.int32),
         logit_bias_values=np.zeros((R, MAX_LOGIT_BIAS_TOKENS), np.float32),
         token_mask=np.full((R, (V + 7) // 8), 0xFF, np.uint8),
+        grammar_bitmask=np.full((R, (V + 31) // 32), -1, np.int32),
         step_seed=np.array(_split_seed(step_seed), np.uint32),
         all_greedy=np.bool_(True),
         any_filters=np.bool_(False),
         any_penalties=np.bool_(False),
         any_logit_bias=np.bool_(False),
         any_mask=np.bool_(False),
+        any_grammar=np.bool_(bool(grammar_bitmask)),
         any_logprobs=np.bool_(False),
     )
+    for row, words in (grammar_bitmask or {}).items():
+        md.grammar_bitmask[row] = words
     flags = dict.fromkeys(
         ("any_filters", "any_penalties", "any_logit_bias", "any_mask", "any_logprobs"), False
     )
@@ -241,6 +253,15 @@ def _apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
 def _apply_logit_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, md.logit_bias_ids].add(md.logit_bias_values, mode="drop")
+
+
+def _apply_grammar_bitmask(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """-inf for every token a row's structured-output bitmask does not allow."""
+    R, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (md.grammar_bitmask[:, :, None] >> shifts) & 1  # [R, W, 32]
+    allowed = bits.reshape(R, -1)[:, :V].astype(jnp.bool_)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _apply_mask(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -393,7 +414,8 @@ def compute_prompt_logprobs(
 
 
 def process_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Logit bias, token masks and penalties (everything before temperature)."""
+    """Grammar bitmask, logit bias, token masks, penalties (everything before temperature)."""
+    logits = jax.lax.cond(md.any_grammar, _apply_grammar_bitmask, lambda x, _: x, logits, md)
     logits = jax.lax.cond(md.any_logit_bias, _apply_logit_bias, lambda x, _: x, logits, md)
     logits = jax.lax.cond(md.any_mask, _apply_mask, lambda x, _: x, logits, md)
     return jax.lax.cond(md.any_penalties, _apply_penalties, lambda x, _: x, logits, md)
