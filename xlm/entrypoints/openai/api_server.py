@@ -142,7 +142,13 @@ class ServerState:
         )
         chat_template = _load_chat_template(args.chat_template)
         self.completion = OpenAIServingCompletion(self.ctx)
-        self.chat = OpenAIServingChat(self.ctx, chat_template)
+        self.chat = OpenAIServingChat(
+            self.ctx,
+            chat_template,
+            reasoning_parser=getattr(args, "reasoning_parser", None),
+            tool_call_parser=getattr(args, "tool_call_parser", None),
+            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        )
         self.models = OpenAIServingModels(self.ctx, args.model)
         self.draining = False
 

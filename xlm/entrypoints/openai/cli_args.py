@@ -46,6 +46,17 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
     group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="how tool_choice='auto' finds the model's tool calls in its reply",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse the model's own tool calls (tool_choice='auto'; needs --tool-call-parser)",
+    )
+    group.add_argument(
         "--enable-log-requests", action="store_true", help="log every request's parameters"
     )
     group.add_argument(
@@ -146,6 +157,8 @@ def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ar
         args.api_key = envs.XLM_API_KEY
     if args.max_logprobs < 0:
         parser.error("--max-logprobs must be >= 0")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     return args
 
 

@@ -138,6 +138,13 @@ class _SamplingRequest(OpenAIBaseModel):
     priority: int = 0
     request_id: str | None = None
     cache_salt: str | None = None
+    # Structured outputs (xlm.entrypoints.openai.structured maps these onto one constraint)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingRequest:
@@ -148,10 +155,16 @@ class _SamplingRequest(OpenAIBaseModel):
         return self
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        default_max_tokens: int,
+        structured_outputs: Any = None,
     ) -> SamplingParams:
         """SamplingParams from the fields the client set (unset ones keep the model's defaults)."""
         kwargs: dict[str, Any] = {}
+        if structured_outputs is not None:
+            kwargs["structured_outputs"] = structured_outputs
         for name in (
             "frequency_penalty",
             "presence_penalty",
@@ -233,7 +246,11 @@ class CompletionRequest(_SamplingRequest):
             )
         _check_logprobs("logprobs", self.logprobs, max_logprobs)
         _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
-        return self._sampling_params(self.max_tokens, self.logprobs, default_max_tokens)
+        from xlm.entrypoints.openai.structured import constraint_of_request
+
+        return self._sampling_params(
+            self.max_tokens, self.logprobs, default_max_tokens, constraint_of_request(self)
+        )
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -301,7 +318,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -321,21 +338,55 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self, default_max_tokens: int, max_logprobs: int) -> SamplingParams:
         """Validated SamplingParams (RequestValidationError -> 400)."""
-        if self.response_format is not None and self.response_format.get("type") not in (
-            None,
-            "text",
-        ):
-            raise RequestValidationError(
-                f"response_format type {self.response_format.get('type')!r} is not supported",
-                "response_format",
-            )
+        from xlm.entrypoints.openai.structured import constraint_of_chat_request
+
+        constraint = constraint_of_chat_request(self)
         logprobs = None
         if self.logprobs:
             logprobs = self.top_logprobs or 0
             _check_logprobs("top_logprobs", logprobs, max_logprobs)
         _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._sampling_params(max_tokens, logprobs, default_max_tokens)
+        return self._sampling_params(max_tokens, logprobs, default_max_tokens, constraint)
+
+
+class FunctionCall(OpenAIBaseModel):
+    """A function the model calls: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    """One tool call of an assistant message."""
+
+    id: str = Field(default_factory=lambda: f"call_{random_uuid()[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    """Part of a streamed function call (name first, then pieces of the arguments)."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """Part of a streamed tool call; ``index`` says which call it extends."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -343,6 +394,8 @@ class ChatMessage(OpenAIBaseModel):
 
     role: str
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -350,6 +403,8 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from xlm.engine.exceptions import RequestAbortedError
+from xlm.entrypoints.openai.chat_output import ChatOutputParser, make_chat_output_parser
 from xlm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -72,16 +74,60 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise OpenAIError(f"messages[{i}].content is missing", param="messages")
         normalized = {k: v for k, v in message.items() if k != "content"}
         normalized["content"] = content or ""
+        if role == "assistant" and message.get("tool_calls"):
+            normalized["tool_calls"] = _template_tool_calls(message["tool_calls"], i)
         out.append(normalized)
+    return out
+
+
+def _template_tool_calls(tool_calls: Any, i: int) -> list[Any]:
+    """An assistant message's tool_calls with JSON-text arguments as objects: chat templates
+    (Qwen, Hermes, Llama) render ``arguments`` with ``tojson``."""
+    if not isinstance(tool_calls, list):
+        raise OpenAIError(f"messages[{i}].tool_calls must be a list", param="messages")
+    out = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise OpenAIError(
+                f"messages[{i}].tool_calls entries need function.name", param="messages"
+            )
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                pass  # the template shows it as text
+        out.append({**call, "function": {**function, "arguments": arguments}})
     return out
 
 
 class OpenAIServingChat:
     """Handler of the chat completions endpoint."""
 
-    def __init__(self, ctx: ServingContext, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        chat_template: str | None = None,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+    ) -> None:
+        from xlm.entrypoints.openai.tool_parsers import get_tool_parser
+        from xlm.reasoning import get_reasoning_parser
+
         self.ctx = ctx
         self.chat_template = chat_template
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        if enable_auto_tool_choice and not tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
+    def output_parser(self, request: ChatCompletionRequest) -> ChatOutputParser:
+        """A fresh parser for one choice (reasoning split, tool calls)."""
+        tool_parser = self.tool_parser if self.enable_auto_tool_choice else None
+        return make_chat_output_parser(request, self.reasoning_parser, tool_parser)
 
     def render(self, request: ChatCompletionRequest) -> list[int]:
         """Token ids of the templated conversation."""
@@ -108,6 +154,12 @@ class OpenAIServingChat:
         """Validate, submit and answer (a response, or an SSE stream when stream=true)."""
         ctx = self.ctx
         ctx.check_model(request.model)
+        if request.tool_choice == "auto" and request.tools and not self.enable_auto_tool_choice:
+            raise OpenAIError(
+                'tool_choice="auto" needs the server started with --enable-auto-tool-choice '
+                "and --tool-call-parser",
+                param="tool_choice",
+            )
         prompt_ids = self.render(request)
         if not prompt_ids:
             raise OpenAIError("the rendered chat prompt is empty", param="messages")
@@ -128,6 +180,7 @@ class OpenAIServingChat:
             cache_salt=request.cache_salt,
         )
         run = _ChatRun(ctx, request, request_id, len(prompt_ids), generator)
+        run.parsers = [self.output_parser(request) for _ in range(request.n)]
         if request.stream:
             return run.stream()
         return await run.full()
@@ -151,6 +204,7 @@ class _ChatRun:
         self.generator = generator
         self.created = int(time.time())
         self.tokenizer = ctx.engine.get_tokenizer()
+        self.parsers: list[ChatOutputParser] = []
         self.echo = ""
         if request.echo and request.messages:
             last = request.messages[-1]
@@ -203,18 +257,27 @@ class _ChatRun:
                 raise OpenAIError(
                     f"The engine failed the request: {stop[i]}", status=500, err_type="server_error"
                 )
-        choices = [
-            ChatCompletionResponseChoice(
-                index=i,
-                message=ChatMessage(role="assistant", content=self.echo + texts[i]),
-                logprobs=self._logprobs(token_ids[i], logprobs[i])
-                if self.request.logprobs
-                else None,
-                finish_reason=finish[i],
-                stop_reason=stop[i],
+        choices = []
+        for i in range(n):
+            reasoning, content, tool_calls = self.parsers[i].parse(texts[i])
+            if self.echo:
+                content = self.echo + (content or "")
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=i,
+                    message=ChatMessage(
+                        role="assistant",
+                        content=content,
+                        reasoning_content=reasoning,
+                        tool_calls=tool_calls,
+                    ),
+                    logprobs=self._logprobs(token_ids[i], logprobs[i])
+                    if self.request.logprobs
+                    else None,
+                    finish_reason=_finish_reason(finish[i], bool(tool_calls)),
+                    stop_reason=stop[i],
+                )
             )
-            for i in range(n)
-        ]
         usage = make_usage(self.num_prompt_tokens, sum(len(t) for t in token_ids))
         return ChatCompletionResponse(
             id=self.request_id,
@@ -264,10 +327,15 @@ class _ChatRun:
                             status=500,
                             err_type="server_error",
                         )
-                    if not c.text and c.finish_reason is None:
+                    final = c.finish_reason is not None
+                    parser = self.parsers[c.index]
+                    reasoning, content, tool_calls = parser.add(c.text, final)
+                    if not (reasoning or content or tool_calls) and not final:
                         continue
-                    finished[c.index] = c.finish_reason is not None
-                    delta = DeltaMessage(content=c.text) if c.text else DeltaMessage()
+                    finished[c.index] = final
+                    delta = DeltaMessage(
+                        reasoning_content=reasoning, content=content, tool_calls=tool_calls or None
+                    )
                     logprobs = (
                         self._logprobs(c.token_ids, c.logprobs or [])
                         if self.request.logprobs
@@ -282,7 +350,9 @@ class _ChatRun:
                                 index=c.index,
                                 delta=delta,
                                 logprobs=logprobs,
-                                finish_reason=c.finish_reason,
+                                finish_reason=_finish_reason(
+                                    c.finish_reason, parser.has_tool_calls
+                                ),
                                 stop_reason=c.stop_reason,
                             )
                         ],
@@ -318,3 +388,8 @@ class _ChatRun:
         finally:
             await self.generator.aclose()
         yield SSE_DONE
+
+
+def _finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
+    """ "tool_calls" when a reply that stopped normally carries tool calls."""
+    return "tool_calls" if has_tool_calls and reason == "stop" else reason
