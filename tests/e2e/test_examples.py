@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -46,3 +47,17 @@ def test_chat_example(smollm2_gguf):
     assert result.returncode == 0, result.stderr
     match = re.search(r"^Assistant: (.*)$", result.stdout, flags=re.M)
     assert match and match.group(1).strip(), result.stdout
+
+
+@pytest.mark.slow
+def test_structured_outputs_example(smollm2_gguf):
+    result = run_example("structured_outputs.py", "--max-tokens", "80")
+    assert result.returncode == 0, result.stderr
+    lines = dict(re.findall(r"^(JSON|Choice|Regex|Tool call): (.*)$", result.stdout, flags=re.M))
+    assert set(lines) == {"JSON", "Choice", "Regex", "Tool call"}, result.stdout
+    person = json.loads(lines["JSON"])
+    assert isinstance(person["name"], str) and 0 <= person["age"] <= 120
+    assert lines["Choice"] in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", lines["Regex"])
+    name, arguments = re.fullmatch(r"(\w+)\((.*)\)", lines["Tool call"]).groups()
+    assert name == "get_weather" and json.loads(arguments)["unit"] in ("celsius", "fahrenheit")

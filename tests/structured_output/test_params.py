@@ -72,7 +72,9 @@ def test_sampling_params_round_trip_through_the_wire():
     )
     decoded = MsgpackDecoder().decode(MsgpackEncoder().encode(params))
     assert decoded.structured_outputs == params.structured_outputs
-    assert SamplingParams.from_dict(params.to_dict()).structured_outputs == params.structured_outputs
+    assert (
+        SamplingParams.from_dict(params.to_dict()).structured_outputs == params.structured_outputs
+    )
     # A plain dict (vLLM's request JSON) is accepted too; a wrong type is named.
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.regex == "a+"
     with pytest.raises(ValueError, match="structured_outputs"):
