@@ -68,13 +68,22 @@ def validate(params: StructuredOutputsParams) -> None:
         raise ValueError(f"StructuredOutputsParams.{params.kind} is invalid: {message}")
 
 
+_LL_TOKENIZERS: dict[tuple, tuple[Any, Any]] = {}
+
+
 def make_ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
-    """llguidance's view of a fast HF tokenizer, sized to the model's vocabulary (~1 s)."""
+    """llguidance's view of a fast HF tokenizer, sized to the model's vocabulary (~1 s to
+    build, so kept per tokenizer object for the process)."""
     import llguidance.hf
 
-    return llguidance.hf.from_tokenizer(
-        tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
-    )
+    key = (id(tokenizer), vocab_size, tuple(eos_token_ids))
+    cached = _LL_TOKENIZERS.get(key)
+    if cached is None or cached[0] is not tokenizer:
+        ll_tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        )
+        cached = _LL_TOKENIZERS[key] = (tokenizer, ll_tokenizer)
+    return cached[1]
 
 
 class GrammarCompiler:
