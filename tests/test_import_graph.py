@@ -171,3 +171,20 @@ def test_lower_layers_do_not_import_the_engine_or_entrypoints(layer):
         if target.startswith(UPPER_LAYERS)
     )
     assert not upward, f"{layer} imports a higher layer:\n" + "\n".join(upward)
+
+
+def test_tests_do_not_importorskip_xlm_modules():
+    """A broken xlm import must fail its tests, not skip them."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "importorskip"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).split(".")[0] == "xlm"
+            ):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.args[0].value}")
+    assert not offenders, "importorskip of xlm's own modules:\n" + "\n".join(offenders)
