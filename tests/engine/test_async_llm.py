@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.engine.fake_core import fake_core_factory
+from tests.engine.fake_core import FakeEngineCoreProc
 from xlm.engine.async_llm import AsyncLLM
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.mp_client import AsyncMPClient
@@ -30,7 +30,7 @@ def tokenizer():
 def _engine(tokenizer, step_sleep: float = 0.0) -> AsyncLLM:
     from xlm.engine.processor import Processor
 
-    client = AsyncMPClient({"step_sleep": step_sleep}, True, fake_core_factory)
+    client = AsyncMPClient({"step_sleep": step_sleep}, True, FakeEngineCoreProc)
     return AsyncLLM(
         None,
         engine_core_client=client,

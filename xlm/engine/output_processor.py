@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
+from xlm.engine.messages import EngineCoreRequest
 from xlm.engine.parallel_sampling import ParentRequest, fan_out
-from xlm.engine.processor import EngineCoreRequest
 from xlm.logger import init_logger
 from xlm.outputs import (
     CompletionOutput,
