@@ -193,9 +193,7 @@ class AsyncLLM:
                 core_ids.append(core_id)
         if request_ids:
             for stat_logger in self.stat_loggers:
-                record_aborted = getattr(stat_logger, "record_aborted", None)
-                if record_aborted is not None:
-                    record_aborted(len(request_ids))
+                stat_logger.record_aborted(len(request_ids))
         return core_ids
 
     def _abort_nowait(self, request_ids: list[str]) -> None:

@@ -237,12 +237,10 @@ class OutputProcessor:
                     metrics.first_token_time = timestamp
                 metrics.last_token_time = timestamp
                 metrics.num_generation_tokens += len(new_ids)
-            if getattr(out, "num_cached_tokens", 0):
+            if out.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
             state.output_token_ids.extend(new_ids)
-            state.add_logprobs(
-                getattr(out, "new_logprobs", None), getattr(out, "new_prompt_logprobs", None)
-            )
+            state.add_logprobs(out.new_logprobs, out.new_prompt_logprobs)
             stop_str = state.detokenizer.update(
                 new_ids, stop_terminated=finish_reason == "stop", finished=finish_reason is not None
             )
