@@ -198,7 +198,7 @@ class Compiler:
         for key, spec in specs.items():
             if key in self._programs:
                 continue
-            program = self._cache.load(key, spec.in_tree(), spec.out_tree)
+            program = self._cache.load(key, spec.in_tree(), spec.out_tree, spec.static)
             if program is not None:
                 self._programs[key] = (spec.static, program)
                 loaded += 1
@@ -212,7 +212,7 @@ class Compiler:
             ):
                 program = future.result()
                 self._programs[key] = (specs[key].static, program)
-                self._cache.store(key, program)
+                self._cache.store(key, program, specs[key].static)
         self.num_compilations += len(keys) + loaded
         logger.info(
             "Compiled %d programs, loaded %d saved ones, in %.1f s.",

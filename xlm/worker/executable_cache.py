@@ -64,17 +64,18 @@ class ExecutableCache:
                 logger.warning("Compiled-program cache %s is unusable: %s", directory, e)
                 self.directory = None
 
-    def path(self, key: Any) -> str:
-        """The file of a program's key (any object with a `kind` and a stable repr)."""
-        digest = hashlib.sha256(f"{self._base}|{key!r}".encode()).hexdigest()[:40]
+    def path(self, key: Any, layout: Any = None) -> str:
+        """The file of a program's key (any object with a `kind` and a stable repr) and
+        its input layout (belt and braces: the engine fingerprint and key decide it)."""
+        digest = hashlib.sha256(f"{self._base}|{key!r}|{layout!r}".encode()).hexdigest()[:40]
         kind = getattr(key.kind, "value", key.kind)
         return os.path.join(self.directory, f"{self.version}-{kind}-{digest}.xla")
 
-    def load(self, key: Any, in_tree: Any, out_tree: Any) -> Any | None:
+    def load(self, key: Any, in_tree: Any, out_tree: Any, layout: Any = None) -> Any | None:
         """The saved program, or None when absent or unreadable (then it is recompiled)."""
         if not self.directory:
             return None
-        path = self.path(key)
+        path = self.path(key, layout)
         payload = disk_cache.read_entry(path)
         if payload is None:
             return None
@@ -87,7 +88,7 @@ class ExecutableCache:
             disk_cache.discard(path)
             return None
 
-    def store(self, key: Any, compiled: Any) -> None:
+    def store(self, key: Any, compiled: Any, layout: Any = None) -> None:
         """Save a compiled program (best effort: a failure only costs a later compile)."""
         if not self.directory:
             return
@@ -95,6 +96,6 @@ class ExecutableCache:
 
         try:
             payload, _, _ = serialize(compiled)
-            disk_cache.write_entry(self.path(key), payload)
+            disk_cache.write_entry(self.path(key, layout), payload)
         except Exception as e:
             logger.warning("Could not save a compiled %s program: %s", key, e)
