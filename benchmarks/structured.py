@@ -164,30 +164,13 @@ def compile_times(tokenizer, vocab_size: int, repeats: int) -> list[dict]:
     return rows
 
 
-def throughput(model: str, num_prompts: int, output_len: int, rounds: int) -> dict:
+def throughput(model: str, num_prompts: int, output_len: int, rounds: int, **engine) -> dict:
     """All-constrained vs all-free output tokens/s on the same prompts, alternating."""
     import xlm
     from xlm import SamplingParams, StructuredOutputsParams
 
-    llm = xlm.LLM(
-        model=model,
-        max_model_len=512,
-        max_num_seqs=num_prompts,
-        max_num_batched_tokens=512,
-        token_buckets=[16, 64, 512],
-    )
-    tokenizer = llm.get_tokenizer()
-    prompts = [
-        {
-            "prompt_token_ids": tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"Describe person number {i} as JSON."}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        }
-        for i in range(num_prompts)
-    ]
+    llm = xlm.LLM(model=model, **engine)
+    prompts = [f"Person {i} as JSON:" for i in range(num_prompts)]
     schema = {
         "type": "object",
         "properties": {
@@ -241,6 +224,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=50, help="host-cost steps per batch size")
     parser.add_argument("--skip-engine", action="store_true", help="host-side parts only")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (16 tokens)")
     parser.add_argument("--output", default=str(HERE / "structured.json"))
     args = parser.parse_args()
 
@@ -266,9 +252,19 @@ def main() -> None:
         print(f"{r['schema']:>18} {r['cold_ms']:>9.2f} {r['cached_ms']:>10.3f}")
 
     if not args.skip_engine:
-        report["throughput"] = tp = throughput(
-            args.model, args.num_prompts, args.output_len, args.rounds
+        # The test suite's small SmolLM2 shapes (their compiled programs are reusable).
+        engine = dict(
+            max_model_len=args.max_model_len,
+            block_size=16,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=64,
+            token_buckets=[16, 64],
+            num_gpu_blocks_override=args.num_blocks,
         )
+        report["throughput"] = tp = throughput(
+            args.model, args.num_prompts, args.output_len, args.rounds, **engine
+        )
+        report["engine"] = engine
         print(f"\nThroughput, {tp['num_prompts']} requests, {tp['output_tokens']} output tokens")
         print(f"  all JSON-constrained: {tp['constrained_tok_s']:.1f} tok/s")
         print(f"  all free:             {tp['free_tok_s']:.1f} tok/s")

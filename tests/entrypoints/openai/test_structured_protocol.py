@@ -77,8 +77,9 @@ def test_tool_choice_constraints():
     names = [item["properties"]["name"]["const"] for item in so.json["items"]["anyOf"]]
     assert names == ["get_weather", "get_time"]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    assert chat(tools=TOOLS, tool_choice=named).structured_outputs.json == (
-        TOOLS[0]["function"]["parameters"]
+    assert (
+        chat(tools=TOOLS, tool_choice=named).structured_outputs.json
+        == (TOOLS[0]["function"]["parameters"])
     )
     assert chat(tools=TOOLS, tool_choice="auto").structured_outputs is None
     assert chat(tools=TOOLS, tool_choice="none").structured_outputs is None
