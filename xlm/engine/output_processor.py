@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
+from xlm.engine.messages import EngineCoreRequest
 from xlm.engine.parallel_sampling import ParentRequest, fan_out
-from xlm.engine.processor import EngineCoreRequest
 from xlm.logger import init_logger
 from xlm.outputs import (
     CompletionOutput,
@@ -214,12 +214,10 @@ class OutputProcessor:
                     metrics.first_token_time = timestamp
                 metrics.last_token_time = timestamp
                 metrics.num_generation_tokens += len(new_ids)
-            if getattr(out, "num_cached_tokens", 0):
+            if out.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
             state.output_token_ids.extend(new_ids)
-            state.add_logprobs(
-                getattr(out, "new_logprobs", None), getattr(out, "new_prompt_logprobs", None)
-            )
+            state.add_logprobs(out.new_logprobs, out.new_prompt_logprobs)
             stop_str = state.detokenizer.update(
                 new_ids, stop_terminated=finish_reason == "stop", finished=finish_reason is not None
             )
