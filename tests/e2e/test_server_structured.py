@@ -119,8 +119,10 @@ def test_response_format_json_schema(client, stream):
 
 
 def test_json_object_and_vllm_extra_fields(client):
-    text = create(client, response_format={"type": "json_object"}).choices[0].message.content
-    assert isinstance(json.loads(text), dict)
+    short = [{"role": "user", "content": 'Reply with the JSON object {"ok": true}.'}]
+    obj = create(client, messages=short, response_format={"type": "json_object"}, max_tokens=120)
+    assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
     choice = create(client, extra_body={"guided_choice": ["sunny", "rainy"]}).choices[0]
     assert choice.message.content in ("sunny", "rainy")
     regex = create(client, extra_body={"guided_regex": r"[0-9]{2} degrees"}).choices[0]
