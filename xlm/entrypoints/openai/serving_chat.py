@@ -96,6 +96,7 @@ class OpenAIServingChat:
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tools=request.tools,
+                template_kwargs=request.chat_template_kwargs,
             )
         except OpenAIError:
             raise
@@ -108,7 +109,14 @@ class OpenAIServingChat:
         """Validate, submit and answer (a response, or an SSE stream when stream=true)."""
         ctx = self.ctx
         ctx.check_model(request.model)
-        prompt_ids = self.render(request)
+        ctx.check_limits(request)
+        if request.chat_template is not None and not ctx.trust_request_chat_template:
+            raise OpenAIError(
+                "chat_template in a request is refused: the server was not started with "
+                "--trust-request-chat-template",
+                param="chat_template",
+            )
+        prompt_ids = await ctx.run_blocking(self.render, request)
         if not prompt_ids:
             raise OpenAIError("the rendered chat prompt is empty", param="messages")
         requested = request.max_completion_tokens or request.max_tokens

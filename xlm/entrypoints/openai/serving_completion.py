@@ -57,7 +57,10 @@ class OpenAIServingCompletion:
         """Validate, submit and answer (a response, or an SSE stream when stream=true)."""
         ctx = self.ctx
         ctx.check_model(request.model)
-        prompts = ctx.tokenize_prompts(request.prompt, request.add_special_tokens)
+        ctx.check_limits(request)
+        prompts = await ctx.run_blocking(
+            ctx.tokenize_prompts, request.prompt, request.add_special_tokens
+        )
         tokenizer = ctx.engine.get_tokenizer()
         texts = [request.prompt if isinstance(request.prompt, str) else None for _ in prompts]
         if (
