@@ -2,7 +2,7 @@
 
 `BodySizeLimit` is a pure ASGI middleware: it answers 413 from `Content-Length` before
 reading anything, and for a chunked body it stops reading as soon as the received bytes
-pass the limit, so a huge body is never held in memory whole.
+pass the limit, so a huge body is never held in memory.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import hmac
 import json
 from typing import Any
-
-from starlette.exceptions import HTTPException
 
 # Routes answered without the API key (load balancers and probes use them).
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
@@ -39,13 +37,6 @@ def _error_body(message: str, status: int, err_type: str, param: str | None = No
     return json.dumps({"error": error}).encode()
 
 
-class BodyTooLargeError(HTTPException):
-    """Raised while a route reads a body past the limit (the app answers it as 413)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, _too_large_message(max_bytes))
-
-
 def _too_large_message(max_bytes: int) -> str:
     return (
         f"The request body is larger than the server's limit of {max_bytes} bytes "
@@ -54,7 +45,12 @@ def _too_large_message(max_bytes: int) -> str:
 
 
 class BodySizeLimit:
-    """ASGI middleware: 413 for a request body over `max_bytes`."""
+    """ASGI middleware: 413 for a request body over `max_bytes`.
+
+    A declared Content-Length over the limit is refused before any byte is read (the
+    HTTP server delivers no more than the declared length). A body without one (chunked)
+    is read here, at most `max_bytes + 1` bytes of it, then replayed to the app.
+    """
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
@@ -64,38 +60,43 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        declared = None
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
-                    declared = 0
-                if declared > self.max_bytes:
-                    await self._reject(send)
-                    return
-        received = 0
-        started = False
-
-        async def limited_receive() -> dict:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLargeError(self.max_bytes)
-            return message
-
-        async def tracking_send(message: dict) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLargeError:
-            if not started:
+                    declared = None
+        if declared is not None:
+            if declared > self.max_bytes:
                 await self._reject(send)
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected: nothing to answer
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await self._reject(send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, send: Any) -> None:
         body = _error_body(_too_large_message(self.max_bytes), 413, "invalid_request_error")
