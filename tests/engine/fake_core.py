@@ -96,6 +96,10 @@ class FakeEngineCore:
     def echo(self, *args: Any) -> list[Any]:
         return list(args)
 
+    def sleep(self, seconds: float) -> bool:
+        time.sleep(seconds)
+        return True
+
     def shutdown(self) -> None:
         pass
 
