@@ -10,8 +10,10 @@ from typing import Any
 import numpy as np
 
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
+from xlm.engine.serial import register_wire_class
 
 
+@register_wire_class
 @dataclass
 class FakeRequest:
     """The fields of an EngineCoreRequest the fake core reads."""
@@ -22,6 +24,7 @@ class FakeRequest:
     logprobs: bool = False
 
 
+@register_wire_class
 @dataclass
 class FakeOutputs:
     """Shape of EngineCoreOutputs."""
