@@ -165,3 +165,18 @@ def test_schemathesis_fuzz_finds_no_server_error(server):
     assert not failures, "\n".join(failures[:10]) + "\n" + server.log_tail()
     _wait_idle(server)
     _normal_request(server)
+
+
+def test_usage_reports_prefix_cache_hits(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    prompt = [11 + (i % 50) for i in range(60)]  # token ids: 3 whole blocks of 16 and more
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 48
+    messages = [{"role": "user", "content": "word " * 60}]
+    client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 16

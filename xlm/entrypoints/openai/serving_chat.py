@@ -158,6 +158,7 @@ class _ChatRun:
         self.num_prompt_tokens = num_prompt_tokens
         self.generator = generator
         self.created = int(time.time())
+        self.num_cached = 0  # prompt tokens served from the prefix cache
         self.tokenizer = ctx.engine.get_tokenizer()
         self.echo = ""
         if request.echo and request.messages:
@@ -199,6 +200,7 @@ class _ChatRun:
         stop: list[Any] = [None] * n
         try:
             async for output in self.generator:
+                self.num_cached = output.num_cached_tokens or self.num_cached
                 for c in output.outputs:
                     texts[c.index] += c.text
                     token_ids[c.index].extend(c.token_ids)
@@ -223,7 +225,7 @@ class _ChatRun:
             )
             for i in range(n)
         ]
-        usage = make_usage(self.num_prompt_tokens, sum(len(t) for t in token_ids))
+        usage = make_usage(self.num_prompt_tokens, sum(len(t) for t in token_ids), self.num_cached)
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -264,6 +266,7 @@ class _ChatRun:
                     ]
                 )
             async for output in self.generator:
+                self.num_cached = output.num_cached_tokens or self.num_cached
                 for c in output.outputs:
                     num_tokens[c.index] += len(c.token_ids)
                     if c.finish_reason == "error":
@@ -296,7 +299,9 @@ class _ChatRun:
                         ],
                     )
                     if include_usage and continuous:
-                        chunk.usage = make_usage(self.num_prompt_tokens, sum(num_tokens))
+                        chunk.usage = make_usage(
+                            self.num_prompt_tokens, sum(num_tokens), self.num_cached
+                        )
                     yield sse(chunk)
             if include_usage:
                 yield sse(
@@ -305,7 +310,7 @@ class _ChatRun:
                         created=self.created,
                         model=self.ctx.model_name,
                         choices=[],
-                        usage=make_usage(self.num_prompt_tokens, sum(num_tokens)),
+                        usage=make_usage(self.num_prompt_tokens, sum(num_tokens), self.num_cached),
                     )
                 )
         except RequestAbortedError:

@@ -179,7 +179,7 @@ class _Run:
     def _usage(self, choices: dict[int, _Choice]) -> Any:
         num_prompt = sum(len(p) for p in self.prompts)
         num_completion = sum(len(c.token_ids) for c in choices.values())
-        return make_usage(num_prompt, num_completion)
+        return make_usage(num_prompt, num_completion, sum(self.num_cached))
 
     async def full(self) -> CompletionResponse:
         """Collect every output, then build one response."""

@@ -16,6 +16,7 @@ from xlm.entrypoints.openai.limits import RequestLimits, check_request_limits
 from xlm.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     RequestValidationError,
     UsageInfo,
 )
@@ -223,6 +224,8 @@ def make_usage(
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
     )
+    if num_cached_tokens is not None:  # prompt tokens the prefix cache supplied
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=max(num_cached_tokens, 0))
     return usage
 
 
