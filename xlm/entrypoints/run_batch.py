@@ -286,6 +286,12 @@ async def run(args: argparse.Namespace) -> int:
 
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency={args.max_concurrency} is invalid: must be >= 1")
+    from xlm.sampling_params import MAX_DEVICE_LOGPROBS
+
+    if not 0 <= args.max_logprobs <= MAX_DEVICE_LOGPROBS:
+        raise ValueError(
+            f"--max-logprobs={args.max_logprobs} is invalid: allowed [0, {MAX_DEVICE_LOGPROBS}]"
+        )
     records = read_records(args.input_file)
     n, i = args.num_shards, args.shard_index
     if not 0 <= i < n:

@@ -37,7 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlm.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams, SamplingType
+from xlm.sampling_params import (
+    MAX_DEVICE_LOGPROBS,
+    MAX_LOGIT_BIAS_TOKENS,
+    SamplingParams,
+    SamplingType,
+)
 
 _U32 = 0xFFFFFFFF
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -48,7 +53,7 @@ class SamplerConfig:
     """Static sampler settings (hashable: passed as a static jit argument)."""
 
     # Width of the top-k logprobs outputs; requests may ask for up to this many.
-    max_num_logprobs: int = 20
+    max_num_logprobs: int = MAX_DEVICE_LOGPROBS
     # Size of the lax.top_k candidate set used for top-k/top-p thresholds.
     top_k_cap: int = 64
     logprobs_mode: str = "raw_logprobs"

@@ -272,3 +272,13 @@ def test_tokenization_and_templates_run_off_the_event_loop(tokenizer):
     asyncio.run(main())
     assert len(recording.threads) >= 3
     assert loop_threads[0] not in recording.threads, recording.threads
+
+
+def test_max_logprobs_is_capped_at_what_the_device_returns(capsys):
+    from xlm.sampling_params import MAX_DEVICE_LOGPROBS
+
+    parser = make_arg_parser(argparse.ArgumentParser())
+    assert finish_args(parser, [MODEL, "--max-logprobs", str(MAX_DEVICE_LOGPROBS)])
+    with pytest.raises(SystemExit):
+        finish_args(parser, [MODEL, "--max-logprobs", str(MAX_DEVICE_LOGPROBS + 1)])
+    assert f"allowed [0, {MAX_DEVICE_LOGPROBS}]" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from xlm.entrypoints.openai.limits import (
     DEFAULT_MAX_N,
     WAITING_PER_SEQ,
 )
+from xlm.sampling_params import MAX_DEVICE_LOGPROBS
 
 
 def _origins(value: str) -> list[str]:
@@ -190,8 +191,12 @@ def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ar
         parser.error("a model is required: xlm serve MODEL")
     if args.api_key is None:
         args.api_key = envs.XLM_API_KEY
-    if args.max_logprobs < 0:
-        parser.error("--max-logprobs must be >= 0")
+    if not 0 <= args.max_logprobs <= MAX_DEVICE_LOGPROBS:
+        parser.error(
+            f"--max-logprobs={args.max_logprobs} is invalid: allowed [0, "
+            f"{MAX_DEVICE_LOGPROBS}] (the engine returns at most {MAX_DEVICE_LOGPROBS} "
+            "logprobs per token)"
+        )
     if args.max_n < 1:
         parser.error(f"--max-n={args.max_n} is invalid: must be >= 1")
     if args.max_request_body_bytes < 1:
