@@ -130,8 +130,26 @@ def test_async_add_request_cleans_up_when_the_send_fails(tokenizer):
     asyncio.run(main())
 
 
-def test_llm_generate_does_not_hang_after_a_prompt_the_core_refuses(tiny_checkpoint):
-    llm = xlm.LLM(model=tiny_checkpoint("llama"), **TINY_ENGINE)
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return xlm.LLM(model=tiny_checkpoint("llama"), **TINY_ENGINE)
+
+
+def test_request_metrics_use_one_clock_and_first_scheduled_time_is_set(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    for params in (greedy, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5)):
+        before = time.time()
+        (out,) = llm.generate([[7] * 20], params, use_tqdm=False)
+        after = time.time()
+        m = out.metrics
+        assert m.first_scheduled_time is not None, m
+        times = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time]
+        assert before <= times[0] and times == sorted(times) and times[-1] <= after, m
+        if m.finished_time is not None:
+            assert m.last_token_time <= m.finished_time <= after
+
+
+def test_llm_generate_does_not_hang_after_a_prompt_the_core_refuses(llm):
     engine = llm.llm_engine
     greedy = SamplingParams(temperature=0, max_tokens=4)
     # The core already holds the id the next generate() will use: its scheduler refuses
