@@ -44,13 +44,13 @@ def _class_path(cls: type) -> str:
 # registry keys them by their own module:qualname, so a class moved behind a re-export
 # still resolves). Nothing else decodes: no import happens on a name a message carries.
 WIRE_CLASSES: tuple[tuple[str, str], ...] = (
-    ("xlm.engine.processor", "EngineCoreRequest"),
+    ("xlm.engine.messages", "EngineCoreRequest"),
     ("xlm.sampling_params", "SamplingParams"),
     ("xlm.sampling_params", "RequestOutputKind"),
     ("xlm.sampling_params", "SamplingType"),
     ("xlm.core.outputs", "EngineCoreOutput"),
     ("xlm.core.outputs", "SchedulerStats"),
-    ("xlm.engine.core", "EngineCoreOutputs"),
+    ("xlm.engine.messages", "EngineCoreOutputs"),
 )
 
 _registry: dict[str, type] = {}
