@@ -46,14 +46,22 @@ class RequestLimits:
     max_n: int = DEFAULT_MAX_N
 
 
-def _error(message: str, param: str) -> ValueError:
-    # protocol.py imports this module for its field types: import its error class late.
-    from xlm.entrypoints.openai.protocol import RequestValidationError
+class RequestValidationError(ValueError):
+    """A request that parses but asks for something invalid (HTTP 400).
 
+    Defined here, under the caps that raise it, and re-exported by protocol.py.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _error(message: str, param: str) -> RequestValidationError:
     return RequestValidationError(message, param)
 
 
-def _too_many(name: str, count: int, cap: int, what: str = "entries") -> ValueError:
+def _too_many(name: str, count: int, cap: int, what: str = "entries") -> RequestValidationError:
     return _error(f"{name} has {count} {what}: at most {cap} are allowed", name)
 
 

@@ -8,7 +8,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from xlm.entrypoints.openai.limits import Int32, Int64, Seed
+from xlm.entrypoints.openai.limits import (  # noqa: F401  (RequestValidationError re-exported)
+    Int32,
+    Int64,
+    RequestValidationError,
+    Seed,
+)
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -21,14 +26,6 @@ class OpenAIBaseModel(BaseModel):
     """Base of every protocol model: unknown request fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
-
-
-class RequestValidationError(ValueError):
-    """A request that parses but asks for something invalid (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # ---- errors, models, usage ----------------------------------------------------------------
