@@ -12,12 +12,12 @@ import msgpack
 import pytest
 
 import xlm
-from tests.engine.fake_core import FakeRequest, fake_core_factory
+from tests.engine.fake_core import FakeEngineCoreProc, FakeRequest
 from tests.engine.reference import TINY_ENGINE
 from xlm.engine.async_llm import AsyncLLM
 from xlm.engine.core_client import make_client
-from xlm.engine.core_proc import RequestType
 from xlm.engine.exceptions import EngineDeadError
+from xlm.engine.messages import RequestType
 from xlm.engine.mp_client import AsyncMPClient
 from xlm.sampling_params import SamplingParams
 
@@ -39,7 +39,7 @@ def _round_trip(client, request_id: str) -> list[int]:
 @pytest.fixture
 def sync_client():
     client = make_client(
-        {}, multiprocess=True, asyncio_mode=False, engine_core_factory=fake_core_factory
+        {}, multiprocess=True, asyncio_mode=False, engine_core_proc_class=FakeEngineCoreProc
     )
     yield client
     client.shutdown()
@@ -80,7 +80,7 @@ def test_timed_out_utility_calls_leave_no_pending_future(sync_client):
 def test_async_timed_out_utility_call_leaves_no_pending_future():
     async def main() -> None:
         client = make_client(
-            {}, multiprocess=True, asyncio_mode=True, engine_core_factory=fake_core_factory
+            {}, multiprocess=True, asyncio_mode=True, engine_core_proc_class=FakeEngineCoreProc
         )
         try:
             with pytest.raises(asyncio.TimeoutError):
@@ -108,7 +108,7 @@ def test_async_add_request_cleans_up_when_the_send_fails(tokenizer):
     from xlm.engine.processor import Processor
 
     async def main() -> None:
-        client = AsyncMPClient({}, True, fake_core_factory)
+        client = AsyncMPClient({}, True, FakeEngineCoreProc)
         engine = AsyncLLM(
             None,
             engine_core_client=client,
