@@ -129,6 +129,8 @@ def _safetensors_complete(path: str) -> bool:
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > os.path.getsize(path):
+                return False
             header = json.loads(f.read(n))
         end = max(
             (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0
