@@ -11,9 +11,9 @@ from typing import Any
 
 from flax import nnx
 
+from xlm.models.llama import LlamaForCausalLM
 from xlm.models.mistral import MistralDecoderLayer
 from xlm.models.qwen3_moe import SparseMoeBlock
-from xlm.models.llama import LlamaForCausalLM
 from xlm.models.weights import WeightTarget, column_part
 
 
