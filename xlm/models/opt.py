@@ -114,8 +114,7 @@ class OPTDecoder(nnx.Module):
             new_caches.append(kv_cache)
         if self.final_layer_norm is not None:
             hidden_states = self.final_layer_norm(hidden_states)
-        if self.project_out is not None:
-            hidden_states = self.project_out(hidden_states)
+        # project_out runs in compute_logits: hidden states stay hidden_size wide.
         return hidden_states, new_caches
 
 
@@ -142,6 +141,9 @@ class OPTForCausalLM(LlamaForCausalLM):
         return self.model.decoder(input_ids, kv_caches, metadata)
 
     def compute_logits(self, hidden_states: jax.Array) -> jax.Array:
+        project_out = self.model.decoder.project_out
+        if project_out is not None:
+            hidden_states = project_out(hidden_states)
         head = self.model.decoder.embed_tokens if self.lm_head is None else self.lm_head
         return head.attend(hidden_states)
 
