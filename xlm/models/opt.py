@@ -84,6 +84,7 @@ class OPTDecoder(nnx.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, proj, dtype=dtype, rngs=rngs)
         rows = config.max_position_embeddings + POSITION_OFFSET
         self.embed_positions = PositionEmbedding(rows, h, dtype=dtype, rngs=rngs)
+        self.position_offset = POSITION_OFFSET
         if proj != h:
             self.project_in = Linear(proj, h, dtype=dtype, rngs=rngs)
             self.project_out = Linear(h, proj, dtype=dtype, rngs=rngs)
@@ -107,7 +108,7 @@ class OPTDecoder(nnx.Module):
         if self.project_in is not None:
             hidden_states = self.project_in(hidden_states)
         positions = metadata.positions
-        hidden_states = hidden_states + self.embed_positions(positions + POSITION_OFFSET)
+        hidden_states = hidden_states + self.embed_positions(positions + self.position_offset)
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, kv_cache = layer(positions, hidden_states, kv_cache, metadata)
