@@ -31,12 +31,17 @@ def run_tracking_blocks(llm, prompt: list[int], request_id: str) -> tuple[list[i
     engine.add_request(request_id, prompt, greedy(NEW_TOKENS))
     most, steps, out = 0, 0, None
     while engine.has_unfinished_requests():
+        # Requests that had computed the whole prompt before this step decode in it; what
+        # they hold after it is what their decode step allocated.
+        decoding = {
+            r.request_id for r in scheduler(llm).running if r.num_computed_tokens >= len(prompt)
+        }
         for o in engine.step():
             if o.finished:
                 out = o.outputs[0].token_ids
         steps += 1
         for r in scheduler(llm).running:
-            if r.num_computed_tokens >= len(prompt):  # decoding
+            if r.request_id in decoding:
                 most = max(most, kv.num_held_blocks(r.request_id))
     return out, most, steps
 
