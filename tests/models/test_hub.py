@@ -113,7 +113,8 @@ def test_cached_snapshot_without_safetensors_is_refused(offline):
 def test_llm_by_name_generates_like_the_local_directory(offline, tiny_checkpoint):
     params = xlm.SamplingParams(temperature=0.0, max_tokens=6)
     by_name = xlm.LLM(model=REPO, **TINY_ENGINE)
-    assert by_name.llm_engine.config.model_config.revision is None
+    # The engine runs from the snapshot of main in the cache.
+    assert by_name.llm_engine.config.model_config.model.endswith(COMMIT_MAIN)
     local = xlm.LLM(model=tiny_checkpoint("llama"), **TINY_ENGINE)
     a = by_name.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
     b = local.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids

@@ -141,7 +141,6 @@ class EngineArgs:
         model_config = ModelConfig(
             model=model_path,
             tokenizer=tokenizer,
-            revision=self.revision,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
