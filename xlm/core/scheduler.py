@@ -51,7 +51,11 @@ class Scheduler:
         )
         self.policy = scheduler_config.policy
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching
+            num_blocks,
+            self.block_size,
+            self.max_model_len,
+            cache_config.enable_prefix_caching,
+            sliding_window=cache_config.sliding_window,
         )
         pool_tokens = self.kv_cache_manager.num_usable_blocks * self.block_size
         # A request may grow only as long as the whole pool holds; past that it could only
