@@ -279,7 +279,7 @@ def run_batch_on_ray(args: argparse.Namespace) -> dict[str, Any]:
     import ray.data
 
     from xlm.entrypoints.run_batch import done_ids
-    from xlm.ray.processor import configure_retries, split_into_batches, start_job_stats
+    from xlm.ray.processor import configure_retries, map_replicas, start_job_stats
     from xlm.ray.stats import format_summary, summarize
 
     if args.num_shards != 1:
@@ -287,8 +287,13 @@ def run_batch_on_ray(args: argparse.Namespace) -> dict[str, Any]:
     out_format = file_format(args.output_file, args.output_format)
     config = processor_config(args)
     started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(address=args.ray_address, log_to_driver=True)
+    if started_ray and args.ray_address is None:
+        # A Ray instance on this machine: logical CPUs for every replica plus one for Ray
+        # Data's read and write tasks, which would otherwise wait behind the replicas.
+        cpus = max(os.cpu_count() or 1, int(config.replicas * config.num_cpus) + 1)
+        ray.init(num_cpus=cpus, include_dashboard=False)
+    elif started_ray:
+        ray.init(address=args.ray_address)
     try:
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = True
@@ -309,13 +314,8 @@ def run_batch_on_ray(args: argparse.Namespace) -> dict[str, Any]:
         if done:
             parsed = parsed.filter(lambda row: row["custom_id"] not in done)
         stats = start_job_stats()
-        results = split_into_batches(parsed, config.batch_size).map_batches(
-            BatchReplica,
-            batch_size=config.batch_size,
-            batch_format="pyarrow",
-            concurrency=config.replicas,
-            fn_constructor_kwargs={"args": replica_args(args), "stats": stats},
-            **config.ray_remote_args(),
+        results = map_replicas(
+            parsed, BatchReplica, config, {"args": replica_args(args), "stats": stats}
         )
         start = time.perf_counter()
         written = failed = 0

@@ -54,20 +54,26 @@ class ProcessorConfig:
                     "(-1: unlimited)"
                 )
 
-    def ray_remote_args(self) -> dict[str, Any]:
-        """Actor options for `Dataset.map_batches`: resources, concurrency, retries."""
-        args: dict[str, Any] = {
+    def map_batches_kwargs(self) -> dict[str, Any]:
+        """`Dataset.map_batches` options: the actor pool, resources per replica, retries."""
+        import ray.data
+
+        kwargs: dict[str, Any] = {
+            "compute": ray.data.ActorPoolStrategy(
+                size=self.replicas, max_concurrent_calls_per_actor=self.max_concurrent_batches
+            ),
             "num_cpus": self.num_cpus,
-            "max_concurrency": self.max_concurrent_batches,
+            # Actor options without a named parameter in map_batches (Ray 2.60 passes them
+            # to the actor as they are).
             "max_restarts": self.max_restarts,
             "max_task_retries": self.max_task_retries,
         }
         if self.num_gpus:
-            args["num_gpus"] = self.num_gpus
+            kwargs["num_gpus"] = self.num_gpus
         if self.num_tpu_chips:
-            args["resources"] = {"TPU": self.num_tpu_chips}
+            kwargs["resources"] = {"TPU": self.num_tpu_chips}
         if self.accelerator_type:
-            args["accelerator_type"] = self.accelerator_type
+            kwargs["accelerator_type"] = self.accelerator_type
         if self.env_vars:
-            args["runtime_env"] = {"env_vars": dict(self.env_vars)}
-        return args
+            kwargs["runtime_env"] = {"env_vars": dict(self.env_vars)}
+        return kwargs

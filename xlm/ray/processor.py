@@ -44,6 +44,26 @@ def split_into_batches(dataset: Any, batch_size: int) -> Any:
     return dataset.repartition(target_num_rows_per_block=batch_size)
 
 
+def map_replicas(
+    dataset: Any, replica_cls: type, config: ProcessorConfig, kwargs: dict[str, Any]
+) -> Any:
+    """`dataset` split into batches and mapped through `config.replicas` actors of
+    `replica_cls(**kwargs)`, with the config's resources and Ray's retries."""
+    import warnings
+
+    with warnings.catch_warnings():
+        # max_restarts / max_task_retries have no named parameter in map_batches yet; Ray
+        # 2.60 warns about passing them through but passes them.
+        warnings.filterwarnings("ignore", message=".*ray_remote_args. is deprecated")
+        return split_into_batches(dataset, config.batch_size).map_batches(
+            replica_cls,
+            batch_size=config.batch_size,
+            batch_format="pyarrow",
+            fn_constructor_kwargs=kwargs,
+            **config.map_batches_kwargs(),
+        )
+
+
 class Processor:
     """preprocess -> xlm replicas (map_batches over an actor pool) -> postprocess."""
 
@@ -70,19 +90,16 @@ class Processor:
             self.job_stats = start_job_stats()
         if self.preprocess is not None:
             dataset = dataset.map(self.preprocess)
-        dataset = split_into_batches(dataset, config.batch_size)
-        dataset = dataset.map_batches(
+        dataset = map_replicas(
+            dataset,
             LLMReplica,
-            batch_size=config.batch_size,
-            batch_format="pyarrow",
-            concurrency=config.replicas,
-            fn_constructor_kwargs={
+            config,
+            {
                 "model": config.model,
                 "engine_kwargs": dict(config.engine_kwargs),
                 "default_sampling_params": self.sampling_params,
                 "stats": self.job_stats,
             },
-            **config.ray_remote_args(),
         )
         if self.postprocess is not None:
             dataset = dataset.map(self.postprocess)

@@ -1,11 +1,12 @@
 """LLMReplica: the stateful Ray Data UDF that runs rows through one xlm.LLM.
 
-Ray Data builds one LLMReplica per actor (`map_batches(LLMReplica, concurrency=N)`), so the
-engine is built, loaded and compiled once per replica. Rows carry one of `prompt` (text),
-`messages` (chat messages) or `prompt_token_ids`, and optionally `sampling_params` (a
-dict of SamplingParams fields); every input column is passed through, and the outputs
-add `generated_text`, `generated_token_ids`, `finish_reason`, `num_input_tokens`,
-`num_generated_tokens` and `error` (null, or why the engine rejected the row).
+Ray Data builds one LLMReplica per actor (`map_batches(LLMReplica,
+compute=ActorPoolStrategy(size=N))`), so the engine is built, loaded and compiled once per
+replica. Rows carry one of `prompt` (text), `messages` (chat messages) or
+`prompt_token_ids`, and optionally `sampling_params` (a dict of SamplingParams fields);
+every input column is passed through, and the outputs add `generated_text`,
+`generated_token_ids`, `finish_reason`, `num_input_tokens`, `num_generated_tokens` and
+`error` (null, or why the engine rejected the row).
 """
 
 from __future__ import annotations

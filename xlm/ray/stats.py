@@ -81,11 +81,16 @@ def summarize(snapshot: dict[str, dict[str, Any]], rows_out: int, elapsed: float
     rows_started = sum(s["rows_started"] for s in snapshot.values())
     rows_finished = sum(s["rows_finished"] for s in snapshot.values())
     output_tokens = sum(s["output_tokens"] for s in snapshot.values())
+    starts = [s["first_start"] for s in snapshot.values() if s["first_start"] is not None]
+    finishes = [s["last_finish"] for s in snapshot.values() if s["last_finish"] is not None]
     return {
         "records": rows_out,
         "elapsed_s": elapsed,
         "records_per_s": rows_out / elapsed if elapsed > 0 else 0.0,
         "output_tokens": output_tokens,
+        # From the first batch a replica took to the last one returned: engines' start-up
+        # (load, compile) excluded.
+        "busy_s": max(finishes) - min(starts) if starts and finishes else 0.0,
         "output_tok_per_s": output_tokens / elapsed if elapsed > 0 else 0.0,
         "replica_restarts": sum(s["restarts"] for s in snapshot.values()),
         # Rows a dead replica held, which Ray ran again elsewhere (or on its restart).
