@@ -19,6 +19,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 import xlm  # noqa: E402
 from xlm.ray import ProcessorConfig, build_llm_processor  # noqa: E402
+from xlm.ray.replica import FATAL_ROW_ERROR, LLMReplica  # noqa: E402
 
 ENGINE = dict(
     max_model_len=128,
@@ -172,10 +173,10 @@ def batch_records(n: int) -> list[dict]:
     return records
 
 
-def run_batch_args(model: str, infile, outfile, *extra: str):
+def run_batch_args(model: str, infile, outfile, *extra: str, replicas: int = 2):
     from xlm.entrypoints.cli import build_parser
 
-    argv = ["run-batch", "--ray", "--replicas", "2", f"--replica-cpus={REPLICA_CPUS}"]
+    argv = ["run-batch", "--ray", f"--replicas={replicas}", f"--replica-cpus={REPLICA_CPUS}"]
     argv += ["--ray-batch-size", "25", "-i", str(infile), "-o", str(outfile), "--model", model]
     return build_parser().parse_args([*argv, *ENGINE_FLAGS, *extra])
 
@@ -236,7 +237,8 @@ def test_run_batch_ray_parquet_in_and_out(ray_cluster, model, local_llm, tmp_pat
     )
     pq.write_table(table, tmp_path / "in.parquet")
     outfile = tmp_path / "out.parquet"
-    run_batch_on_ray(run_batch_args(model, tmp_path / "in.parquet", outfile))
+    # One replica: the two-replica path is the JSONL test's; this one is about the formats.
+    run_batch_on_ray(run_batch_args(model, tmp_path / "in.parquet", outfile, replicas=1))
 
     rows = pq.read_table(outfile).to_pylist()
     results = [
@@ -290,3 +292,36 @@ def test_replica_killed_mid_job_every_row_exactly_once(ray_cluster, model, local
     for row in out:
         assert row["error"] is None
         assert row["generated_text"] == reference[row["idx"]].outputs[0].text
+
+
+class CrashOnRow(LLMReplica):
+    """Fault injection: the replica's process dies whenever it runs the row "crash me"."""
+
+    async def _one(self, row):
+        if row.get("prompt") == "crash me":
+            os._exit(1)
+        return await super()._one(row)
+
+
+@pytest.mark.slow
+def test_row_that_kills_its_replica_ends_as_error_record(ray_cluster, model, local_llm):
+    rows = [{"idx": i, "prompt": prompt_text(i)} for i in range(40)]
+    rows[17]["prompt"] = "crash me"
+    params = {"max_tokens": 4, "temperature": 0}
+    processor = build_llm_processor(
+        config(model, batch_size=10), sampling_params=params, replica_cls=CrashOnRow
+    )
+    out = processor(ray.data.from_items(rows)).take_all()
+
+    assert sorted(r["idx"] for r in out) == list(range(40))  # the job went on
+    by_idx = {r["idx"]: r for r in out}
+    assert by_idx[17]["error"] == FATAL_ROW_ERROR
+    reference = local_llm.generate(
+        [r["prompt"] for r in rows], xlm.SamplingParams(**params), use_tqdm=False
+    )
+    for i in range(40):
+        if i != 17:
+            assert by_idx[i]["error"] is None
+            assert by_idx[i]["generated_text"] == reference[i].outputs[0].text
+    # It died once with its batch, once alone on the retry; then it was answered.
+    assert processor.stats(len(out), 1.0)["replica_restarts"] >= 2

@@ -142,6 +142,15 @@ def parse_batch(batch: Any) -> dict[str, list[Any]]:
 # ---- the replica (a Ray actor) -----------------------------------------------------------
 
 
+def _fatal_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The error result of a record during which a replica died (after Ray's retries)."""
+    from xlm.entrypoints.run_batch import _result
+    from xlm.ray.replica import FATAL_ROW_ERROR
+
+    body = {"error": {"message": FATAL_ROW_ERROR, "type": "InternalServerError", "code": 500}}
+    return _result(record["custom_id"], 500, body, None)
+
+
 class BatchReplica:
     """One engine + the server's handlers per Ray actor; answers a batch of records."""
 
@@ -158,7 +167,7 @@ class BatchReplica:
 
     async def __call__(self, batch: Any) -> dict[str, list[Any]]:
         from xlm.entrypoints.run_batch import answer
-        from xlm.ray.replica import die_for_restart
+        from xlm.ray.replica import batch_key, die_for_restart, run_batch_rows
 
         if self._gate is None:  # made on Ray's event loop, where the calls run
             self._gate = asyncio.Semaphore(self.max_concurrency)
@@ -169,7 +178,10 @@ class BatchReplica:
             async with self._gate:
                 return await answer(self.state, record)
 
-        results = await asyncio.gather(*(bounded(r) for r in records))
+        key = batch_key([r["custom_id"] for r in records])
+        results = await run_batch_rows(
+            self.context, key, records, bounded, _fatal_record, lambda: self.engine.errored
+        )
         if self.engine.errored:  # 5xx results of a dead engine are not answers: retry
             die_for_restart(self.engine.dead_error or RuntimeError("engine dead"))
         tokens = sum(

@@ -73,8 +73,10 @@ class Processor:
         preprocess: Callable[[Row], Row] | None = None,
         postprocess: Callable[[Row], Row] | None = None,
         sampling_params: dict[str, Any] | None = None,
+        replica_cls: type | None = None,
     ) -> None:
         self.config = config
+        self.replica_cls = replica_cls
         self.preprocess = preprocess
         self.postprocess = postprocess
         self.sampling_params = dict(sampling_params or {})
@@ -92,7 +94,7 @@ class Processor:
             dataset = dataset.map(self.preprocess)
         dataset = map_replicas(
             dataset,
-            LLMReplica,
+            self.replica_cls or LLMReplica,
             config,
             {
                 "model": config.model,
@@ -118,6 +120,8 @@ def build_llm_processor(
     preprocess: Callable[[Row], Row] | None = None,
     postprocess: Callable[[Row], Row] | None = None,
     sampling_params: dict[str, Any] | None = None,
+    replica_cls: type | None = None,
 ) -> Processor:
-    """A Processor for `config`; `sampling_params` are defaults a row's own override."""
-    return Processor(config, preprocess, postprocess, sampling_params)
+    """A Processor for `config`; `sampling_params` are defaults a row's own override;
+    `replica_cls` a subclass of LLMReplica to change how a row is run."""
+    return Processor(config, preprocess, postprocess, sampling_params, replica_cls)

@@ -12,8 +12,12 @@ every input column is passed through, and the outputs add `generated_text`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import json
 import os
 import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from xlm.logger import init_logger
@@ -52,6 +56,50 @@ def _drop_nulls(value: Any) -> Any:
     return value
 
 
+class RowGate:
+    """Rows of normal batches run together (shared); a row under suspicion runs alone
+    (exclusive: it waits for the running ones and goes before new ones)."""
+
+    def __init__(self) -> None:
+        self._cond: asyncio.Condition | None = None  # made on the loop that uses it
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        cond = self._condition()
+        async with cond:
+            await cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            async with cond:
+                self._shared -= 1
+                cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        cond = self._condition()
+        async with cond:
+            self._waiting += 1
+            await cond.wait_for(lambda: not self._exclusive and not self._shared)
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            async with cond:
+                self._exclusive = False
+                cond.notify_all()
+
+
 class ReplicaContext:
     """Who this replica is (Ray actor id, pid) and its reports to the job's JobStats."""
 
@@ -61,6 +109,7 @@ class ReplicaContext:
         context = ray.get_runtime_context()
         self.replica = context.get_actor_id() or f"pid-{os.getpid()}"
         self.stats = stats
+        self.gate = RowGate()
         with warnings.catch_warnings():  # Ray's property reads its own deprecated field
             warnings.simplefilter("ignore")
             restarted = bool(context.was_current_actor_reconstructed)
@@ -76,11 +125,66 @@ class ReplicaContext:
             self.stats.batch_finished.remote(self.replica, rows, output_tokens)
 
 
+def batch_key(parts: list[str]) -> str:
+    """A batch's identity across Ray's retries of it: a digest of its rows."""
+    digest = hashlib.sha1()
+    for part in parts:
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+async def run_batch_rows(
+    context: ReplicaContext,
+    key: str,
+    rows: list[Any],
+    run_row: Callable[[Any], Awaitable[Any]],
+    fatal_row: Callable[[Any], Any],
+    engine_dead: Callable[[], bool] = lambda: False,
+) -> list[Any]:
+    """Answer a batch's rows: all at once; or, when a replica already died holding this
+    batch (Ray is retrying it), one at a time with each row recorded before it runs, so
+    that a row during which a replica died is answered by `fatal_row` on the next retry
+    instead of failing the job."""
+    attempt, fatal = (
+        (1, []) if context.stats is None else await context.stats.begin_batch.remote(key)
+    )
+    if attempt == 1:
+        async with context.gate.shared():
+            results = await asyncio.gather(*(run_row(r) for r in rows))
+    else:
+        logger.warning(
+            "Retry %d of a batch whose replica died: running its rows one by one", attempt - 1
+        )
+        results = []
+        for index, row in enumerate(rows):
+            if index in fatal:
+                results.append(fatal_row(row))
+                continue
+            # Alone on the replica: if the process dies now, this row is the one.
+            async with context.gate.exclusive():
+                await context.stats.row_started.remote(key, index)
+                results.append(await run_row(row))
+                if engine_dead():  # this row took the engine down: the row stays marked
+                    die_for_restart(RuntimeError("the engine died running a retried row"))
+                await context.stats.row_finished.remote(key)
+    if context.stats is not None:
+        context.stats.end_batch.remote(key)
+    return list(results)
+
+
 def die_for_restart(error: BaseException) -> None:
     """The engine is dead: end this process so Ray restarts the replica and retries its
     batches (max_restarts / max_task_retries); an exception would only fail the batch."""
     logger.error("xlm engine died (%s): exiting so Ray restarts this replica", error)
     os._exit(1)
+
+
+FATAL_ROW_ERROR = "the replica's process died while running this row; not retried again"
+
+
+def _fatal_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {"error": FATAL_ROW_ERROR}
 
 
 class LLMReplica:
@@ -149,8 +253,9 @@ class LLMReplica:
 
         rows = batch.to_pylist()
         self.context.batch_started(len(rows))
+        key = batch_key([json.dumps(r, sort_keys=True, default=str) for r in rows])
         try:
-            results = await asyncio.gather(*(self._one(r) for r in rows))
+            results = await run_batch_rows(self.context, key, rows, self._one, _fatal_row)
         except Exception as e:
             die_for_restart(e)
             raise

@@ -30,6 +30,11 @@ class JobStats:
     def __init__(self) -> None:
         self.replicas: dict[str, ReplicaStats] = {}
         self.pids: dict[str, list[int]] = {}
+        # Per batch (keyed by its content): attempts so far, the row a careful attempt is
+        # running, and the rows during which a careful attempt's replica died.
+        self.attempts: dict[str, int] = {}
+        self.row_in_flight: dict[str, int] = {}
+        self.fatal_rows: dict[str, set[int]] = {}
 
     def _get(self, replica: str) -> ReplicaStats:
         return self.replicas.setdefault(replica, ReplicaStats())
@@ -52,12 +57,32 @@ class JobStats:
         stats.output_tokens += output_tokens
         stats.last_finish = time.time()
 
+    def begin_batch(self, key: str) -> tuple[int, list[int]]:
+        """This attempt's number for the batch, and its rows that killed a replica."""
+        self.attempts[key] = self.attempts.get(key, 0) + 1
+        row = self.row_in_flight.pop(key, None)
+        if row is not None:  # the last attempt died while running this row alone
+            self.fatal_rows.setdefault(key, set()).add(row)
+        return self.attempts[key], sorted(self.fatal_rows.get(key, ()))
+
+    def row_started(self, key: str, index: int) -> None:
+        self.row_in_flight[key] = index
+
+    def row_finished(self, key: str) -> None:
+        self.row_in_flight.pop(key, None)
+
+    def end_batch(self, key: str) -> None:
+        self.row_in_flight.pop(key, None)
+
     def replica_pids(self) -> dict[str, list[int]]:
         """Replica -> the pids its process had (one more per restart)."""
         return dict(self.pids)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {key: vars(s).copy() for key, s in self.replicas.items()}
+
+    def num_fatal_rows(self) -> int:
+        return sum(len(rows) for rows in self.fatal_rows.values())
 
 
 def summarize(snapshot: dict[str, dict[str, Any]], rows_out: int, elapsed: float) -> dict[str, Any]:
