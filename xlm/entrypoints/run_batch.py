@@ -395,7 +395,19 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     )
     add_serving_args(parser)
     add_engine_args(parser)
-    parser.set_defaults(func=lambda args: asyncio.run(run(args)))
+    from xlm.ray.batch import add_ray_args
+
+    add_ray_args(parser)
+    parser.set_defaults(func=_run_local_or_ray)
+
+
+def _run_local_or_ray(args: argparse.Namespace) -> int:
+    if args.ray:  # the same records and handlers (answer), spread over a Ray cluster
+        from xlm.ray.batch import run_batch_on_ray
+
+        run_batch_on_ray(args)
+        return 0
+    return asyncio.run(run(args))
 
 
 def main() -> int:
