@@ -173,3 +173,16 @@ def test_stale_shard_markers_do_not_leak_into_a_new_run(setup, tmp_path):
     assert proc0.returncode != 0 and "shards not complete" in err, err[-3000:]
     assert not out.exists()
     assert len(read(str(out) + ".shard-0-of-2")) == (NUM_RECORDS + 1) // 2
+
+
+def test_valid_json_input_line_that_is_not_an_object_is_a_per_line_error(tmp_path):
+    infile = tmp_path / "in.jsonl"
+    good = {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}
+    infile.write_text(json.dumps(good) + "\n[1, 2]\n" + json.dumps({**good, "custom_id": "c"}))
+    records = rb.read_records(str(infile))
+    assert [r["custom_id"] for r in records] == ["a", "line-2", "c"]
+    result = asyncio.run(rb.answer(SimpleNamespace(), records[1]))
+    assert result["custom_id"] == "line-2"
+    assert result["response"]["status_code"] == 400
+    assert "expected a JSON object, got list" in result["error"]["message"]
+    assert rb.is_final(result)  # a request's own 4xx error is final: a rerun does not redo it

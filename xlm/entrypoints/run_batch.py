@@ -44,7 +44,14 @@ def read_records(path: str) -> list[dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict) or not isinstance(record.get("body"), dict):
+            if not isinstance(record, dict):
+                # Valid JSON but no request: this line alone gets an error result.
+                record = {
+                    "custom_id": f"line-{lineno}",
+                    "input_error": f"line {lineno}: expected a JSON object, "
+                    f"got {type(record).__name__}",
+                }
+            elif not isinstance(record.get("body"), dict):
                 raise ValueError(f"{path}:{lineno}: expected an object with a 'body' object")
             custom_id = record.get("custom_id")
             if not isinstance(custom_id, str) or not custom_id:
@@ -107,6 +114,10 @@ async def answer(state: Any, record: dict[str, Any]) -> dict[str, Any]:
     from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception
 
     custom_id = record["custom_id"]
+    if "input_error" in record:
+        message = record["input_error"]
+        body = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+        return _result(custom_id, 400, body, None)
     url = record.get("url")
     method = record.get("method", "POST")
     body = dict(record["body"])
