@@ -69,14 +69,14 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule one step, run it, and return the new tokens and finished requests."""
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.monotonic())
+            return EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.time())
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.num_scheduled_tokens and self.structured_output_manager.has_pending:
             # Everything runnable waits for a grammar: idle until one compiles, not spin.
             self.structured_output_manager.wait_for_any(timeout=0.05)
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs, self._stats(), time.monotonic())
+        return EngineCoreOutputs(outputs, self._stats(), time.time())
 
     def _stats(self) -> SchedulerStats | None:
         return self.make_stats() if self.log_stats else None

@@ -142,6 +142,7 @@ class OpenAIServingChat:
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tools=request.tools,
+                template_kwargs=request.chat_template_kwargs,
             )
         except OpenAIError:
             raise
@@ -154,13 +155,20 @@ class OpenAIServingChat:
         """Validate, submit and answer (a response, or an SSE stream when stream=true)."""
         ctx = self.ctx
         ctx.check_model(request.model)
+        ctx.check_limits(request)
+        if request.chat_template is not None and not ctx.trust_request_chat_template:
+            raise OpenAIError(
+                "chat_template in a request is refused: the server was not started with "
+                "--trust-request-chat-template",
+                param="chat_template",
+            )
         if request.tool_choice == "auto" and request.tools and not self.enable_auto_tool_choice:
             raise OpenAIError(
                 'tool_choice="auto" needs the server started with --enable-auto-tool-choice '
                 "and --tool-call-parser",
                 param="tool_choice",
             )
-        prompt_ids = self.render(request)
+        prompt_ids = await ctx.run_blocking(self.render, request)
         if not prompt_ids:
             raise OpenAIError("the rendered chat prompt is empty", param="messages")
         requested = request.max_completion_tokens or request.max_tokens
@@ -203,6 +211,7 @@ class _ChatRun:
         self.num_prompt_tokens = num_prompt_tokens
         self.generator = generator
         self.created = int(time.time())
+        self.num_cached = 0  # prompt tokens served from the prefix cache
         self.tokenizer = ctx.engine.get_tokenizer()
         self.parsers: list[ChatOutputParser] = []
         self.echo = ""
@@ -245,6 +254,7 @@ class _ChatRun:
         stop: list[Any] = [None] * n
         try:
             async for output in self.generator:
+                self.num_cached = output.num_cached_tokens or self.num_cached
                 for c in output.outputs:
                     texts[c.index] += c.text
                     token_ids[c.index].extend(c.token_ids)
@@ -278,7 +288,7 @@ class _ChatRun:
                     stop_reason=stop[i],
                 )
             )
-        usage = make_usage(self.num_prompt_tokens, sum(len(t) for t in token_ids))
+        usage = make_usage(self.num_prompt_tokens, sum(len(t) for t in token_ids), self.num_cached)
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -319,6 +329,7 @@ class _ChatRun:
                     ]
                 )
             async for output in self.generator:
+                self.num_cached = output.num_cached_tokens or self.num_cached
                 for c in output.outputs:
                     num_tokens[c.index] += len(c.token_ids)
                     if c.finish_reason == "error":
@@ -358,7 +369,9 @@ class _ChatRun:
                         ],
                     )
                     if include_usage and continuous:
-                        chunk.usage = make_usage(self.num_prompt_tokens, sum(num_tokens))
+                        chunk.usage = make_usage(
+                            self.num_prompt_tokens, sum(num_tokens), self.num_cached
+                        )
                     yield sse(chunk)
             if include_usage:
                 yield sse(
@@ -367,7 +380,7 @@ class _ChatRun:
                         created=self.created,
                         model=self.ctx.model_name,
                         choices=[],
-                        usage=make_usage(self.num_prompt_tokens, sum(num_tokens)),
+                        usage=make_usage(self.num_prompt_tokens, sum(num_tokens), self.num_cached),
                     )
                 )
         except RequestAbortedError:
