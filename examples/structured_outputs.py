@@ -22,11 +22,16 @@ from xlm.engine.arg_utils import EngineArgs
 PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 20},
+        "name": {"type": "string", "maxLength": 12},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "languages": {"type": "array", "items": {"enum": ["English", "French", "German"]}},
+        "languages": {
+            "type": "array",
+            "items": {"enum": ["English", "French", "German"]},
+            "maxItems": 2,
+        },
     },
     "required": ["name", "age", "languages"],
+    "additionalProperties": False,
 }
 WEATHER_TOOL = {
     "type": "function",
@@ -49,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--max-tokens", type=int, default=80, help="tokens per answer at most")
+    parser.add_argument("--max-tokens", type=int, default=120, help="tokens per answer at most")
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args()
     llm = xlm.LLM.from_engine_args(EngineArgs.from_cli_args(args))
@@ -63,7 +68,11 @@ def main() -> None:
         messages = [{"role": "user", "content": question}]
         return llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
 
-    person = ask("Describe a person who speaks two languages.", json=PERSON)
+    # Compact JSON: at most one space between tokens (a small model otherwise pads with
+    # newlines and indentation until max_tokens).
+    person = ask(
+        "Describe a person who speaks two languages.", json=PERSON, whitespace_pattern=r"[ ]?"
+    )
     print(f"JSON: {json.dumps(json.loads(person))}")
     print(f"Choice: {ask('Is this review positive? It was great!', choice=['yes', 'no'])}")
     print(f"Regex: {ask('When did the war end?', regex=r'[0-9]{4}-[0-9]{2}-[0-9]{2}')}")
@@ -74,7 +83,9 @@ def main() -> None:
     params = SamplingParams(
         temperature=0,
         max_tokens=args.max_tokens,
-        structured_outputs=StructuredOutputsParams(json=function["parameters"]),
+        structured_outputs=StructuredOutputsParams(
+            json=function["parameters"], whitespace_pattern=r"[ ]?"
+        ),
     )
     messages = [{"role": "user", "content": "What is the weather like in Paris?"}]
     reply = llm.chat(messages, params, tools=[WEATHER_TOOL], use_tqdm=False)[0].outputs[0].text

@@ -51,7 +51,7 @@ def test_chat_example(smollm2_gguf):
 
 @pytest.mark.slow
 def test_structured_outputs_example(smollm2_gguf):
-    result = run_example("structured_outputs.py", "--max-tokens", "80")
+    result = run_example("structured_outputs.py", "--max-tokens", "120")
     assert result.returncode == 0, result.stderr
     lines = dict(re.findall(r"^(JSON|Choice|Regex|Tool call): (.*)$", result.stdout, flags=re.M))
     assert set(lines) == {"JSON", "Choice", "Regex", "Tool call"}, result.stdout
