@@ -111,13 +111,13 @@ def build_tokenizer():
     return fast
 
 
-def write_tiny_checkpoint(arch: str, path: str, seed: int = 0) -> str:
-    """Write a random float32 HF checkpoint + tokenizer for `arch` into `path`."""
+def write_tiny_checkpoint(arch: str, path: str, seed: int = 0, **extra) -> str:
+    """Write a random float32 HF checkpoint + tokenizer for `arch` (config `extra`) to `path`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, overrides = TINY_CONFIGS[arch]
-    config = AutoConfig.for_model(model_type, **{**_BASE, **overrides})
+    config = AutoConfig.for_model(model_type, **{**_BASE, **overrides, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model)

@@ -119,13 +119,6 @@ class EngineArgs:
         from xlm.models.loader import load_hf_config
         from xlm.platforms import current_platform
 
-        if self.tensor_parallel_size != 1:
-            # Models carry sharding annotations (tested on fake devices), but the executor
-            # does not build a mesh yet: refuse rather than silently use one device.
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported by the "
-                "engine yet: allowed 1"
-            )
         model_path = resolve_model_name(self.model)
         model_config = ModelConfig(
             model=model_path,

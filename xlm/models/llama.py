@@ -23,7 +23,6 @@ from xlm.models.layers import (
 )
 from xlm.models.weights import WeightTarget, default_weight_targets
 from xlm.ops import AttentionMetadata, RMSNorm
-from xlm.ops.paged_attention import KV_CACHE_SHARDING
 
 
 def head_dim_of(config: Any) -> int:
@@ -166,10 +165,11 @@ class LlamaForCausalLM(nnx.Module):
     ) -> list[jax.Array]:
         """One zeroed KV cache per layer in the attention op's layout (sharded over heads)."""
         num_layers, num_kv_heads, _ = self.kv_cache_spec()
-        shape = self.model.layers[0].self_attn.attn.kv_cache_shape(num_blocks, block_size)
+        attn = self.model.layers[0].self_attn.attn
+        shape = attn.kv_cache_shape(num_blocks, block_size)
         sharding = None
         if mesh is not None and num_kv_heads % mesh.shape[TP_AXIS] == 0:
-            sharding = NamedSharding(mesh, PartitionSpec(*KV_CACHE_SHARDING))
+            sharding = NamedSharding(mesh, PartitionSpec(*attn.kv_cache_sharding()))
         return [jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)]
 
     def hf_weight_targets(

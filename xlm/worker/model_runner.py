@@ -22,6 +22,7 @@ from tqdm import tqdm
 from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.distributed.mesh import describe_mesh, fetch, put_replicated, replicated
 from xlm.engine.output_processor import LogprobsLists
 from xlm.logger import init_logger
 from xlm.ops.paged_attention import AttentionMetadata
@@ -65,9 +66,16 @@ class ModelRunner:
     """Owns the model, the KV cache and the jitted step; turns SchedulerOutputs into tokens."""
 
     def __init__(
-        self, config: XlmConfig, model: nnx.Module, num_blocks: int, kv_dtype: jnp.dtype
+        self,
+        config: XlmConfig,
+        model: nnx.Module,
+        num_blocks: int,
+        kv_dtype: jnp.dtype,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         self.config = config
+        # None: one device; else the (data, model) mesh the weights and cache live on.
+        self.mesh = mesh
         sched, cache = config.scheduler_config, config.cache_config
         self.block_size = cache.block_size
         self.max_model_len = sched.max_model_len
@@ -88,7 +96,7 @@ class ModelRunner:
         )
         self.graphdef, self.state = nnx.split(model)
         self.num_blocks = num_blocks
-        self.kv_caches = model.make_kv_caches(num_blocks, self.block_size, kv_dtype)
+        self.kv_caches = model.make_kv_caches(num_blocks, self.block_size, kv_dtype, mesh=mesh)
         # Unseeded requests draw from the engine seed folded with the step count.
         self.step_count = config.model_config.seed << 20
         # The sampler compiles per row bucket, fewer than token buckets (its logits are
@@ -99,7 +107,8 @@ class ModelRunner:
         self._programs: dict[tuple[str, Any], Any] = {}
         self._model_fn = jax.jit(self._model_step, static_argnums=(3,), donate_argnums=(1,))
         self._executables = ExecutableCache(
-            executable_cache_dir(config), self._engine_fingerprint(config, num_blocks, kv_dtype)
+            executable_cache_dir(config),
+            self._engine_fingerprint(config, num_blocks, kv_dtype) + describe_mesh(mesh),
         )
         self._sample_fn = jax.jit(self._sample_step, static_argnums=(2,))
         self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs_step)
@@ -115,20 +124,34 @@ class ModelRunner:
         logits = model.compute_logits(hidden[inputs["logits_indices"]])
         # Pad (not compute) up to the sampler's row bucket, so its program fits every step.
         rows = self._sampler_bucket(logits.shape[0])
-        return kv_caches, jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0))), hidden
+        logits = jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
+        if self.mesh is not None:
+            # Gathered over the vocabulary shards: the sampler runs whole on every device.
+            logits, hidden = self._replicate((logits, hidden))
+        return kv_caches, logits, hidden
 
     def _prompt_logprobs_step(
         self, state: nnx.State, hidden: jax.Array, next_token_ids: jax.Array
     ) -> tuple[jax.Array, ...]:
         """Logprobs of the next prompt tokens from hidden states [P, H] (plus the top-k)."""
         model = nnx.merge(self.graphdef, state)
-        return sampler_lib.compute_prompt_logprobs(
-            model.compute_logits(hidden), next_token_ids, self.sampler_config.max_num_logprobs
+        return self._replicate(
+            sampler_lib.compute_prompt_logprobs(
+                model.compute_logits(hidden), next_token_ids, self.sampler_config.max_num_logprobs
+            )
         )
 
     def _sample_step(self, logits: jax.Array, packed: jax.Array, layout: Any) -> Any:
         """Sample one token per row of logits [R, V] (R: the sampler's row bucket)."""
-        return sampler_lib.sample(logits, unpack(packed, layout), self.sampler_config)
+        return self._replicate(
+            sampler_lib.sample(logits, unpack(packed, layout), self.sampler_config)
+        )
+
+    def _replicate(self, tree: Any) -> Any:
+        """Outputs the host reads: a whole copy on every device (each process reads its own)."""
+        if self.mesh is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, replicated(self.mesh))
 
     @staticmethod
     def _engine_fingerprint(config: XlmConfig, num_blocks: int, kv_dtype: Any) -> str:
@@ -160,10 +183,25 @@ class ModelRunner:
         return in_tree, out_tree
 
     def _lower(self, kind: str, args: tuple, layout: Any) -> Any:
+        if self.mesh is not None:
+            # Ops that shard_map their kernels read the mesh while tracing.
+            with jax.set_mesh(self.mesh):
+                return self._lower_traced(kind, args, layout)
+        return self._lower_traced(kind, args, layout)
+
+    def _lower_traced(self, kind: str, args: tuple, layout: Any) -> Any:
         if kind == "prompt_logprobs":
             return self._prompt_logprobs_fn.lower(*args)
         fn = self._model_fn if kind == "model" else self._sample_fn
         return fn.lower(*args, layout)
+
+    def _put(self, value: np.ndarray) -> jax.Array:
+        """Host array -> device(s): replicated over the mesh when there is one."""
+        return put_replicated(value, self.mesh)
+
+    def _abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        sharding = None if self.mesh is None else replicated(self.mesh)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def _program(self, kind: str, args: tuple, layout: Any) -> Any:
         """The compiled program for these shapes (compiling it is a bug after warm-up)."""
@@ -271,12 +309,12 @@ class ModelRunner:
 
     def _run(self, inputs: dict[str, Any], sampling: Any) -> Any:
         packed, layout = pack(inputs)
-        model_args = (self.state, self.kv_caches, jax.device_put(packed))
+        model_args = (self.state, self.kv_caches, self._put(packed))
         self.kv_caches, logits, hidden = self._program("model", model_args, layout)(*model_args)
         packed, layout = pack(sampling)
-        sample_args = (logits, jax.device_put(packed))
+        sample_args = (logits, self._put(packed))
         sampled = self._program("sampler", sample_args, layout)(*sample_args)
-        return jax.device_get(sampled), hidden
+        return fetch(sampled), hidden
 
     def _prompt_logprobs(
         self, req_ids: list[str], num_scheduled: list[int], hidden: jax.Array
@@ -306,7 +344,7 @@ class ModelRunner:
         if not rows:
             return None
         chunk = PROMPT_LOGPROB_ROWS
-        hidden_rows = np.asarray(hidden)[rows]
+        hidden_rows = fetch(hidden)[rows]
         results = []
         for i in range(0, len(rows), chunk):
             h = np.zeros((chunk, hidden_rows.shape[1]), hidden_rows.dtype)
@@ -314,8 +352,8 @@ class ModelRunner:
             part = hidden_rows[i : i + chunk]
             h[: len(part)] = part
             ids[: len(part)] = targets[i : i + chunk]
-            args = (self.state, jax.device_put(h), jax.device_put(ids))
-            results.append(jax.device_get(self._program("prompt_logprobs", args, chunk)(*args)))
+            args = (self.state, self._put(h), self._put(ids))
+            results.append(fetch(self._program("prompt_logprobs", args, chunk)(*args)))
         lp, ranks, top_ids, top_lps = (
             np.concatenate(parts)[: len(rows)] for parts in zip(*results)
         )
@@ -383,17 +421,21 @@ class ModelRunner:
         for bucket in self.token_buckets:
             inputs, sampling, _ = self._prepare_inputs([], [], bucket)
             packed, layout = pack(inputs)
-            programs[("model", layout)] = (self.state, self.kv_caches, packed)
+            programs[("model", layout)] = (
+                self.state,
+                self.kv_caches,
+                self._abstract(packed.shape, packed.dtype),
+            )
             packed, layout = pack(sampling)
             rows = self._sampler_bucket(min(bucket, self.max_num_seqs))
-            logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32)
-            programs[("sampler", layout)] = (logits, packed)
+            logits = self._abstract((rows, self.vocab_size), jnp.float32)
+            programs[("sampler", layout)] = (logits, self._abstract(packed.shape, packed.dtype))
         hidden_size = self.config.model_config.hf_config.hidden_size
         dtype = jax.tree_util.tree_leaves(self.state)[0].dtype
         programs[("prompt_logprobs", PROMPT_LOGPROB_ROWS)] = (
             self.state,
-            jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS, hidden_size), dtype),
-            jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32),
+            self._abstract((PROMPT_LOGPROB_ROWS, hidden_size), dtype),
+            self._abstract((PROMPT_LOGPROB_ROWS,), jnp.int32),
         )
         lowered: dict[tuple[str, Any], Any] = {}
         loaded = 0

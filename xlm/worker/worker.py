@@ -1,4 +1,4 @@
-"""The worker: one device set, its model and KV cache, and the compile cache."""
+"""The worker: one device set (a mesh under tensor parallelism), its model and KV cache."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.distributed.mesh import describe_mesh, make_mesh
 from xlm.logger import init_logger
 from xlm.platforms import current_platform
 from xlm.worker.model_runner import ModelRunner
@@ -27,7 +28,12 @@ class Worker:
         self.config = config
         from xlm.models.loader import get_model, resolve_dtype
 
-        self.model = get_model(config)
+        parallel = config.parallel_config
+        # One device in one process needs no mesh; anything else runs on the global mesh.
+        single = parallel.world_size == 1 and not parallel.is_multihost
+        self.mesh = None if single else make_mesh(parallel)
+        logger.info("Devices: %s.", describe_mesh(self.mesh))
+        self.model = get_model(config, mesh=self.mesh)
         model_config = config.model_config
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = (
@@ -37,7 +43,9 @@ class Worker:
         )
         self.num_blocks = self._determine_num_blocks()
         config.cache_config.num_blocks = self.num_blocks
-        self.model_runner = ModelRunner(config, self.model, self.num_blocks, self.kv_dtype)
+        self.model_runner = ModelRunner(
+            config, self.model, self.num_blocks, self.kv_dtype, mesh=self.mesh
+        )
 
     def _determine_num_blocks(self) -> int:
         cache = self.config.cache_config
@@ -51,6 +59,8 @@ class Worker:
             total = current_platform.get_device_total_memory()
             in_use = total - current_platform.get_device_free_memory()
             budget = total * cache.memory_utilization - in_use
+            # Memory figures are per device; each device holds 1/tp of every block.
+            per_block = -(-per_block // self.config.parallel_config.tensor_parallel_size)
             # Keep headroom for activations of the largest step (logits dominate).
             sched = self.config.scheduler_config
             hidden_size = self.config.model_config.hf_config.hidden_size
