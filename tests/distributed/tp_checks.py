@@ -80,10 +80,73 @@ def run(model: str, tp: int, engine: dict) -> dict:
     return result
 
 
+def pallas_per_shard(tp: int) -> float:
+    """Max |difference| of the Pallas GPU kernel (interpret mode) run per head shard under
+    a tp-way mesh (the op's shard_map) against the same kernel on one device."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu, write_kv
+    from tests.pallas_kernels.rpa_batches import make_batch
+    from xlm.distributed.mesh import make_mesh
+    from xlm.config import ParallelConfig
+    from xlm.ops.paged_attention import AttentionMetadata, PagedAttention
+
+    hq, hkv, d, bs = 8, 4, 32, 8
+    b = make_batch(
+        np.random.default_rng(0),
+        [5, 1, 9],
+        [5, 12, 20],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=bs,
+        num_tokens=16,
+        num_reqs=4,
+    )
+    rng = np.random.default_rng(1)
+    t = b.q.shape[0]
+    k = rng.standard_normal((t, hkv, d), np.float32)
+    v = rng.standard_normal((t, hkv, d), np.float32)
+    slots = np.zeros(t, np.int32)  # this step's K/V go to the null block
+    md = AttentionMetadata(
+        positions=np.zeros(t, np.int32),
+        slot_mapping=slots,
+        query_start_loc=b.query_start_loc,
+        seq_lens=b.seq_lens,
+        block_tables=b.block_tables,
+        num_seqs=b.num_seqs,
+    )
+    op = PagedAttention(hq, hkv, d, d**-0.5)
+    kernel = functools.partial(ragged_paged_attention_gpu, interpret=True)
+
+    def run(q, k, v, cache, md):
+        return op._run_kernel(kernel, write_kv, q, k, v, cache, md)[0]
+
+    expect = np.asarray(jax.jit(run)(b.q, k, v, b.kv_cache, md))
+    mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp))
+    heads = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model", None))
+    cache = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*op.kv_cache_sharding()))
+    args = (
+        jax.device_put(b.q, heads),
+        jax.device_put(k, heads),
+        jax.device_put(v, heads),
+        jax.device_put(jnp.asarray(b.kv_cache), cache),
+        md,
+    )
+    with jax.set_mesh(mesh):
+        got = jax.jit(run)(*args)
+        assert "shard_map" in str(jax.make_jaxpr(run)(*args)), "the kernel ran without shard_map"
+    assert len(got.sharding.device_set) == tp
+    return float(np.max(np.abs(np.asarray(got) - expect)))
+
+
 def main() -> None:
     out, specs = sys.argv[1], sys.argv[2:]
     engine = dict(ENGINE)
-    results: dict[str, dict[str, dict]] = {}
+    results: dict[str, dict[str, dict]] = {"pallas_per_shard": {"4": pallas_per_shard(4)}}
     for spec in specs:
         name, _, rest = spec.partition("=")
         model, _, tps = rest.rpartition(":")
