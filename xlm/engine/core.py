@@ -11,7 +11,7 @@ from xlm.core.outputs import EngineCoreOutput, SchedulerStats
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
 from xlm.engine.processor import EngineCoreRequest
-from xlm.executor.uniproc import UniProcExecutor
+from xlm.executor import make_executor
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -33,7 +33,7 @@ class EngineCore:
         start = time.perf_counter()
         self.config = config
         self.log_stats = log_stats
-        self.executor = UniProcExecutor(config)
+        self.executor = make_executor(config)
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.executor.num_blocks
         )

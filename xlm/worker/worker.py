@@ -21,6 +21,17 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: jnp.dtype) -> int:
     return num_layers * 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
+def _agree_across_processes(num_blocks: int) -> int:
+    """The smallest block count of all processes (one global cache needs one size)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return num_blocks
+    from jax.experimental import multihost_utils
+
+    return int(min(multihost_utils.process_allgather(num_blocks)))
+
+
 class Worker:
     """Loads the model, sizes and allocates the KV cache, and runs steps."""
 
@@ -66,6 +77,8 @@ class Worker:
             hidden_size = self.config.model_config.hf_config.hidden_size
             activation = sched.max_num_batched_tokens * hidden_size * 4 * 16
             num_blocks = int(max(budget - activation, 0) // per_block)
+        if cache.num_blocks is None:
+            num_blocks = _agree_across_processes(num_blocks)
         needed = -(-self.config.scheduler_config.max_model_len // cache.block_size) + 1
         if num_blocks < needed:
             raise ValueError(
