@@ -90,8 +90,8 @@ def pallas_per_shard(tp: int) -> float:
 
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu, write_kv
     from tests.pallas_kernels.rpa_batches import make_batch
-    from xlm.distributed.mesh import make_mesh
     from xlm.config import ParallelConfig
+    from xlm.distributed.mesh import make_mesh
     from xlm.ops.paged_attention import AttentionMetadata, PagedAttention
 
     hq, hkv, d, bs = 8, 4, 32, 8

@@ -7,7 +7,11 @@ input order. The requests go through the server's own handlers, so a result's bo
 exactly what `xlm serve` would have answered. A rerun skips custom_ids already in the
 output file. Data-parallel replicas (`--num-shards N --shard-index I`, one per host of a
 pod) each take every N-th record into their own shard file; replica 0 merges the shards
-into the output in input order once all are complete.
+into the output in input order once all are complete. Hosts without a shared disk: copy
+the shard files into one directory and run `xlm run-batch -i in.jsonl -o out.jsonl
+--num-shards N --merge` there. Under `--distributed-executor-backend multihost` one
+replica is a group of hosts running one model: every host of the group runs the same
+command (its --process-id differs) and process 0 reads and writes the files.
 """
 
 from __future__ import annotations
@@ -163,6 +167,12 @@ def merge_shards(out_path: str, shard_paths: list[str], order: list[str]) -> Non
         with open(path) as f:
             for line in f:
                 results[json.loads(line)["custom_id"]] = line
+    missing = [custom_id for custom_id in order if custom_id not in results]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} record(s) are in no shard file, e.g. custom_id {missing[0]!r}: "
+            "rerun the replica that owns them, then merge again"
+        )
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         for custom_id in order:
@@ -182,6 +192,14 @@ async def run(args: argparse.Namespace) -> int:
     if not 0 <= i < n:
         raise ValueError(f"--shard-index={i} is invalid: allowed [0, {n})")
     order = [r["custom_id"] for r in records]
+    if args.merge:
+        shards = [_shard_path(args.output_file, k, n) for k in range(n)]
+        absent = [p for p in shards if not os.path.exists(p)]
+        if absent:
+            raise FileNotFoundError(f"--merge: shard file(s) not found: {absent}")
+        merge_shards(args.output_file, shards, order)
+        logger.info("Merged %d shard(s) into %s.", n, args.output_file)
+        return 0
     out_path = args.output_file if n == 1 else _shard_path(args.output_file, i, n)
     mine = records[i::n]
     finished = done_ids(out_path)
@@ -241,6 +259,12 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
         type=float,
         default=24 * 3600.0,
         help="seconds replica 0 waits for the other shards",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="only merge the --num-shards shard files of --output-file (copied from the "
+        "hosts) into it, in input order; runs no model",
     )
     add_serving_args(parser)
     add_engine_args(parser)

@@ -10,6 +10,7 @@ each process from that scheduler output (no device-to-device broadcast of inputs
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -24,6 +25,31 @@ logger = init_logger(__name__)
 
 _SHUTDOWN = "shutdown"
 _CONFIG = "config"
+_BARRIER = "barrier"
+# Processes may be minutes apart after loading and compiling (a slow host, a loaded CI
+# machine); the first collective's Gloo/NCCL set-up waits far less, so all meet first.
+_READY_TIMEOUT_MS = 30 * 60 * 1000
+
+
+def barrier(name: str) -> None:
+    """Wait for every process at `name` (the coordination service's barrier, no devices)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(f"xlm/{name}", _READY_TIMEOUT_MS)
+
+
+def agree_min(name: str, value: int) -> int:
+    """The smallest `value` over all processes (through the coordination key-value store)."""
+    import jax
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    client.key_value_set(f"xlm/{name}/{jax.process_index()}", str(value))
+    values = [
+        int(client.blocking_key_value_get(f"xlm/{name}/{i}", _READY_TIMEOUT_MS))
+        for i in range(jax.process_count())
+    ]
+    return min(values)
 
 
 def resolve_process_id(parallel_config: ParallelConfig) -> int | None:
@@ -98,6 +124,10 @@ class MultihostExecutor:
         host, port = channel_address(config.parallel_config)
         timeout = envs.XLM_MULTIHOST_HEARTBEAT_TIMEOUT_S
         self.channel = LeaderChannel(host, port, jax.process_count(), timeout)
+        # Followers must hear the shutdown even when the front end never calls it
+        # (`xlm generate`, a script that just ends): they then reach JAX's shutdown
+        # barrier together with this process. Runs before JAX's own atexit handler.
+        atexit.register(self.shutdown)
         # Followers build their worker from the leader's config, so every process
         # compiles the same programs.
         self.channel.send((_CONFIG, config))
@@ -106,6 +136,8 @@ class MultihostExecutor:
         self.worker = Worker(config)
         if config.compilation_config.warmup:
             self._call("warmup")
+        self.channel.send((_BARRIER, ("ready",)))
+        barrier("ready")
 
     def _call(self, method: str, *args: Any) -> Any:
         self.channel.send((method, args))
@@ -150,6 +182,9 @@ def run_follower(parallel_config: ParallelConfig) -> None:
         method, args = channel.recv()
         if method == _SHUTDOWN:
             break
+        if method == _BARRIER:
+            barrier(*args)
+            continue
         getattr(worker, method)(*args)
         steps += 1
     logger.info("multihost: leader shut down after %d calls; follower %d exits.", steps, process_id)

@@ -49,7 +49,8 @@ class LeaderChannel:
         self.timeout_s = timeout_s
         self.ctx = zmq.Context()
         self.steps = self.ctx.socket(zmq.ROUTER)
-        self.steps.setsockopt(zmq.LINGER, 0)
+        # Closing waits (bounded) until the last message, the shutdown, is delivered.
+        self.steps.setsockopt(zmq.LINGER, 10_000)
         self.steps.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.steps.bind(f"tcp://{_bind_host(host)}:{port}")
         self._hb_addr = f"tcp://{_bind_host(host)}:{port + 1}"

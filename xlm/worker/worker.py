@@ -27,9 +27,9 @@ def _agree_across_processes(num_blocks: int) -> int:
 
     if jax.process_count() == 1:
         return num_blocks
-    from jax.experimental import multihost_utils
+    from xlm.executor.multihost import agree_min
 
-    return int(min(multihost_utils.process_allgather(num_blocks)))
+    return agree_min("num_blocks", num_blocks)
 
 
 class Worker:
