@@ -84,8 +84,9 @@ def follower(results) -> None:
 def main() -> None:
     from xlm.executor.step_channel import LeaderChannel
 
-    results = mp.Queue()
-    proc = mp.get_context("spawn").Process(target=follower, args=(results,))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=follower, args=(results,))
     proc.start()
     channel = LeaderChannel("127.0.0.1", PORT, 2, timeout_s=60.0)
     pickle_s: dict[str, list[float]] = {}
