@@ -49,6 +49,10 @@ def executable_cache_dir(config: XlmConfig) -> str | None:
     cache_dir = envs.XLM_COMPILATION_CACHE_DIR
     if not config.compilation_config.enable_compilation_cache or not cache_dir:
         return None
+    if config.parallel_config.is_multihost:
+        # A multi-process program loaded back from disk gave wrong tokens on XLA:CPU
+        # (Gloo); every process compiles until that is understood.
+        return None
     return cache_dir
 
 
@@ -108,7 +112,9 @@ class ModelRunner:
         self._model_fn = jax.jit(self._model_step, static_argnums=(3,), donate_argnums=(1,))
         self._executables = ExecutableCache(
             executable_cache_dir(config),
-            self._engine_fingerprint(config, num_blocks, kv_dtype) + describe_mesh(mesh),
+            # Each process of a multihost engine compiles (and saves) its own programs.
+            self._engine_fingerprint(config, num_blocks, kv_dtype)
+            + f"{describe_mesh(mesh)}, process {jax.process_index()}",
         )
         self._sample_fn = jax.jit(self._sample_step, static_argnums=(2,))
         self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs_step)
