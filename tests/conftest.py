@@ -1,14 +1,24 @@
 """Session fixtures: tiny random HF checkpoints of each architecture, the real SmolLM2, and a
-per-session JAX compilation cache."""
+per-session temporary cache root (XLM_CACHE_ROOT) with the compiled-program cache."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 
 import pytest
 
 os.environ.setdefault("XLM_DISABLE_PROGRESS_BARS", "1")
+# The suite's caches (dequantized GGUF weights, converted tokenizers, compiled programs)
+# live in a fresh temporary root, set at import, before anything reads it, so engines in
+# subprocesses inherit it and nothing reads or writes the user's ~/.cache/xlm.
+TEST_CACHE_ROOT = tempfile.mkdtemp(prefix="xlm-test-cache-")
+os.environ["XLM_CACHE_ROOT"] = TEST_CACHE_ROOT
+os.environ["XLM_COMPILATION_CACHE_DIR"] = os.path.join(TEST_CACHE_ROOT, "compiled_programs")
+atexit.register(shutil.rmtree, TEST_CACHE_ROOT, ignore_errors=True)
 
 VOCAB_SIZE = 256
 _BASE = dict(
@@ -142,13 +152,11 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[[str], str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache_dir(tmp_path_factory) -> str:
-    """A per-session persistent compilation cache (unless XLM_COMPILATION_CACHE_DIR is set).
+    """The per-session compiled-program cache (under TEST_CACHE_ROOT, set at import).
 
-    Set before any engine is built, so engines with equal shapes (also in subprocesses,
-    which inherit the environment) reuse each other's compiled step programs.
+    Engines with equal shapes (also in subprocesses, which inherit the environment) reuse
+    each other's compiled step programs.
     """
-    if not os.environ.get("XLM_COMPILATION_CACHE_DIR"):
-        os.environ["XLM_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
     return os.environ["XLM_COMPILATION_CACHE_DIR"]
 
 

@@ -121,3 +121,17 @@ def test_completion_output_finished():
     assert not c.finished()
     c.finish_reason = "stop"
     assert c.finished()
+
+
+def test_init_is_defined_in_the_class_and_tracks_explicit_fields():
+    # A normal class definition: no __init__ swapped in after the class was made.
+    assert "__init__" in vars(SamplingParams)
+    assert SamplingParams.__init__.__qualname__ == "SamplingParams.__init__"
+    p = SamplingParams(2, temperature=1.0)
+    assert p._explicit_fields == frozenset({"n", "temperature"}) and p.n == 2
+    assert SamplingParams()._explicit_fields == frozenset()
+    assert SamplingParams().stop == [] and SamplingParams().all_stop_token_ids == set()
+    with pytest.raises(TypeError, match="multiple values"):
+        SamplingParams(1, n=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        SamplingParams(temprature=0.5)

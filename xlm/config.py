@@ -41,7 +41,6 @@ class ModelConfig:
     load_format: str = "auto"
     served_model_name: str | None = None
     trust_remote_code: bool = False
-    revision: str | None = None
     # "auto": use the model's generation_config.json defaults; "xlm": ignore them;
     # any other value is a directory holding a generation_config.json.
     generation_config: str = "auto"
@@ -145,6 +144,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
 
+    @staticmethod
+    def step_budget(max_num_batched_tokens: int, max_model_len: int, chunked: bool) -> int:
+        """The token budget per step: without chunked prefill a whole prompt must fit."""
+        return max_num_batched_tokens if chunked else max(max_num_batched_tokens, max_model_len)
+
     def __post_init__(self) -> None:
         owner = "SchedulerConfig"
         _positive_int(owner, "max_num_batched_tokens", self.max_num_batched_tokens)
@@ -179,7 +183,10 @@ class SchedulerConfig:
 class ParallelConfig:
     """Device mesh and hosts: tensor and data parallel sizes, multi-host set-up."""
 
+    # Validated here; the engine refuses > 1 until tensor parallelism over a mesh lands.
     tensor_parallel_size: int = 1
+    # The fields below are validated but not read yet: the pods issue (#12) makes them
+    # work (data-parallel replicas, a multi-host executor over jax.distributed).
     data_parallel_size: int = 1
     # "uni": one process drives all local devices; "multihost": jax.distributed, one
     # process per host, process 0 schedules and the others follow.
@@ -232,6 +239,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        """Devices one engine spans (read by the multi-host executor of issue #12)."""
         return self.tensor_parallel_size * self.data_parallel_size
 
     @property
@@ -304,12 +312,12 @@ class XlmConfig:
     def set_max_model_len(self, max_model_len: int) -> None:
         """Fix the context length everywhere once the model's limit is known."""
         _positive_int("ModelConfig", "max_model_len", max_model_len)
+        sched = self.scheduler_config
         self.model_config.max_model_len = max_model_len
-        self.scheduler_config.max_model_len = max_model_len
-        if not self.scheduler_config.enable_chunked_prefill:
-            self.scheduler_config.max_num_batched_tokens = max(
-                self.scheduler_config.max_num_batched_tokens, max_model_len
-            )
+        sched.max_model_len = max_model_len
+        sched.max_num_batched_tokens = SchedulerConfig.step_budget(
+            sched.max_num_batched_tokens, max_model_len, sched.enable_chunked_prefill
+        )
 
     def replace(self, **changes: Any) -> XlmConfig:
         """A shallow copy with some parts replaced."""

@@ -54,7 +54,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-@dataclass
+@dataclass(init=False)
 class SamplingParams:
     """Sampling parameters of one request, with vLLM's names and defaults.
 
@@ -95,6 +95,35 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # Names of fields the caller passed explicitly (generation_config never overrides).
     _explicit_fields: frozenset[str] = field(default_factory=frozenset, repr=False)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Fields by position or name, as a dataclass takes them; remembers which were given.
+
+        The fields passed explicitly (by position or name) are recorded in
+        ``_explicit_fields``: the model's generation_config never overrides those.
+        """
+        names = [f.name for f in dataclasses.fields(self) if f.name != "_explicit_fields"]
+        if len(args) > len(names):
+            raise TypeError(f"SamplingParams takes at most {len(names)} positional arguments")
+        given = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name in given:
+                raise TypeError(f"SamplingParams got multiple values for argument {name!r}")
+            given[name] = value
+        unknown = set(given) - set(names) - {"_explicit_fields"}
+        if unknown:
+            raise TypeError(f"SamplingParams got an unexpected keyword argument {min(unknown)!r}")
+        for f in dataclasses.fields(self):
+            if f.name in given:
+                value = given[f.name]
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                value = f.default
+            setattr(self, f.name, value)
+        explicit = frozenset(given) - {"_explicit_fields"}
+        self._explicit_fields = explicit | frozenset(self._explicit_fields)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -288,18 +317,3 @@ class SamplingParams:
         params._explicit_fields = explicit
         params._bad_words_token_ids = [list(ids) for ids in bad_ids]
         return params
-
-
-_dataclass_init = SamplingParams.__init__
-_FIELD_ORDER = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
-
-
-def _init_tracking_explicit(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
-    _dataclass_init(self, *args, **kwargs)
-    explicit = set(_FIELD_ORDER[: len(args)]) | set(kwargs)
-    explicit.discard("_explicit_fields")
-    self._explicit_fields = frozenset(explicit) | self._explicit_fields
-
-
-_init_tracking_explicit.__doc__ = _dataclass_init.__doc__
-SamplingParams.__init__ = _init_tracking_explicit  # type: ignore[method-assign]

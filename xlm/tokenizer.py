@@ -49,14 +49,14 @@ def _gguf_tokenizer(path: str) -> Any:
     )
 
     from xlm import envs
-    from xlm.models.loader.gguf import open_gguf
+    from xlm.models.loader.gguf_reader import GGUFFile
 
     stat = os.stat(path)
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
     cache_dir = os.path.join(envs.XLM_CACHE_ROOT, "gguf_tokenizers", key)
     if os.path.isfile(os.path.join(cache_dir, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(cache_dir)
-    metadata = open_gguf(path).metadata
+    metadata = GGUFFile(path).metadata
     grouped = {
         group: {
             name: metadata[f"tokenizer.{key}"]

@@ -53,8 +53,8 @@ def run(model: str, tp: int, engine: dict) -> dict:
 
     llm = xlm.LLM(model=model, tensor_parallel_size=tp, **engine)
     core = llm.llm_engine.engine_core.engine_core
-    runner = core.executor.model_runner
-    compiles_after_warmup = core.num_compilations
+    runner = core.executor.worker.model_runner
+    compiles_after_warmup = core.get_num_compilations()
     vocab = runner.vocab_size
     params = xlm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab)], params)
@@ -66,7 +66,7 @@ def run(model: str, tp: int, engine: dict) -> dict:
         ],
         "num_preemptions": core.scheduler.num_preemptions,
         "compiles_after_warmup": compiles_after_warmup,
-        "compiles_after_generate": core.num_compilations,
+        "compiles_after_generate": core.get_num_compilations(),
     }
     if tp > 1:
         weights = per_device_bytes(runner.state)

@@ -1,15 +1,22 @@
-"""A stand-in engine core with EngineCore's methods, for transport tests only."""
+"""A stand-in engine core (an EngineCore subclass without a model), for transport tests.
+
+`FakeEngineCoreProc` is the real `EngineCoreProc` (sockets, threads, busy loop) over
+`FakeEngineCore`, which overrides the core's methods to emit last-token+1 each step.
+"""
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
+from xlm.engine.core import EngineCore
+from xlm.engine.core_proc import EngineCoreProc
+from xlm.engine.messages import EngineCoreOutputs
 
 
 @dataclass
@@ -22,33 +29,24 @@ class FakeRequest:
     logprobs: bool = False
 
 
-@dataclass
-class FakeOutputs:
-    """Shape of EngineCoreOutputs."""
+class FakeEngineCore(EngineCore):
+    """Emits last-token+1 each step; a prompt starting with -1 makes step() raise.
 
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
-    scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0
+    Its config is a dict: {"fail_start": bool, "step_sleep": seconds}.
+    """
 
-
-class _FakeScheduler:
-    def __init__(self, core: FakeEngineCore) -> None:
-        self.core = core
-
-    def make_stats(self) -> SchedulerStats:
-        n = len(self.core.requests)
-        return SchedulerStats(num_running_reqs=n, kv_cache_usage=n / 10)
-
-
-class FakeEngineCore:
-    """Emits last-token+1 each step; a prompt starting with -1 makes step() raise."""
-
-    def __init__(self, config: dict[str, Any], log_stats: bool = True) -> None:
+    def __init__(self, config: Any, log_stats: bool = True, executor_class: Any = None) -> None:
         if config.get("fail_start"):
             raise RuntimeError("boom at start")
         self.step_sleep = config.get("step_sleep", 0.0)
         self.requests: dict[str, tuple[FakeRequest, list[int]]] = {}
-        self.scheduler = _FakeScheduler(self)
+
+    def make_stats(self) -> SchedulerStats:
+        n = len(self.requests)
+        return SchedulerStats(num_running_reqs=n, kv_cache_usage=n / 10)
+
+    def is_request_waiting(self, request_id: str) -> bool:
+        return False
 
     def get_ready_info(self) -> dict[str, Any]:
         return {"max_model_len": 128, "engine_pid": os.getpid()}
@@ -69,7 +67,7 @@ class FakeEngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> FakeOutputs:
+    def step(self) -> EngineCoreOutputs:
         if self.step_sleep:
             time.sleep(self.step_sleep)
         outputs = []
@@ -85,7 +83,7 @@ class FakeEngineCore:
             )
             if done:
                 del self.requests[request_id]
-        return FakeOutputs(outputs, self.scheduler.make_stats(), time.time())
+        return EngineCoreOutputs(outputs, self.make_stats(), time.time())
 
     def num_requests(self) -> int:
         return len(self.requests)
@@ -100,6 +98,5 @@ class FakeEngineCore:
         pass
 
 
-def fake_core_factory(config: dict[str, Any], log_stats: bool) -> FakeEngineCore:
-    """Spawn-picklable factory for EngineCoreProc."""
-    return FakeEngineCore(config, log_stats)
+class FakeEngineCoreProc(EngineCoreProc, FakeEngineCore):
+    """The real socket loop over the stand-in core (spawned by the MP clients)."""

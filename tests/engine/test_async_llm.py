@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.engine.fake_core import fake_core_factory
+from tests.engine.fake_core import FakeEngineCoreProc
 from xlm.engine.async_llm import AsyncLLM
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.mp_client import AsyncMPClient
@@ -19,17 +19,18 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = pytest.importorskip("xlm.tokenizer")
+    from xlm.tokenizer import get_tokenizer
+
     try:
-        return tok.get_tokenizer("smollm2-135m")
-    except (ImportError, FileNotFoundError) as e:
+        return get_tokenizer("smollm2-135m")
+    except FileNotFoundError as e:
         pytest.skip(f"built-in model unavailable: {e}")
 
 
 def _engine(tokenizer, step_sleep: float = 0.0) -> AsyncLLM:
     from xlm.engine.processor import Processor
 
-    client = AsyncMPClient({"step_sleep": step_sleep}, True, fake_core_factory)
+    client = AsyncMPClient({"step_sleep": step_sleep}, True, FakeEngineCoreProc)
     return AsyncLLM(
         None,
         engine_core_client=client,

@@ -184,6 +184,20 @@ def test_prefix_cache_computes_only_new_tokens_and_output_is_unchanged(llm, tiny
 # ---- 5. no compile after warm-up ------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_num_compilations_through_the_engine_process(tiny_path, llm):
+    """multiprocess=True: the count comes from the engine process, like in-process."""
+    engine = xlm.LLM(model=tiny_path, multiprocess=True, **TINY_ENGINE)
+    try:
+        num_programs = engine.llm_engine.num_compilations
+        # Same engine flags, same step programs as the in-process engine's warm-up.
+        assert num_programs == WARMUP_COMPILATIONS[id(llm)]
+        engine.generate([random_prompt(90, 20)], greedy(5), use_tqdm=False)
+        assert engine.llm_engine.num_compilations == num_programs
+    finally:
+        engine.llm_engine.shutdown()
+
+
 def test_no_compilation_after_warmup(llm):
     num_programs = WARMUP_COMPILATIONS[id(llm)]
     assert num_programs >= len(TINY_ENGINE["token_buckets"])  # at least one per bucket

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.engine.fake_core import FakeRequest, fake_core_factory
+from tests.engine.fake_core import FakeEngineCoreProc, FakeRequest
 from xlm.engine.core_client import make_client
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
@@ -34,7 +34,7 @@ def _collect(client: SyncMPClient, ids: set[str], timeout: float = 30.0) -> dict
 @pytest.fixture
 def sync_client():
     client = make_client(
-        {}, multiprocess=True, asyncio_mode=False, engine_core_factory=fake_core_factory
+        {}, multiprocess=True, asyncio_mode=False, engine_core_proc_class=FakeEngineCoreProc
     )
     yield client
     client.shutdown()
@@ -101,11 +101,11 @@ def test_step_failure_is_reported_and_process_exits(sync_client: SyncMPClient):
 
 def test_startup_failure_raises_with_cause():
     with pytest.raises(RuntimeError, match="boom at start"):
-        SyncMPClient({"fail_start": True}, True, fake_core_factory)
+        SyncMPClient({"fail_start": True}, True, FakeEngineCoreProc)
 
 
 def test_shutdown_reaps_engine_process():
-    client = SyncMPClient({}, True, fake_core_factory)
+    client = SyncMPClient({}, True, FakeEngineCoreProc)
     proc = client.engine.proc
     client.shutdown()
     assert not proc.is_alive() and proc.exitcode == 0
@@ -118,7 +118,7 @@ def test_async_client_round_trip_and_death():
             {"step_sleep": 0.01},
             multiprocess=True,
             asyncio_mode=True,
-            engine_core_factory=fake_core_factory,
+            engine_core_proc_class=FakeEngineCoreProc,
         )
         assert isinstance(client, AsyncMPClient)
         try:

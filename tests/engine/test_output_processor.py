@@ -8,8 +8,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from xlm.core.outputs import LogprobsLists
 from xlm.engine.detokenizer import TokenizerInfo
-from xlm.engine.output_processor import LogprobsLists, OutputProcessor
+from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.parallel_sampling import ParentRequest
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -292,3 +292,48 @@ def test_dequantized_weights_are_cached_once(tmp_path, monkeypatch):
     stamp = os.stat(os.path.join(cache_dir, "model.safetensors")).st_mtime_ns
     assert _dequantized_gguf_dir(path) == cache_dir  # reused, not rewritten
     assert os.stat(os.path.join(cache_dir, "model.safetensors")).st_mtime_ns == stamp
+
+
+def test_dequantized_weights_cache_is_versioned_private_and_rebuilt(tmp_path, monkeypatch):
+    import stat
+
+    import xlm
+    from xlm.models.loader import _dequantized_gguf_dir
+
+    monkeypatch.setenv("XLM_CACHE_ROOT", str(tmp_path / "cache"))
+    path = write_gguf(str(tmp_path / "tiny.gguf"), "llama", random_hf_state_dict("llama"))
+    cache_dir = _dequantized_gguf_dir(path)
+    root = os.path.dirname(cache_dir)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert os.listdir(root) == [os.path.basename(cache_dir)]  # no temporary directories
+    weights = os.path.join(cache_dir, "model.safetensors")
+    good = open(weights, "rb").read()
+    # A truncated copy (a crash mid-write, a full disk) is rebuilt, not loaded or fatal.
+    with open(weights, "r+b") as f:
+        f.truncate(len(good) // 2)
+    assert _dequantized_gguf_dir(path) == cache_dir
+    assert open(weights, "rb").read() == good
+    # A corrupt header of the right size is rebuilt too.
+    with open(weights, "r+b") as f:
+        f.write(b"\xff" * 16)
+    assert _dequantized_gguf_dir(path) == cache_dir
+    assert open(weights, "rb").read() == good
+    # Another xlm version keys another copy.
+    monkeypatch.setattr(xlm, "__version__", xlm.__version__ + ".post1")
+    assert _dequantized_gguf_dir(path) != cache_dir
+
+
+def test_failed_dequantization_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    from xlm.models.loader import _dequantized_gguf_dir, gguf
+
+    monkeypatch.setenv("XLM_CACHE_ROOT", str(tmp_path / "cache"))
+    path = write_gguf(str(tmp_path / "tiny.gguf"), "llama", random_hf_state_dict("llama"))
+
+    def full_disk(src, out_dir, dtype="float32"):
+        with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf, "gguf_to_safetensors", full_disk)
+    assert _dequantized_gguf_dir(path) is None
+    assert os.listdir(tmp_path / "cache" / "gguf_weights") == []

@@ -7,11 +7,11 @@ import pytest
 from xlm.sampling_params import SamplingParams
 from xlm.worker.sampler import (
     SamplerConfig,
-    build_sampling_metadata,
     compute_prompt_logprobs,
     process_logits,
     sample_jit,
 )
+from xlm.worker.sampling_rows import build_sampling_metadata
 
 V = 16
 L = 32

@@ -56,6 +56,29 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
 
 
+@dataclass
+class LogprobsLists:
+    """Logprobs of several positions as host lists (what EngineCoreOutput carries).
+
+    Row j: ``logprob_token_ids[j][0]`` is the token at that position (sampled, or the
+    prompt token), followed by the top-k ids in rank order; ``logprobs`` likewise;
+    ``sampled_token_ranks[j]`` is the 1-based rank of the first one.
+    """
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+    @classmethod
+    def from_sampler(
+        cls, token_ids: Any, logprobs: Any, ranks: Any, topk_ids: Any, topk_logprobs: Any
+    ) -> LogprobsLists:
+        """From a SamplerOutput's rows (or compute_prompt_logprobs') of one request."""
+        ids = [[int(t), *map(int, row)] for t, row in zip(token_ids, topk_ids)]
+        lps = [[float(lp), *map(float, row)] for lp, row in zip(logprobs, topk_logprobs)]
+        return cls(ids, lps, [int(r) for r in ranks])
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Sampled tokens per request; an empty list for a prefill chunk that is not the last."""
@@ -63,8 +86,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     # Aligned with req_ids when logprobs were requested.
-    logprobs: list[Any] | None = None
-    prompt_logprobs: dict[str, Any] | None = None
+    logprobs: list[LogprobsLists | None] | None = None
+    prompt_logprobs: dict[str, LogprobsLists] | None = None
 
 
 @dataclass(slots=True)

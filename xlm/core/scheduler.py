@@ -360,6 +360,14 @@ class Scheduler:
         """Whether any request is waiting or running."""
         return bool(self.requests)
 
+    def is_waiting(self, request_id: str) -> bool:
+        """Whether the request is admitted and waits to be scheduled (new or preempted)."""
+        request = self.requests.get(request_id)
+        return request is not None and request.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+        )
+
     def has_finished_requests(self) -> bool:
         """Whether finished ids are pending for the next step's workers."""
         return bool(self.finished_req_ids)

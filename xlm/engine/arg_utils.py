@@ -167,11 +167,6 @@ class EngineArgs:
                 f"max_model_len={max_model_len} is larger than the model's "
                 f"maximum context length {model_max}"
             )
-        model_config.max_model_len = max_model_len
-        max_num_batched_tokens = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill:
-            # Without chunking a whole prompt must fit in one step.
-            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
         config = XlmConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -182,7 +177,9 @@ class EngineArgs:
                 num_blocks=self.num_gpu_blocks_override,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_batched_tokens=SchedulerConfig.step_budget(
+                    self.max_num_batched_tokens, max_model_len, self.enable_chunked_prefill
+                ),
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
@@ -197,6 +194,7 @@ class EngineArgs:
                 enable_compilation_cache=self.enable_compilation_cache,
             ),
         )
+        config.set_max_model_len(max_model_len)
         current_platform.check_and_update_config(config)
         return config
 

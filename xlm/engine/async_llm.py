@@ -16,7 +16,9 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from xlm.config import XlmConfig
 from xlm.engine.exceptions import EngineDeadError, RequestAbortedError
+from xlm.engine.messages import EngineCoreOutputs
 from xlm.engine.mp_client import AsyncMPClient
 from xlm.logger import init_logger
 from xlm.metrics.loggers import StatLoggerBase
@@ -60,11 +62,11 @@ class AsyncLLM:
 
     def __init__(
         self,
-        xlm_config: Any,
+        xlm_config: XlmConfig | None,
         *,
         log_stats: bool = True,
         stat_loggers: list[StatLoggerBase] | None = None,
-        engine_core_client: Any | None = None,
+        engine_core_client: AsyncMPClient | None = None,
         tokenizer: Any | None = None,
         processor: Any | None = None,
         output_processor: Any | None = None,
@@ -76,8 +78,9 @@ class AsyncLLM:
         # Start the engine process first: it loads the model while nothing else waits, and
         # its READY message carries the context length the core settled on.
         self.engine_core = engine_core_client or AsyncMPClient(xlm_config, log_stats)
-        ready = getattr(self.engine_core, "ready_info", {}) or {}
-        if ready.get("max_model_len") and hasattr(xlm_config, "set_max_model_len"):
+        ready = self.engine_core.ready_info
+        # The core settled the context length (the model's limit): the front end follows.
+        if ready.get("max_model_len") and xlm_config is not None:
             xlm_config.set_max_model_len(int(ready["max_model_len"]))
         self.ready_info = ready
         try:
@@ -190,9 +193,7 @@ class AsyncLLM:
                 core_ids.append(core_id)
         if request_ids:
             for stat_logger in self.stat_loggers:
-                record_aborted = getattr(stat_logger, "record_aborted", None)
-                if record_aborted is not None:
-                    record_aborted(len(request_ids))
+                stat_logger.record_aborted(len(request_ids))
         return core_ids
 
     def _abort_nowait(self, request_ids: list[str]) -> None:
@@ -225,13 +226,11 @@ class AsyncLLM:
             logger.exception("AsyncLLM output handler failed")
             self._propagate_error(EngineDeadError(f"output handler failed: {e}"))
 
-    async def _process_engine_outputs(self, outputs: Any) -> None:
+    async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
         core_outputs = outputs.outputs
-        timestamp = getattr(outputs, "timestamp", None) or time.time()
+        timestamp = outputs.timestamp or time.time()
         iteration_stats = self.stats_tracker.update(core_outputs, time.monotonic())
-        pop_queue_times = getattr(self.engine_core, "pop_queue_times", None)
-        if pop_queue_times is not None:
-            iteration_stats.queue_times = pop_queue_times()
+        iteration_stats.queue_times = self.engine_core.pop_queue_times()
         for start in range(0, len(core_outputs), OUTPUT_CHUNK_SIZE):
             if start:
                 await asyncio.sleep(0)
@@ -273,9 +272,9 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         """Whether the engine has died."""
-        if self.dead_error is None and getattr(self.engine_core, "engine_dead", False):
+        if self.dead_error is None and self.engine_core.engine_dead:
             self.dead_error = EngineDeadError(
-                getattr(self.engine_core.engine, "dead_message", None) or "engine core died"
+                self.engine_core.engine.dead_message or "engine core died"
             )
         return self.dead_error is not None
 

@@ -4,36 +4,38 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
 from xlm.config import XlmConfig
-from xlm.core.outputs import EngineCoreOutput, SchedulerStats
+from xlm.core.outputs import SchedulerStats
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
-from xlm.engine.processor import EngineCoreRequest
-from xlm.executor import make_executor
+from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from xlm.executor import executor_class_for
+from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
 
 
-@dataclass(slots=True)
-class EngineCoreOutputs:
-    """What one step of the core returns to its client."""
-
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
-    scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0
-
-
 class EngineCore:
-    """Schedules, executes and updates; device work happens in the executor."""
+    """Schedules, executes and updates; device work happens in the executor.
 
-    def __init__(self, config: XlmConfig, log_stats: bool = True) -> None:
+    Its public methods are what an engine-core client may call: in this process through
+    `InprocClient`, or in the engine process (`EngineCoreProc`) through UTILITY messages.
+    """
+
+    def __init__(
+        self,
+        config: XlmConfig,
+        log_stats: bool = True,
+        executor_class: type[Executor] | None = None,
+    ) -> None:
         start = time.perf_counter()
         self.config = config
         self.log_stats = log_stats
-        self.executor = make_executor(config)
+        # None: the class ParallelConfig.executor_backend names (uni or multihost).
+        self.executor = (executor_class or executor_class_for(config))(config)
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.executor.num_blocks
         )
@@ -70,18 +72,32 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self._stats(), time.monotonic())
 
     def _stats(self) -> SchedulerStats | None:
-        return self.scheduler.make_stats() if self.log_stats else None
+        return self.make_stats() if self.log_stats else None
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's counters now (running, waiting, KV cache usage, prefix hits)."""
+        return self.scheduler.make_stats()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def is_request_waiting(self, request_id: str) -> bool:
+        """Whether the request is admitted and waits for its first (or next) schedule."""
+        return self.scheduler.is_waiting(request_id)
+
+    def get_ready_info(self) -> dict[str, Any]:
+        """What a client learns once the core is up: the context length and KV blocks."""
+        return {
+            "max_model_len": self.config.model_config.max_model_len,
+            "num_blocks": self.config.cache_config.num_blocks,
+        }
+
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
-    @property
-    def num_compilations(self) -> int:
+    def get_num_compilations(self) -> int:
         """Step programs compiled so far (flat after warm-up)."""
-        return self.executor.model_runner.num_compilations
+        return self.executor.get_num_compilations()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

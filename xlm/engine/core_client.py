@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from xlm.config import XlmConfig
-from xlm.engine.core import EngineCore, EngineCoreOutputs
-from xlm.engine.processor import EngineCoreRequest
+from xlm.engine.core import EngineCore
+from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+
+if TYPE_CHECKING:
+    from xlm.engine.core_proc import EngineCoreProc
+    from xlm.engine.mp_client import AsyncMPClient
+
+
+class EngineCoreClient(Protocol):
+    """What LLMEngine needs of the engine core, wherever the core runs."""
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def get_output(self) -> EngineCoreOutputs: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def get_num_compilations(self) -> int: ...
+
+    def shutdown(self) -> None: ...
 
 
 class InprocClient:
-    """Calls the EngineCore directly: each get_output() runs one step."""
+    """Calls the EngineCore directly: each get_output() runs one step.
+
+    Why a layer: LLMEngine talks to every core through the same client interface
+    (`EngineCoreClient`), so the same engine runs the core in this process or in another
+    (`SyncMPClient`) without branching.
+    """
 
     def __init__(self, config: XlmConfig, log_stats: bool = True) -> None:
         self.engine_core = EngineCore(config, log_stats=log_stats)
@@ -31,6 +56,9 @@ class InprocClient:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def get_num_compilations(self) -> int:
+        return self.engine_core.get_num_compilations()
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
@@ -40,12 +68,13 @@ def make_client(
     multiprocess: bool,
     asyncio_mode: bool,
     log_stats: bool = True,
-    engine_core_factory: Any = None,
-):
+    engine_core_proc_class: type[EngineCoreProc] | None = None,
+) -> EngineCoreClient | AsyncMPClient:
     """The engine-core client for this use: in-process, or over ZeroMQ (sync or asyncio)."""
     if not multiprocess and not asyncio_mode:
         return InprocClient(config, log_stats=log_stats)
+    from xlm.engine.core_proc import EngineCoreProc
     from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
 
     cls = AsyncMPClient if asyncio_mode else SyncMPClient
-    return cls(config, log_stats, engine_core_factory)
+    return cls(config, log_stats, engine_core_proc_class or EngineCoreProc)

@@ -1,16 +1,11 @@
-"""EngineCoreProc: the engine core in its own process, fed and drained over ZeroMQ.
+"""EngineCoreProc: an EngineCore in its own process, fed and drained over ZeroMQ.
 
 Three threads in the engine process: the input IO thread reads and decodes messages
 from the client into a queue; the main thread runs the busy loop (drain the queue,
 step while there is work, block on the queue when idle); the output IO thread encodes
 what the busy loop produced and sends it. Decoding and encoding thereby overlap the
-device steps.
-
-Wire protocol (multipart ZeroMQ messages, first frame the type, then serial frames):
-client -> engine: ADD(EngineCoreRequest), ABORT([ids]), UTILITY([call_id, method,
-args]), SHUTDOWN(None); engine -> client: READY({max_model_len, ...}),
-OUTPUTS(EngineCoreOutputs), QUEUE_TIMES({id: s}), UTILITY_RESULT([call_id, ok, result or message]),
-ENGINE_ERROR(message). The client binds both sockets; the engine connects.
+device steps. The messages are in `xlm/engine/messages.py`. The client binds both
+sockets; the engine connects.
 """
 
 from __future__ import annotations
@@ -21,63 +16,23 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from xlm.config import XlmConfig
+from xlm.core.outputs import EngineCoreOutput
+from xlm.engine.core import EngineCore
+from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest, OutputType, RequestType
 from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
+from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
 
-
-class RequestType:
-    """First frame of a client -> engine message."""
-
-    ADD = b"A"
-    ABORT = b"X"
-    UTILITY = b"U"
-    SHUTDOWN = b"S"
-
-
-class OutputType:
-    """First frame of an engine -> client message."""
-
-    READY = b"R"
-    OUTPUTS = b"O"
-    # {request_id: seconds from admission to first schedule}, sent before that step's OUTPUTS.
-    QUEUE_TIMES = b"Q"
-    UTILITY_RESULT = b"U"
-    ENGINE_ERROR = b"E"
-    # Sent by the client's own process monitor when the engine process exits.
-    ENGINE_DEAD = b"D"
-
-
 # Engine-core methods a client may not call through UTILITY messages (the busy loop owns
-# them); any other public method may be called ("ping" answers True without the core).
+# them); any other public method of EngineCore may be called ("ping" answers True).
 _NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step", "shutdown"})
-
-EngineCoreFactory = Callable[[Any, bool], Any]
-
-
-def _outputs_cls() -> type:
-    from xlm.engine.core import EngineCoreOutputs
-
-    return EngineCoreOutputs
-
-
-def _default_factory(xlm_config: Any, log_stats: bool) -> Any:
-    from xlm.engine.core import EngineCore
-
-    return EngineCore(xlm_config, log_stats=log_stats)
-
-
-def _scheduler_stats(core: Any) -> Any:
-    """The core's scheduler stats now, or None if it keeps none."""
-    scheduler = getattr(core, "scheduler", None)
-    make_stats = getattr(scheduler, "make_stats", None)
-    return make_stats() if make_stats is not None else None
 
 
 def error_file_path(output_address: str) -> str:
@@ -85,34 +40,36 @@ def error_file_path(output_address: str) -> str:
     return os.path.join(os.path.dirname(output_address.removeprefix("ipc://")), "engine_error")
 
 
-class EngineCoreProc:
-    """Runs an EngineCore behind ZeroMQ sockets: IO threads plus a busy loop."""
+class EngineCoreProc(EngineCore):
+    """An EngineCore that adds the socket loop: IO threads plus a busy loop.
+
+    Test doubles subclass it with a stand-in core mixed in after it (see
+    tests/engine/fake_core.py); `run_engine_core` takes the class to start.
+    """
 
     def __init__(
         self,
-        xlm_config: Any,
+        config: XlmConfig,
         input_address: str,
         output_address: str,
         log_stats: bool = True,
-        engine_core_factory: EngineCoreFactory | None = None,
+        executor_class: type[Executor] | None = None,
     ) -> None:
-        self.xlm_config = xlm_config
         self._output_address = output_address
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[bytes, Any] | None] = queue.Queue()
         self._ctx = zmq.Context()
+        # The output thread starts first so that a failing start can still report why.
         self._output_thread = threading.Thread(
             target=self._process_output_socket, args=(output_address,), daemon=True
         )
         self._output_thread.start()
-        factory = engine_core_factory or _default_factory
         try:
-            self.engine_core = factory(xlm_config, log_stats)
+            super().__init__(config, log_stats=log_stats, executor_class=executor_class)
         except BaseException:
             self._send_error("engine core failed to start:\n" + traceback.format_exc())
             raise
-        self._outputs_cls = _outputs_cls()
-        self.output_queue.put((OutputType.READY, self._ready_info()))
+        self.output_queue.put((OutputType.READY, {"pid": os.getpid(), **self.get_ready_info()}))
         self._input_thread = threading.Thread(
             target=self._process_input_socket, args=(input_address,), daemon=True
         )
@@ -121,24 +78,12 @@ class EngineCoreProc:
         # Admission time of requests not yet scheduled (for the queue-time histogram).
         self._waiting_since: dict[str, float] = {}
 
-    def _ready_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"pid": os.getpid()}
-        model_config = getattr(self.xlm_config, "model_config", None)
-        cache_config = getattr(self.xlm_config, "cache_config", None)
-        info["max_model_len"] = getattr(model_config, "max_model_len", None)
-        info["num_blocks"] = getattr(cache_config, "num_blocks", None)
-        extra = getattr(self.engine_core, "get_ready_info", None)
-        if extra is not None:
-            info.update(extra())
-        return info
-
     # ---- busy loop --------------------------------------------------------------------
 
     def run_busy_loop(self) -> None:
         """Drain inputs, step while there is work, block when idle; until SHUTDOWN."""
-        core = self.engine_core
         while True:
-            if not core.has_unfinished_requests() and self.input_queue.empty():
+            if not self.has_unfinished_requests() and self.input_queue.empty():
                 if self._stats_dirty:
                     self._send_idle_stats()
                 if self._handle(*self.input_queue.get()):
@@ -150,9 +95,9 @@ class EngineCoreProc:
                     break
                 if self._handle(*item):
                     return
-            if core.has_unfinished_requests():
+            if self.has_unfinished_requests():
                 step_start = time.monotonic()
-                outputs = core.step()
+                outputs = self.step()
                 if self._waiting_since:
                     queue_times = self._take_queue_times(step_start)
                     if queue_times:
@@ -162,45 +107,31 @@ class EngineCoreProc:
 
     def _take_queue_times(self, step_start: float) -> dict[str, float]:
         """Queue times of requests this step scheduled for the first time."""
-        requests = getattr(getattr(self.engine_core, "scheduler", None), "requests", None)
-        if requests is None:
-            self._waiting_since.clear()
-            return {}
-        from xlm.core.request import RequestStatus
-
-        waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         out = {}
         for request_id, since in list(self._waiting_since.items()):
-            request = requests.get(request_id)
-            if request is None or request.status not in waiting:
+            if not self.is_request_waiting(request_id):
                 del self._waiting_since[request_id]
                 out[request_id] = max(step_start - since, 0.0)
         return out
 
     def _handle(self, kind: bytes, payload: Any) -> bool:
         """Apply one input message; True on SHUTDOWN."""
-        core = self.engine_core
         if kind == RequestType.ADD:
             try:
-                core.add_request(payload)
+                self.add_request(payload)
                 self._waiting_since[payload.request_id] = time.monotonic()
             except Exception as e:  # per-request failure: only this request fails
-                logger.warning("Request %s failed: %s", getattr(payload, "request_id", "?"), e)
+                logger.warning("Request %s failed: %s", payload.request_id, e)
                 self._send_request_error(payload, str(e))
         elif kind == RequestType.ABORT:
-            core.abort_requests(payload)
+            self.abort_requests(payload)
             for request_id in payload:
                 self._waiting_since.pop(request_id, None)
             self._stats_dirty = True
         elif kind == RequestType.UTILITY:
             call_id, method, args = payload
             try:
-                if method == "ping":
-                    value: Any = True
-                elif method.startswith("_") or method in _NOT_UTILITIES:
-                    raise ValueError(f"{method!r} cannot be called as a utility")
-                else:
-                    value = getattr(core, method)(*args)
+                value = self._call_utility(method, args)
                 result = (call_id, True, value)
             except Exception as e:
                 result = (call_id, False, f"{type(e).__name__}: {e}")
@@ -211,22 +142,30 @@ class EngineCoreProc:
             logger.error("Unknown message type %r from the client", kind)
         return False
 
-    def _send_request_error(self, request: Any, message: str) -> None:
-        from xlm.core.outputs import EngineCoreOutput
+    def _call_utility(self, method: str, args: list[Any]) -> Any:
+        """Call a public EngineCore method by name (not the busy loop's own)."""
+        if method == "ping":
+            return True
+        if (
+            method.startswith("_")
+            or method in _NOT_UTILITIES
+            or method in vars(EngineCoreProc)
+            or not callable(getattr(self, method, None))
+        ):
+            raise ValueError(f"{method!r} cannot be called as a utility")
+        return getattr(self, method)(*args)
 
+    def _send_request_error(self, request: EngineCoreRequest, message: str) -> None:
         output = EngineCoreOutput(
             request.request_id, [], finish_reason="error", stop_reason=message
         )
-        stats = _scheduler_stats(self.engine_core)
-        outputs = self._outputs_cls(outputs=[output], scheduler_stats=stats, timestamp=time.time())
+        outputs = EngineCoreOutputs([output], self.make_stats(), time.time())
         self.output_queue.put((OutputType.OUTPUTS, outputs))
 
     def _send_idle_stats(self) -> None:
         self._stats_dirty = False
-        stats = _scheduler_stats(self.engine_core)
-        if stats is not None:
-            outputs = self._outputs_cls(outputs=[], scheduler_stats=stats, timestamp=time.time())
-            self.output_queue.put((OutputType.OUTPUTS, outputs))
+        outputs = EngineCoreOutputs([], self.make_stats(), time.time())
+        self.output_queue.put((OutputType.OUTPUTS, outputs))
 
     def _send_error(self, message: str) -> None:
         self.output_queue.put((OutputType.ENGINE_ERROR, message))
@@ -275,24 +214,22 @@ class EngineCoreProc:
 
     def shutdown(self) -> None:
         """Stop the core and flush pending outputs."""
-        shutdown = getattr(self.engine_core, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        super().shutdown()
         self.output_queue.put(None)
         self._output_thread.join(timeout=5)
 
     # ---- process entry point ----------------------------------------------------------
 
-    @staticmethod
+    @classmethod
     def run_engine_core(
-        xlm_config: Any,
+        cls,
+        config: XlmConfig,
         input_address: str,
         output_address: str,
         log_stats: bool = True,
-        engine_core_factory: EngineCoreFactory | None = None,
         parent_pid: int | None = None,
     ) -> None:
-        """Entry point of the engine process (multiprocessing spawn target)."""
+        """Entry point of the engine process (spawn target): start `cls`, run it."""
         # The front end handles Ctrl-C and tells us to stop; SIGTERM stops us cleanly.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         proc: EngineCoreProc | None = None
@@ -308,9 +245,7 @@ class EngineCoreProc:
         if parent_pid is not None:
             threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
         try:
-            proc = EngineCoreProc(
-                xlm_config, input_address, output_address, log_stats, engine_core_factory
-            )
+            proc = cls(config, input_address, output_address, log_stats)
         except BaseException:
             logger.exception("Engine core failed to start")
             time.sleep(0.5)  # let the output thread send the error

@@ -6,6 +6,7 @@ from typing import Any
 
 from xlm.config import XlmConfig
 from xlm.engine.arg_utils import EngineArgs
+from xlm.engine.core_client import EngineCoreClient, InprocClient
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.processor import Processor
 from xlm.logger import init_logger
@@ -22,15 +23,17 @@ class LLMEngine:
     def __init__(
         self, config: XlmConfig, multiprocess: bool = False, log_stats: bool = False
     ) -> None:
-        from xlm.engine.core_client import make_client
-
         self.config = config
         self.processor = Processor.from_config(config)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = make_client(
-            config, multiprocess=multiprocess, asyncio_mode=False, log_stats=log_stats
-        )
+        self.engine_core: EngineCoreClient
+        if multiprocess:
+            from xlm.engine.mp_client import SyncMPClient
+
+            self.engine_core = SyncMPClient(config, log_stats)
+        else:
+            self.engine_core = InprocClient(config, log_stats=log_stats)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
@@ -70,8 +73,8 @@ class LLMEngine:
 
     @property
     def num_compilations(self) -> int:
-        """Step programs compiled so far (in-process engines only); flat after warm-up."""
-        return self.engine_core.engine_core.num_compilations
+        """Step programs the engine core compiled so far; flat after warm-up."""
+        return self.engine_core.get_num_compilations()
 
     def get_tokenizer(self):
         return self.tokenizer

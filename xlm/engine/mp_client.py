@@ -27,14 +27,10 @@ import zmq
 import zmq.asyncio
 
 from xlm import envs
-from xlm.engine.core_proc import (
-    EngineCoreFactory,
-    EngineCoreProc,
-    OutputType,
-    RequestType,
-    error_file_path,
-)
+from xlm.config import XlmConfig
+from xlm.engine.core_proc import EngineCoreProc, error_file_path
 from xlm.engine.exceptions import EngineDeadError
+from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest, OutputType, RequestType
 from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
 from xlm.logger import init_logger
 
@@ -49,9 +45,9 @@ class _EngineProcess:
 
     def __init__(
         self,
-        xlm_config: Any,
+        xlm_config: XlmConfig,
         log_stats: bool,
-        engine_core_factory: EngineCoreFactory | None,
+        engine_core_proc_class: type[EngineCoreProc],
     ) -> None:
         base = envs.XLM_RPC_BASE_PATH
         os.makedirs(base, exist_ok=True)
@@ -67,16 +63,9 @@ class _EngineProcess:
         self.dead_message: str | None = None
         spawn = multiprocessing.get_context("spawn")
         self.proc = spawn.Process(
-            target=EngineCoreProc.run_engine_core,
+            target=engine_core_proc_class.run_engine_core,
             name="XlmEngineCore",
-            args=(
-                xlm_config,
-                self.input_address,
-                self.output_address,
-                log_stats,
-                engine_core_factory,
-                os.getpid(),
-            ),
+            args=(xlm_config, self.input_address, self.output_address, log_stats, os.getpid()),
             daemon=True,
         )
         self.proc.start()
@@ -178,14 +167,14 @@ class _MPClientBase:
 
     def __init__(
         self,
-        xlm_config: Any,
+        xlm_config: XlmConfig,
         log_stats: bool = True,
-        engine_core_factory: EngineCoreFactory | None = None,
+        engine_core_proc_class: type[EngineCoreProc] = EngineCoreProc,
     ) -> None:
         self.xlm_config = xlm_config
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder()
-        self.engine = _EngineProcess(xlm_config, log_stats, engine_core_factory)
+        self.engine = _EngineProcess(xlm_config, log_stats, engine_core_proc_class)
         self.ready_info = self.engine.ready_info
         self._call_ids = itertools.count()
         self._finalizer = weakref.finalize(self, self.engine.close)
@@ -257,7 +246,7 @@ class SyncMPClient(_MPClientBase):
         with self._send_lock:
             self.engine.input_socket.send_multipart(self._frames(kind, payload), copy=False)
 
-    def get_output(self) -> Any:
+    def get_output(self) -> EngineCoreOutputs:
         """Block until the next EngineCoreOutputs (EngineDeadError if the engine died)."""
         result = self.outputs_queue.get()
         if isinstance(result, BaseException):
@@ -265,7 +254,7 @@ class SyncMPClient(_MPClientBase):
             raise result
         return result
 
-    def add_request(self, request: Any) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         """Send a new EngineCoreRequest."""
         self._send(RequestType.ADD, request)
 
@@ -285,6 +274,10 @@ class SyncMPClient(_MPClientBase):
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache in the core."""
         return self.call_utility("reset_prefix_cache")
+
+    def get_num_compilations(self) -> int:
+        """Step programs the core compiled so far (flat after warm-up)."""
+        return self.call_utility("get_num_compilations")
 
     def shutdown(self) -> None:
         """Stop the engine process and the reader thread."""
@@ -358,7 +351,7 @@ class AsyncMPClient(_MPClientBase):
         self.check_health()
         await self._input.send_multipart(self._frames(kind, payload), copy=False)
 
-    async def get_output_async(self) -> Any:
+    async def get_output_async(self) -> EngineCoreOutputs:
         """The next EngineCoreOutputs (EngineDeadError if the engine died)."""
         outputs_queue = self._ensure_reader()
         result = await outputs_queue.get()
@@ -372,7 +365,7 @@ class AsyncMPClient(_MPClientBase):
         times, self.queue_times = self.queue_times, []
         return times
 
-    async def add_request_async(self, request: Any) -> None:
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
         """Send a new EngineCoreRequest."""
         await self._send(RequestType.ADD, request)
 

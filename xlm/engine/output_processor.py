@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
+from xlm.engine.messages import EngineCoreRequest
 from xlm.engine.parallel_sampling import ParentRequest, fan_out
-from xlm.engine.processor import EngineCoreRequest
 from xlm.logger import init_logger
 from xlm.outputs import (
     CompletionOutput,
@@ -20,29 +20,6 @@ from xlm.outputs import (
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class LogprobsLists:
-    """Logprobs of several positions as host lists (what EngineCoreOutput carries).
-
-    Row j: ``logprob_token_ids[j][0]`` is the token at that position (sampled, or the
-    prompt token), followed by the top-k ids in rank order; ``logprobs`` likewise;
-    ``sampled_token_ranks[j]`` is the 1-based rank of the first one.
-    """
-
-    logprob_token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    sampled_token_ranks: list[int]
-
-    @classmethod
-    def from_sampler(
-        cls, token_ids: Any, logprobs: Any, ranks: Any, topk_ids: Any, topk_logprobs: Any
-    ) -> LogprobsLists:
-        """From a SamplerOutput's rows (or compute_prompt_logprobs') of one request."""
-        ids = [[int(t), *map(int, row)] for t, row in zip(token_ids, topk_ids)]
-        lps = [[float(lp), *map(float, row)] for lp, row in zip(logprobs, topk_logprobs)]
-        return cls(ids, lps, [int(r) for r in ranks])
 
 
 @dataclass
@@ -237,12 +214,10 @@ class OutputProcessor:
                     metrics.first_token_time = timestamp
                 metrics.last_token_time = timestamp
                 metrics.num_generation_tokens += len(new_ids)
-            if getattr(out, "num_cached_tokens", 0):
+            if out.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
             state.output_token_ids.extend(new_ids)
-            state.add_logprobs(
-                getattr(out, "new_logprobs", None), getattr(out, "new_prompt_logprobs", None)
-            )
+            state.add_logprobs(out.new_logprobs, out.new_prompt_logprobs)
             stop_str = state.detokenizer.update(
                 new_ids, stop_terminated=finish_reason == "stop", finished=finish_reason is not None
             )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from xlm.engine.processor import EngineCoreRequest
+from xlm.engine.messages import EngineCoreRequest
 from xlm.outputs import CompletionOutput, RequestMetrics
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -5,48 +5,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from xlm.config import ModelConfig, XlmConfig
+from xlm.engine.messages import EngineCoreRequest
 from xlm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
-
-
-@dataclass
-class EngineCoreRequest:
-    """A request as the engine core receives it (msgpack-able through ``to_dict``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    arrival_time: float
-    priority: int = 0
-    cache_salt: str | None = None
-    # The prompt text when the user gave text (for RequestOutput.prompt); not used by the core.
-    prompt: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict for msgpack."""
-        return {
-            "request_id": self.request_id,
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "sampling_params": self.sampling_params.to_dict(),
-            "eos_token_id": self.eos_token_id,
-            "arrival_time": self.arrival_time,
-            "priority": self.priority,
-            "cache_salt": self.cache_salt,
-            "prompt": self.prompt,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineCoreRequest:
-        """Inverse of ``to_dict``."""
-        data = dict(data)
-        data["sampling_params"] = SamplingParams.from_dict(data["sampling_params"])
-        return cls(**data)
 
 
 class Processor:

@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("xlm.entrypoints.generate", "interactive chat on the terminal"),
     "convert": ("xlm.entrypoints.convert", "convert a GGUF file to a safetensors directory"),
     "run-batch": ("xlm.entrypoints.run_batch", "run a file of OpenAI batch requests"),
-    "serve": ("xlm.entrypoints.openai.cli_args", "start the OpenAI-compatible server"),
+    "serve": ("xlm.entrypoints.serve", "start the OpenAI-compatible server"),
 }
 
 
@@ -33,6 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `xlm` console script."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # `serve --config FILE`: the file's flags join the command line before parsing, so
+        # flags given on the command line win and nothing rereads sys.argv later.
+        from xlm.entrypoints.serve import expand_argv
+
+        try:
+            argv = ["serve", *expand_argv(argv[1:])]
+        except (ValueError, OSError) as e:
+            print(f"xlm serve: error: {e}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

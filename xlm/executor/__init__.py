@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from xlm.config import XlmConfig
+from xlm.executor.abstract import Executor
 
 
-def make_executor(config: XlmConfig) -> Any:
+def executor_class_for(config: XlmConfig) -> type[Executor]:
     """The executor ParallelConfig.executor_backend names."""
     if config.parallel_config.is_multihost:
         from xlm.executor.multihost import MultihostExecutor
 
-        return MultihostExecutor(config)
+        return MultihostExecutor
     from xlm.executor.uniproc import UniProcExecutor
 
-    return UniProcExecutor(config)
+    return UniProcExecutor

@@ -19,6 +19,7 @@ from typing import Any
 from xlm import envs
 from xlm.config import ParallelConfig, XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -106,7 +107,7 @@ def channel_address(parallel_config: ParallelConfig) -> tuple[str, int]:
     return host, envs.XLM_MULTIHOST_PORT or int(port) + 1
 
 
-class MultihostExecutor:
+class MultihostExecutor(Executor):
     """The leader's executor: mirrors every worker call to the followers, then runs it."""
 
     def __init__(self, config: XlmConfig) -> None:
@@ -114,7 +115,7 @@ class MultihostExecutor:
 
         from xlm.executor.step_channel import LeaderChannel
 
-        self.config = config
+        super().__init__(config)
         initialize_distributed(config.parallel_config)
         if jax.process_index() != 0:
             raise RuntimeError(
@@ -147,9 +148,8 @@ class MultihostExecutor:
     def num_blocks(self) -> int:
         return self.worker.num_blocks
 
-    @property
-    def model_runner(self):
-        return self.worker.model_runner
+    def get_num_compilations(self) -> int:
+        return self.worker.model_runner.num_compilations
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.executor.abstract import Executor
 from xlm.worker.worker import Worker
 
 
-class UniProcExecutor:
-    """Runs the worker in this process."""
+class UniProcExecutor(Executor):
+    """Runs the one worker in this process; it drives all local devices."""
 
     def __init__(self, config: XlmConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.worker = Worker(config)
         if config.compilation_config.warmup:
             self.worker.warmup()
@@ -20,12 +21,11 @@ class UniProcExecutor:
     def num_blocks(self) -> int:
         return self.worker.num_blocks
 
-    @property
-    def model_runner(self):
-        return self.worker.model_runner
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def get_num_compilations(self) -> int:
+        return self.worker.model_runner.num_compilations
+
     def shutdown(self) -> None:
-        pass
+        """Nothing to release: the worker's arrays go with this process."""

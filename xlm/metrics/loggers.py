@@ -19,6 +19,9 @@ class StatLoggerBase:
     def record(self, scheduler_stats: Any | None, iteration_stats: IterationStats | None) -> None:
         """Account one step."""
 
+    def record_aborted(self, count: int = 1) -> None:
+        """Account requests aborted by the front end (client gone, deadline)."""
+
     def log(self) -> None:
         """Periodic hook (the server calls it every XLM_LOG_STATS_INTERVAL seconds)."""
 

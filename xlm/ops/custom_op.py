@@ -121,9 +121,11 @@ class CustomOp(nnx.Module, metaclass=_CustomOpMeta):
 
 
 def check_custom_ops(custom_ops: list[str]) -> None:
-    """Raise if custom_ops names an op that is not registered."""
-    import xlm.ops  # noqa: F401  (registers the in-tree ops)
+    """Raise if custom_ops names an op that is not registered.
 
+    Every in-tree op is registered by then: this module lives in the xlm.ops package, and
+    importing any module of it first runs the package's __init__, which imports each op.
+    """
     for entry in custom_ops:
         if entry in ("all", "none"):
             continue

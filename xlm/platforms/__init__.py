@@ -166,7 +166,12 @@ def __getattr__(name: str) -> Any:
     global _current_platform
     if name == "current_platform":
         if _current_platform is None:
-            _current_platform = resolve_obj_by_qualname(resolve_current_platform_cls_qualname())()
+            platform = resolve_obj_by_qualname(resolve_current_platform_cls_qualname())()
+            if envs.XLM_TARGET_PLATFORM is not None:
+                # A forced platform must also be the one JAX runs on (else a CUDA machine
+                # told to use the CPU would still put every array on the GPU).
+                platform.pin_jax_backend()
+            _current_platform = platform
         return _current_platform
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

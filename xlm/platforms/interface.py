@@ -84,6 +84,18 @@ class Platform:
             return None
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
+    def pin_jax_backend(self) -> None:
+        """Make this platform's JAX backend the one JAX uses (XLM_TARGET_PLATFORM)."""
+        if self.jax_platform is None:
+            return
+        import jax
+
+        # Before JAX starts its backends this keeps the others from starting at all; the
+        # default device covers a process whose backends are already up. Neither starts a
+        # backend now (jax.distributed must be able to initialize first).
+        jax.config.update("jax_platforms", self.jax_platform)
+        jax.config.update("jax_default_device", self.jax_platform)
+
     def default_dtype(self) -> str:
         """The dtype "auto" resolves to when the checkpoint gives none we want."""
         return "bfloat16" if self.supports_fast_bf16 else "float32"

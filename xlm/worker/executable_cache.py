@@ -2,9 +2,12 @@
 
 JAX's persistent compilation cache skips XLA compilation but still traces and lowers
 every program to compute its key (about a second each for a 30-layer model). This cache
-keys the serialized executable by what determines it: the engine config, the program's
-input layout, the jax/jaxlib versions, the devices, and a hash of xlm's own source, so an
-edited xlm never loads a stale program.
+keys the serialized executable by what determines it: the engine fingerprint (config,
+shapes), the program's typed key, xlm's version, a hash of xlm's own source, the
+jax/jaxlib versions and the devices, so an edited xlm never loads a stale program.
+Files are written and validated through xlm.disk_cache (atomic, checksummed, 0700); a
+file name starts with the source version, so the entries of other versions are what gets
+evicted once the directory outgrows its cap.
 """
 
 from __future__ import annotations
@@ -12,15 +15,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from xlm import disk_cache
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# Directory size past which entries of other source versions are deleted.
+DEFAULT_MAX_BYTES = 4 << 30
 
 
 @functools.cache
@@ -29,54 +35,60 @@ def source_fingerprint() -> str:
     import pallas_kernels
     import xlm
 
-    digest = hashlib.sha256()
-    for package in (xlm, pallas_kernels):
-        root = Path(package.__file__).parent
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return disk_cache.source_fingerprint(
+        Path(xlm.__file__).parent, Path(pallas_kernels.__file__).parent
+    )
 
 
 class ExecutableCache:
     """Load and store serialized compiled programs under one directory."""
 
-    def __init__(self, directory: str | None, fingerprint: str) -> None:
+    def __init__(
+        self, directory: str | None, fingerprint: str, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
         self.directory = directory
-        base = "|".join(
-            [
-                fingerprint,
-                source_fingerprint(),
-                jax.__version__,
-                jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
-                ",".join(d.device_kind for d in jax.devices()),
-            ]
+        # Everything but the engine config: what a file name's version prefix stands for.
+        self.version = disk_cache.cache_key(
+            source_fingerprint(),
+            jax.__version__,
+            getattr(jax.lib, "__version__", ""),
+            ",".join(d.device_kind for d in jax.devices()),
+            length=12,
         )
-        self._base = hashlib.sha256(base.encode()).hexdigest()
+        self._base = hashlib.sha256(f"{self.version}|{fingerprint}".encode()).hexdigest()
         if directory:
-            os.makedirs(directory, exist_ok=True)
+            try:
+                disk_cache.make_private_dir(directory)
+                disk_cache.evict(directory, self.version, max_bytes)
+            except OSError as e:
+                logger.warning("Compiled-program cache %s is unusable: %s", directory, e)
+                self.directory = None
 
-    def _path(self, kind: str, layout: Any) -> str:
-        key = hashlib.sha256(f"{self._base}|{kind}|{layout!r}".encode()).hexdigest()[:40]
-        return os.path.join(self.directory, f"{kind}-{key}.xla")
+    def path(self, key: Any, layout: Any = None) -> str:
+        """The file of a program's key (any object with a `kind` and a stable repr) and
+        its input layout (belt and braces: the engine fingerprint and key decide it)."""
+        digest = hashlib.sha256(f"{self._base}|{key!r}|{layout!r}".encode()).hexdigest()[:40]
+        kind = getattr(key.kind, "value", key.kind)
+        return os.path.join(self.directory, f"{self.version}-{kind}-{digest}.xla")
 
-    def load(self, kind: str, layout: Any, in_tree: Any, out_tree: Any) -> Any | None:
-        """The saved program, or None when absent or unreadable."""
+    def load(self, key: Any, in_tree: Any, out_tree: Any, layout: Any = None) -> Any | None:
+        """The saved program, or None when absent or unreadable (then it is recompiled)."""
         if not self.directory:
             return None
-        path = self._path(kind, layout)
-        if not os.path.exists(path):
+        path = self.path(key, layout)
+        payload = disk_cache.read_entry(path)
+        if payload is None:
             return None
         from jax.experimental.serialize_executable import deserialize_and_load
 
         try:
-            with open(path, "rb") as f:
-                return deserialize_and_load(f.read(), in_tree, out_tree)
-        except Exception as e:  # a corrupt or incompatible file: compile instead
+            return deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # an incompatible file: compile instead, and replace it
             logger.warning("Ignoring unreadable cached program %s: %s", path, e)
+            disk_cache.discard(path)
             return None
 
-    def store(self, kind: str, layout: Any, compiled: Any) -> None:
+    def store(self, key: Any, compiled: Any, layout: Any = None) -> None:
         """Save a compiled program (best effort: a failure only costs a later compile)."""
         if not self.directory:
             return
@@ -84,9 +96,6 @@ class ExecutableCache:
 
         try:
             payload, _, _ = serialize(compiled)
-            fd, tmp = tempfile.mkstemp(dir=self.directory)
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, self._path(kind, layout))
+            disk_cache.write_entry(self.path(key, layout), payload)
         except Exception as e:
-            logger.warning("Could not save a compiled %s program: %s", kind, e)
+            logger.warning("Could not save a compiled %s program: %s", key, e)

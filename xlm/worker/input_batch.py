@@ -1,4 +1,10 @@
-"""The runner's persistent host-side batch: one numpy row per running request."""
+"""The runner's persistent host-side batch: all per-request state, one numpy row per slot.
+
+Updated incrementally from each SchedulerOutput (new, finished, preempted and resumed
+requests, new blocks) and from each step's sampled tokens; nothing of size
+[rows, max_model_len] is rebuilt per step. The sampler's per-request state lives here
+too (``SamplingRows``), resolved once per request.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from xlm.core.outputs import SchedulerOutput
+from xlm.worker.sampler import SamplingMetadata
+from xlm.worker.sampling_rows import SamplingRows
 
 
 @dataclass(slots=True)
@@ -22,9 +32,11 @@ class CachedRequestState:
 
 
 class InputBatch:
-    """Fixed-capacity rows of token ids, computed counts and block tables, updated in place."""
+    """Fixed-capacity rows of token ids, computed counts, block tables and sampler state."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
@@ -32,14 +44,37 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        self.sampling = SamplingRows(max_num_reqs, vocab_size, max_model_len)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
     def __len__(self) -> int:
         return self.max_num_reqs - len(self._free_slots)
 
+    # ---- updates from the scheduler -----------------------------------------------------
+    def update(self, so: SchedulerOutput) -> None:
+        """Apply a step's SchedulerOutput: finished, preempted, new and cached requests."""
+        for req_id in so.finished_req_ids:
+            self.release(req_id, forget=True)
+        for req_id in so.preempted_req_ids:
+            self.release(req_id, forget=False)
+        for new in so.scheduled_new_reqs:
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), new.sampling_params)
+            self.add(state, list(new.block_ids), new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            if cached.resumed_from_preemption[i]:
+                if state.slot >= 0:
+                    self.release(req_id, forget=False)
+                state.output_token_ids = list(cached.new_token_ids[i])
+                self.add(state, list(cached.new_block_ids[i]), cached.num_computed_tokens[i])
+            else:
+                self.append_blocks(state.slot, list(cached.new_block_ids[i]))
+                self.num_computed_tokens[state.slot] = cached.num_computed_tokens[i]
+
     def add(self, state: CachedRequestState, block_ids: list[int], num_computed: int) -> None:
-        """Give a request a row: its known tokens, block table and computed count."""
+        """Give a request a row: its known tokens, block table, computed count, sampler row."""
         slot = self._free_slots.pop()
         state.slot = slot
         self.requests[state.req_id] = state
@@ -49,6 +84,9 @@ class InputBatch:
         self.num_computed_tokens[slot] = num_computed
         self.num_blocks[slot] = 0
         self.append_blocks(slot, block_ids)
+        self.sampling.add(
+            slot, state.sampling_params, state.prompt_token_ids, state.output_token_ids
+        )
 
     def append_blocks(self, slot: int, block_ids: list[int]) -> None:
         start = self.num_blocks[slot]
@@ -61,13 +99,34 @@ class InputBatch:
         if state is None:
             return
         if state.slot >= 0:
+            self.sampling.remove(state.slot)
             self._free_slots.append(state.slot)
             state.slot = -1
         if forget:
             del self.requests[req_id]
 
-    def append_token(self, slot: int, token_id: int) -> None:
+    # ---- updates from a step's results --------------------------------------------------
+    def advance(self, req_ids: list[str], num_scheduled: list[int]) -> None:
+        """Count the tokens a step computed."""
+        for req_id, n in zip(req_ids, num_scheduled):
+            self.num_computed_tokens[self.requests[req_id].slot] += n
+
+    def append_sampled(self, state: CachedRequestState, token_id: int) -> None:
+        """Record a token the request sampled: its output, its row and its sampler row."""
+        state.output_token_ids.append(token_id)
+        slot = state.slot
         n = self.num_tokens[slot]
         if n < self.max_model_len:  # the scheduler stops the request at max_model_len
             self.token_ids[slot, n] = token_id
             self.num_tokens[slot] = n + 1
+        self.sampling.append_output(slot, token_id)
+
+    # ---- reads for a step ---------------------------------------------------------------
+    def slots(self, req_ids: list[str]) -> np.ndarray:
+        return np.fromiter((self.requests[r].slot for r in req_ids), np.int32, len(req_ids))
+
+    def sampling_metadata(
+        self, slots: np.ndarray, num_rows: int, step_seed: int
+    ) -> SamplingMetadata:
+        """The sampler's inputs for these slots, padded to `num_rows`."""
+        return self.sampling.metadata(slots, num_rows, step_seed)

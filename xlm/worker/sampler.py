@@ -35,11 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from xlm.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams, SamplingType
-
-_U32 = 0xFFFFFFFF
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
@@ -104,113 +100,7 @@ class SamplerOutput:
     topk_logprobs: Any  # f32[R, K]
 
 
-# -- host side ----------------------------------------------------------------------------
-
-
-def _split_seed(seed: int) -> tuple[int, int]:
-    return seed & _U32, (seed >> 32) & _U32
-
-
-def _banned_token_ids(params: SamplingParams, output_ids: list[int]) -> list[int]:
-    banned: list[int] = []
-    if len(output_ids) < params.min_tokens:
-        banned.extend(params.all_stop_token_ids)
-    for word in params.bad_words_token_ids:
-        # Multi-token bad words: ban the last token only when the output ends with the rest.
-        prefix = word[:-1]
-        if not prefix or list(output_ids[len(output_ids) - len(prefix) :]) == prefix:
-            banned.append(word[-1])
-    return banned
-
-
-def build_sampling_metadata(
-    params: list[SamplingParams | None],
-    output_token_ids: list[list[int]],
-    prompt_token_ids: list[list[int]],
-    num_padded_reqs: int,
-    vocab_size: int,
-    max_model_len: int,
-    step_seed: int = 0,
-) -> SamplingMetadata:
-    """Build the host (numpy) SamplingMetadata for one step; None entries are padding."""
-    R, V, L = num_padded_reqs, vocab_size, max_model_len
-    if len(params) > R:
-        raise ValueError(f"{len(params)} requests do not fit num_padded_reqs={R}")
-    md = SamplingMetadata(
-        temperature=np.ones(R, np.float32),
-        is_greedy=np.ones(R, np.bool_),
-        top_k=np.full(R, V, np.int32),
-        top_p=np.ones(R, np.float32),
-        min_p=np.zeros(R, np.float32),
-        seeds=np.zeros((R, 2), np.uint32),
-        has_seed=np.zeros(R, np.bool_),
-        output_lens=np.zeros(R, np.int32),
-        presence_penalty=np.zeros(R, np.float32),
-        frequency_penalty=np.zeros(R, np.float32),
-        repetition_penalty=np.ones(R, np.float32),
-        output_token_ids=np.full((R, L), V, np.int32),
-        prompt_token_ids=np.full((R, L), V, np.int32),
-        logit_bias_ids=np.full((R, MAX_LOGIT_BIAS_TOKENS), V, np.int32),
-        logit_bias_values=np.zeros((R, MAX_LOGIT_BIAS_TOKENS), np.float32),
-        token_mask=np.full((R, (V + 7) // 8), 0xFF, np.uint8),
-        step_seed=np.array(_split_seed(step_seed), np.uint32),
-        all_greedy=np.bool_(True),
-        any_filters=np.bool_(False),
-        any_penalties=np.bool_(False),
-        any_logit_bias=np.bool_(False),
-        any_mask=np.bool_(False),
-        any_logprobs=np.bool_(False),
-    )
-    flags = dict.fromkeys(
-        ("any_filters", "any_penalties", "any_logit_bias", "any_mask", "any_logprobs"), False
-    )
-    all_greedy = True
-    for i, p in enumerate(params):
-        if p is None:
-            continue
-        out_ids = output_token_ids[i]
-        md.output_lens[i] = len(out_ids)
-        if p.sampling_type != SamplingType.GREEDY:
-            all_greedy = False
-            md.is_greedy[i] = False
-            md.temperature[i] = p.temperature
-            md.top_k[i] = V if p.top_k <= 0 else min(p.top_k, V)
-            md.top_p[i] = p.top_p
-            md.min_p[i] = p.min_p
-            if md.top_k[i] < V or p.top_p < 1.0 or p.min_p > 0.0:
-                flags["any_filters"] = True
-            if p.seed is not None:
-                md.has_seed[i] = True
-                md.seeds[i] = _split_seed(p.seed)
-        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            flags["any_penalties"] = True
-            md.presence_penalty[i] = p.presence_penalty
-            md.frequency_penalty[i] = p.frequency_penalty
-            md.repetition_penalty[i] = p.repetition_penalty
-            n = len(out_ids)
-            md.output_token_ids[i, :n] = out_ids
-            if p.repetition_penalty != 1.0:
-                md.prompt_token_ids[i, : len(prompt_token_ids[i])] = prompt_token_ids[i]
-        if p.logit_bias:
-            flags["any_logit_bias"] = True
-            md.logit_bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
-            md.logit_bias_values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
-        banned = _banned_token_ids(p, out_ids)
-        if banned or p.allowed_token_ids is not None:
-            flags["any_mask"] = True
-            if p.allowed_token_ids is None:
-                allowed = np.ones(V, np.bool_)
-            else:
-                allowed = np.zeros(V, np.bool_)
-                allowed[p.allowed_token_ids] = True
-            allowed[[t for t in banned if 0 <= t < V]] = False
-            md.token_mask[i] = np.packbits(allowed, bitorder="little")
-        if p.logprobs is not None:
-            flags["any_logprobs"] = True
-    md.all_greedy = np.bool_(all_greedy)
-    for name, value in flags.items():
-        setattr(md, name, np.bool_(value))
-    return md
+# -- host side: xlm.worker.sampling_rows builds SamplingMetadata from per-slot rows -----------
 
 
 # -- device side --------------------------------------------------------------------------

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.mesh import describe_mesh, make_mesh
 from xlm.logger import init_logger
 from xlm.platforms import current_platform
+from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
 from xlm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -64,7 +66,12 @@ class Worker:
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         elif current_platform.is_cpu() or current_platform.get_device_free_memory() is None:
-            num_blocks = int(cache.kv_cache_memory * GiB // per_block)
+            # No memory statistics (CPU, or an out-of-tree platform whose backend reports
+            # none): a configured size, else XLM_CPU_KVCACHE_SPACE, else the default.
+            gib = cache.kv_cache_memory
+            if gib is None:
+                gib = envs.XLM_CPU_KVCACHE_SPACE or DEFAULT_CPU_KV_CACHE_GIB
+            num_blocks = int(gib * GiB // per_block)
         else:
             # Device memory left after the weights, within the utilization budget.
             total = current_platform.get_device_total_memory()

@@ -58,3 +58,21 @@ def test_bad_config_file_is_a_clear_error(tmp_path):
     path.write_text("- just\n- a list\n")
     with pytest.raises(ValueError, match="mapping"):
         config_file_args(str(path))
+
+
+def test_xlm_serve_config_file_reads_the_given_argv_not_sys_argv(tmp_path, monkeypatch):
+    """`xlm serve --config FILE` parses the argv it was given (sys.argv is someone else's)."""
+    import sys
+
+    import xlm.entrypoints.openai.api_server as api_server
+    from xlm.entrypoints import cli
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: smollm2-135m\nport: 9100\nmax_num_seqs: 8\n")
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(api_server, "run_server", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(sys, "argv", ["python", "-m", "pytest", "unrelated"])
+    assert cli.main(["serve", "--config", str(path), "--port", "9200"]) == 0
+    (args,) = seen
+    assert args.model == "smollm2-135m" and args.port == 9200 and args.max_num_seqs == 8
+    assert args.config == str(path)

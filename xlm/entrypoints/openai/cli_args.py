@@ -117,23 +117,33 @@ def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
     return finish_args(parser, argv)
 
 
+def expand_config_file(argv: list[str]) -> list[str]:
+    """`serve` arguments with --config FILE replaced by the file's flags (CLI flags win).
+
+    The file's flags go first so that later command-line flags override them; `--config
+    FILE` stays at the end so `args.config` still names the file.
+    """
+    if "--config" not in argv:
+        return list(argv)
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        raise ValueError("--config needs a file")
+    path = argv[i + 1]
+    file_args = config_file_args(path)
+    rest = argv[:i] + argv[i + 2 :]
+    # A positional model given on the command line wins over the file's.
+    positional_in_rest = rest and not rest[0].startswith("-")
+    if positional_in_rest and file_args and not file_args[0].startswith("-"):
+        file_args = file_args[1:]
+    expanded = (rest[:1] + file_args + rest[1:]) if positional_in_rest else file_args + rest
+    return expanded + ["--config", path]
+
+
 def finish_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Expand --config, parse, and settle model / api_key defaults."""
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            parser.error("--config needs a file")
-        path = argv[i + 1]
-        file_args = config_file_args(path)
-        rest = argv[:i] + argv[i + 2 :]
-        # A positional model given on the command line wins over the file's.
-        positional_in_rest = rest and not rest[0].startswith("-")
-        if positional_in_rest and file_args and not file_args[0].startswith("-"):
-            file_args = file_args[1:]
-        argv = (rest[:1] + file_args + rest[1:]) if positional_in_rest else file_args + rest
-        argv += ["--config", path]
-    args = parser.parse_args(argv)
-    return settle_args(parser, args)
+    if "--config" in argv and argv.index("--config") + 1 >= len(argv):
+        parser.error("--config needs a file")
+    return settle_args(parser, parser.parse_args(expand_config_file(argv)))
 
 
 def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -147,23 +157,3 @@ def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ar
     if args.max_logprobs < 0:
         parser.error("--max-logprobs must be >= 0")
     return args
-
-
-def add_parser(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentParser:
-    """Register `xlm serve`."""
-    parser = subparsers.add_parser(name, help=help_text, description=help_text)
-    make_arg_parser(parser)
-    parser.set_defaults(func=_run, _parser=parser)
-    return parser
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.config:
-        # Re-parse with the file's values under the command line's.
-        argv = sys.argv[sys.argv.index("serve") + 1 :] if "serve" in sys.argv else []
-        args = finish_args(args._parser, argv)
-    else:
-        args = settle_args(args._parser, args)
-    from xlm.entrypoints.openai.api_server import run_server
-
-    return run_server(args)

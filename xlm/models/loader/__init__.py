@@ -8,8 +8,9 @@ full copy of the weights exists in host memory.
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
+import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,29 +96,49 @@ def _dequantized_gguf_dir(path: str) -> str | None:
     """A float32 safetensors copy of a GGUF's weights under XLM_CACHE_ROOT (made once).
 
     Dequantizing a GGUF takes seconds on every start; the saved copy is memory-mapped.
-    None (load the GGUF directly) when the cache cannot be written.
+    Keyed by xlm's version, the converter's source, and the file's path, size and mtime;
+    written and checked through xlm.disk_cache (atomic, 0700, a manifest of sizes), plus
+    a check of the safetensors header, so a truncated or corrupt copy is rebuilt. None
+    (load the GGUF directly) when the cache cannot be written.
     """
-    import hashlib
-
-    from xlm import envs
-    from xlm.models.loader.gguf import gguf_to_safetensors
+    from xlm import disk_cache, envs
+    from xlm.models.loader import gguf
 
     path = os.path.abspath(path)
     stat = os.stat(path)
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    converter = disk_cache.source_fingerprint(gguf.__file__)
+    key = disk_cache.cache_key(path, stat.st_size, stat.st_mtime_ns, converter)
     cache_dir = os.path.join(envs.XLM_CACHE_ROOT, "gguf_weights", key)
-    if os.path.isfile(os.path.join(cache_dir, "model.safetensors")):
-        return cache_dir
-    tmp = f"{cache_dir}.tmp{os.getpid()}"
+    weights = os.path.join(cache_dir, "model.safetensors")
+    if disk_cache.check_directory(cache_dir):
+        if _safetensors_complete(weights):
+            return cache_dir
+        logger.warning("Rebuilding the corrupt dequantized-weights cache %s.", cache_dir)
+        disk_cache.discard(cache_dir)
     try:
         logger.info("Dequantizing %s once into %s.", path, cache_dir)
-        gguf_to_safetensors(path, tmp)
-        os.replace(tmp, cache_dir)
+        with disk_cache.atomic_directory(cache_dir) as tmp:
+            gguf.gguf_to_safetensors(path, str(tmp))
     except OSError as e:
         logger.warning("Could not cache the dequantized GGUF weights (%s); loading the GGUF.", e)
-        shutil.rmtree(tmp, ignore_errors=True)
-        return cache_dir if os.path.isfile(os.path.join(cache_dir, "model.safetensors")) else None
+        return cache_dir if disk_cache.check_directory(cache_dir) else None
     return cache_dir
+
+
+def _safetensors_complete(path: str) -> bool:
+    """Whether a safetensors file's header parses and its data ends where the file does."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > os.path.getsize(path):
+                return False
+            header = json.loads(f.read(n))
+        end = max(
+            (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0
+        )
+        return os.path.getsize(path) == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return False
 
 
 def _sharding_for(var: nnx.Variable, shape: tuple[int, ...], mesh: Mesh | None) -> Any:

@@ -1,0 +1,67 @@
+"""The compiled-program cache: typed keys, versioned 0700 files, damaged files recompiled."""
+
+import os
+import stat
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlm import disk_cache
+from xlm.worker.compilation import MeshSpec, ProgramKey, ProgramKind
+from xlm.worker.executable_cache import ExecutableCache
+
+
+def _program():
+    fn = jax.jit(lambda x: (x * 2 + 1,))
+    args = (jax.ShapeDtypeStruct((8,), jnp.float32),)
+    in_tree = jax.tree_util.tree_structure((args, {}))
+    out_tree = jax.tree_util.tree_structure((0,))
+    return fn.lower(*args).compile(), in_tree, out_tree
+
+
+def test_store_load_and_rebuild_damaged(tmp_path):
+    directory = tmp_path / "programs"
+    cache = ExecutableCache(str(directory), "engine-a")
+    compiled, in_tree, out_tree = _program()
+    key = ProgramKey(ProgramKind.MODEL, 8)
+    assert cache.load(key, in_tree, out_tree) is None
+    cache.store(key, compiled)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    path = cache.path(key)
+    assert os.path.basename(path).startswith(f"{cache.version}-model-")
+    assert os.listdir(directory) == [os.path.basename(path)]  # no temporary files
+    x = np.arange(8, dtype=np.float32)
+    (out,) = cache.load(key, in_tree, out_tree)(x)
+    np.testing.assert_array_equal(np.asarray(out), x * 2 + 1)
+    # Another key, mesh or engine: another file.
+    assert cache.path(ProgramKey(ProgramKind.MODEL, 16)) != path
+    assert cache.path(ProgramKey(ProgramKind.MODEL, 8, MeshSpec((("tp", 2),)))) != path
+    assert ExecutableCache(str(directory), "engine-b").path(key) != path
+    # A truncated file is dropped (the caller compiles and stores again), not fatal.
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    assert cache.load(key, in_tree, out_tree) is None
+    assert not os.path.exists(path)
+    cache.store(key, compiled)
+    assert cache.load(key, in_tree, out_tree) is not None
+
+
+def test_version_prefix_follows_xlm_version(tmp_path, monkeypatch):
+    import xlm
+
+    a = ExecutableCache(str(tmp_path), "engine").version
+    monkeypatch.setattr(xlm, "__version__", xlm.__version__ + ".post1")
+    assert ExecutableCache(str(tmp_path), "engine").version != a
+
+
+def test_other_versions_evicted_beyond_cap(tmp_path):
+    stale = tmp_path / "0123456789ab-model-old.xla"
+    disk_cache.write_entry(stale, b"x" * 1000)
+    cache = ExecutableCache(str(tmp_path), "engine", max_bytes=10)
+    assert not stale.exists()
+    compiled, *_ = _program()
+    key = ProgramKey(ProgramKind.SAMPLER, 4)
+    cache.store(key, compiled)
+    ExecutableCache(str(tmp_path), "engine", max_bytes=10)  # the current version stays
+    assert os.listdir(tmp_path) == [os.path.basename(cache.path(key))]

@@ -1,0 +1,39 @@
+"""The executor interface: how the engine core runs a step on its devices.
+
+Why a layer between EngineCore and the worker: the core schedules once per step for the
+whole engine, while the devices that run the step may span one process (all local
+devices of one host: `UniProcExecutor`) or several (one process per host of a pod with
+`jax.distributed`, which issue #12 adds as a multi-host executor: process 0 schedules
+and broadcasts each step to the others). The core sees only this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from xlm.config import XlmConfig
+from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    """Runs scheduled steps on the engine's workers; sizes the KV cache at start."""
+
+    def __init__(self, config: XlmConfig) -> None:
+        self.config = config
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """KV cache blocks the workers allocated (the scheduler's block pool size)."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step and return the sampled tokens."""
+
+    @abstractmethod
+    def get_num_compilations(self) -> int:
+        """Step programs compiled so far (flat after warm-up)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the workers."""
