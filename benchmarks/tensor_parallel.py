@@ -51,7 +51,7 @@ def measure(model_dir: str, tp: int) -> dict:
         XlmConfig,
     )
     from xlm.distributed.mesh import per_device_bytes
-    from xlm.worker.packing import pack
+    from xlm.worker.compilation import ProgramKind
     from xlm.worker.worker import Worker
 
     config = XlmConfig(
@@ -67,10 +67,8 @@ def measure(model_dir: str, tp: int) -> dict:
     )
     worker = Worker(config)
     runner = worker.model_runner
-    inputs, _, _ = runner._prepare_inputs([], [], 64)
-    packed, layout = pack(inputs)
-    args = (runner.state, runner.kv_caches, runner._abstract(packed.shape, packed.dtype))
-    hlo = runner._lower("model", args, layout).compile().as_text()
+    spec = runner.program_specs()[runner._key(ProgramKind.MODEL, 64)]
+    hlo = spec.lower().compile().as_text()
     counts = {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
     weights = max(per_device_bytes(runner.state).values())
     kv = max(per_device_bytes(runner.kv_caches).values())
