@@ -19,6 +19,7 @@ from typing import Any
 from xlm import envs
 from xlm.config import ParallelConfig, XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.distributed.coordination import barrier
 from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
 
@@ -27,30 +28,6 @@ logger = init_logger(__name__)
 _SHUTDOWN = "shutdown"
 _CONFIG = "config"
 _BARRIER = "barrier"
-# Processes may be minutes apart after loading and compiling (a slow host, a loaded CI
-# machine); the first collective's Gloo/NCCL set-up waits far less, so all meet first.
-_READY_TIMEOUT_MS = 30 * 60 * 1000
-
-
-def barrier(name: str) -> None:
-    """Wait for every process at `name` (the coordination service's barrier, no devices)."""
-    from jax._src import distributed
-
-    distributed.global_state.client.wait_at_barrier(f"xlm/{name}", _READY_TIMEOUT_MS)
-
-
-def agree_min(name: str, value: int) -> int:
-    """The smallest `value` over all processes (through the coordination key-value store)."""
-    import jax
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    client.key_value_set(f"xlm/{name}/{jax.process_index()}", str(value))
-    values = [
-        int(client.blocking_key_value_get(f"xlm/{name}/{i}", _READY_TIMEOUT_MS))
-        for i in range(jax.process_count())
-    ]
-    return min(values)
 
 
 def resolve_process_id(parallel_config: ParallelConfig) -> int | None:

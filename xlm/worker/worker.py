@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.distributed.coordination import agree_min
 from xlm.distributed.mesh import describe_mesh, make_mesh
 from xlm.logger import init_logger
 from xlm.platforms import current_platform
@@ -21,17 +22,6 @@ GiB = 1 << 30
 def kv_cache_bytes_per_block(model, block_size: int, dtype: jnp.dtype) -> int:
     num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
     return num_layers * 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
-
-
-def _agree_across_processes(num_blocks: int) -> int:
-    """The smallest block count of all processes (one global cache needs one size)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return num_blocks
-    from xlm.executor.multihost import agree_min
-
-    return agree_min("num_blocks", num_blocks)
 
 
 class Worker:
@@ -85,7 +75,8 @@ class Worker:
             activation = sched.max_num_batched_tokens * hidden_size * 4 * 16
             num_blocks = int(max(budget - activation, 0) // per_block)
         if cache.num_blocks is None:
-            num_blocks = _agree_across_processes(num_blocks)
+            # One global cache needs one size: the smallest of all processes'.
+            num_blocks = agree_min("num_blocks", num_blocks)
         needed = -(-self.config.scheduler_config.max_model_len // cache.block_size) + 1
         if num_blocks < needed:
             raise ValueError(
