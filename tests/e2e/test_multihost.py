@@ -148,9 +148,13 @@ def test_generate_over_two_processes_equals_tp1(pods, model, expected):
     assert "follower process 1 ready" in pod.log(1)
 
 
+NUM_RECORDS = 4 * len(PROMPTS)
+
+
 def batch_file(path: Path) -> None:
     with path.open("w") as f:
-        for i, prompt in enumerate(PROMPTS):
+        for i in range(NUM_RECORDS):
+            prompt = PROMPTS[i % len(PROMPTS)]
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
             record = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions"}
             f.write(json.dumps({**record, "body": body}) + "\n")
@@ -161,10 +165,10 @@ def test_run_batch_survives_a_killed_follower_by_rerun(pods, model, expected, tm
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     batch_file(inp)
     command = ["run-batch", "-i", str(inp), "-o", str(out), "--model", model]
-    # Two requests at a time keep the run going long enough to kill mid-way.
-    pod = pods(command, ["--max-concurrency=2", "--disable-log-stats"])
+    # One request at a time keeps the run going long enough to kill mid-way.
+    pod = pods(command, ["--max-concurrency=1", "--disable-log-stats"])
     deadline = time.monotonic() + 900
-    while not (out.exists() and out.read_text().count("\n") >= 1):
+    while not (out.exists() and out.read_text().count("\n") >= 2):
         assert pod.leader.poll() is None, pod.log(0)[-4000:]
         assert time.monotonic() < deadline, "run-batch wrote nothing"
         time.sleep(0.2)
@@ -180,16 +184,16 @@ def test_run_batch_survives_a_killed_follower_by_rerun(pods, model, expected, tm
     time.sleep(2)
     assert not group_alive(pod.leader.pid), "the leader left processes behind"
     done_before = out.read_text().count("\n")
-    assert 1 <= done_before < len(PROMPTS)
+    assert 2 <= done_before < NUM_RECORDS
 
     rerun = pods(command, ["--disable-log-stats"])
     rerun.leader.communicate(timeout=900)
     assert rerun.leader.returncode == 0, rerun.log(0)[-4000:]
     assert rerun.follower.wait(60) == 0
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["custom_id"] for r in results) == sorted(f"r{i}" for i in range(len(PROMPTS)))
+    assert sorted(r["custom_id"] for r in results) == sorted(f"r{i}" for i in range(NUM_RECORDS))
     for r in results:
-        prompt = PROMPTS[int(r["custom_id"][1:])]
+        prompt = PROMPTS[int(r["custom_id"][1:]) % len(PROMPTS)]
         assert r["response"]["body"]["choices"][0]["text"] == expected[prompt]
 
 
