@@ -96,6 +96,7 @@ async def answer(state: Any, record: dict[str, Any]) -> dict[str, Any]:
     """One batch request through the server's handlers; errors become error results."""
     from pydantic import ValidationError
 
+    from xlm.engine.exceptions import EngineDeadError
     from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
     from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception
 
@@ -128,6 +129,8 @@ async def answer(state: Any, record: dict[str, Any]) -> dict[str, Any]:
             ) from e
         payload = response.model_dump(mode="json", exclude_none=True)
         return _result(custom_id, 200, payload, payload.get("id"))
+    except EngineDeadError:
+        raise  # the batch's failure, not this request's: a rerun must retry the record
     except Exception as e:  # the request's error, never the batch's
         error = error_from_exception(e)
         body = error.to_response().model_dump(mode="json")
@@ -214,9 +217,19 @@ async def run(args: argparse.Namespace) -> int:
     failed = 0
     if todo:
         engine, registry = build_engine(args)
+        from xlm.engine.exceptions import EngineDeadError
+
         try:
             state = ServerState(args, engine, registry)
             failed = await run_records(state, todo, out_path, args.max_concurrency)
+        except EngineDeadError as e:
+            logger.error(
+                "The engine died (%s); the results written to %s so far are kept: rerun "
+                "the same command to finish the remaining records.",
+                str(e).splitlines()[0] if str(e) else "no message",
+                out_path,
+            )
+            return 1
         finally:
             engine.shutdown()
     if n > 1:

@@ -21,6 +21,7 @@ from xlm.config import ParallelConfig, XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.coordination import barrier
 from xlm.executor.abstract import Executor
+from xlm.executor.step_channel import HEARTBEAT_INTERVAL_S
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -119,7 +120,13 @@ class MultihostExecutor(Executor):
 
     def _call(self, method: str, *args: Any) -> Any:
         self.channel.send((method, args))
-        return getattr(self.worker, method)(*args)
+        try:
+            return getattr(self.worker, method)(*args)
+        except Exception:
+            # A collective failing usually means a process died; give the heartbeat
+            # monitor time to name it (it ends this process) before raising the raw error.
+            time.sleep(envs.XLM_MULTIHOST_HEARTBEAT_TIMEOUT_S + 2 * HEARTBEAT_INTERVAL_S)
+            raise
 
     @property
     def num_blocks(self) -> int:
