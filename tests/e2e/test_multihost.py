@@ -224,4 +224,7 @@ def test_serve_over_two_processes_then_leader_death_ends_the_follower(pods, mode
     except subprocess.TimeoutExpired:
         pytest.fail(f"follower outlived its leader:\n{pod.log(1)[-3000:]}")
     assert pod.follower.returncode != 0
-    assert "leader process 0 stopped responding" in pod.log(1)
+    # Our heartbeat names the leader; JAX's coordination client (the service lived in the
+    # leader) may notice first and end the process itself.
+    log = pod.log(1)
+    assert "leader process 0 stopped responding" in log or "JAX distributed service" in log
