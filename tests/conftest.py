@@ -77,6 +77,55 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
+# Issue 16's families. Small soft-caps and a window shorter than the test prompts make each
+# family's distinctive feature change the logits (tests/models/test_family_features.py).
+_ROPE_HALF = 8  # rotary frequencies of a 16-wide head
+TINY_CONFIGS.update(
+    {
+        "opt": (
+            "opt",
+            dict(ffn_dim=128, word_embed_proj_dim=32, tie_word_embeddings=True),
+        ),
+        "gpt2": ("gpt2", dict(n_inner=128, tie_word_embeddings=True)),
+        "gemma2": (
+            "gemma2",
+            dict(
+                head_dim=16,
+                query_pre_attn_scalar=24,
+                sliding_window=8,
+                attn_logit_softcapping=10.0,
+                final_logit_softcapping=30.0,
+                tie_word_embeddings=True,
+            ),
+        ),
+        "gemma3": (
+            "gemma3_text",
+            dict(
+                head_dim=16,
+                query_pre_attn_scalar=24,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                tie_word_embeddings=True,
+            ),
+        ),
+        "phi3": (
+            "phi3",
+            dict(
+                original_max_position_embeddings=128,
+                rope_scaling=dict(
+                    rope_type="longrope",
+                    short_factor=[1.0 + 0.25 * i for i in range(_ROPE_HALF)],
+                    long_factor=[2.0 + 0.5 * i for i in range(_ROPE_HALF)],
+                    original_max_position_embeddings=128,
+                ),
+            ),
+        ),
+        "mixtral": (
+            "mixtral",
+            dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        ),
+    }
+)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
     "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
@@ -89,11 +138,11 @@ def _randomize(model) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or ".ln_" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-            elif "embed_tokens" in name:
+            elif "embed_tokens" in name or name.endswith("wte.weight"):
                 p.copy_(torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
@@ -121,13 +170,14 @@ def build_tokenizer():
     return fast
 
 
-def write_tiny_checkpoint(arch: str, path: str, seed: int = 0, **extra) -> str:
-    """Write a random float32 HF checkpoint + tokenizer for `arch` (config `extra`) to `path`."""
+def write_tiny_checkpoint(arch: str, path: str, seed: int = 0, **changes) -> str:
+    """Write a random float32 HF checkpoint + tokenizer for `arch` (config `changes` on top)
+    into `path`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, overrides = TINY_CONFIGS[arch]
-    config = AutoConfig.for_model(model_type, **{**_BASE, **overrides, **extra})
+    config = AutoConfig.for_model(model_type, **{**_BASE, **overrides, **changes})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model)

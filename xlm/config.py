@@ -92,6 +92,9 @@ class CacheConfig:
     cache_dtype: DTypeName = "auto"
     # Set after memory profiling; a value here overrides profiling (tests, benchmarks).
     num_blocks: int | None = None
+    # Set by the worker from the model: the attention window every layer shares (None:
+    # some layer attends to the whole context); the KV manager frees blocks outside it.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         owner = "CacheConfig"

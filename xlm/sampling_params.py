@@ -14,6 +14,9 @@ _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS_TOKENS = 1024
 # OpenAI clamps logit_bias values to this range; vLLM's server does the same.
 LOGIT_BIAS_LIMIT = 100.0
+# Width of the top-k logprobs the device returns per token (xlm.worker.sampler): no request
+# can get more, so it also caps --max-logprobs.
+MAX_DEVICE_LOGPROBS = 20
 # Fields that a model's generation_config.json may provide defaults for
 # (generation_config key -> SamplingParams field).
 _GENERATION_CONFIG_FIELDS = {

@@ -99,6 +99,27 @@ def get_tokenizer(model: str, tokenizer: str | None = None, trust_remote_code: b
     return _load_tokenizer(os.path.abspath(os.path.expanduser(source)), trust_remote_code)
 
 
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def apply_chat_template(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -106,8 +127,19 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """Render `messages` with the tokenizer's (or the given) chat template into token ids."""
+    """Render `messages` with the tokenizer's (or the given) chat template into token ids.
+
+    `template_kwargs` become extra variables of the template (a chat request's
+    `chat_template_kwargs`, e.g. `enable_thinking`); they cannot replace the arguments above.
+    """
+    extra = dict(template_kwargs or {})
+    reserved = sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs may not set {reserved}: use the request's own fields"
+        )
     if add_generation_prompt and continue_final_message:
         raise ValueError(
             "add_generation_prompt=True and continue_final_message=True cannot be used together: "
@@ -131,6 +163,7 @@ def apply_chat_template(
         tools=tools,
         tokenize=True,
         return_dict=False,
+        **extra,
     )
     if isinstance(ids, Mapping):  # transformers versions that ignore return_dict=False
         ids = ids["input_ids"]

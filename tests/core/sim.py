@@ -67,12 +67,29 @@ class _State:
 class FakeModelRunner:
     """Turns a SchedulerOutput into a ModelRunnerOutput, checking the contract on the way."""
 
-    def __init__(self, num_blocks: int, block_size: int, vocab: int = 1000, check_kv: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab: int = 1000,
+        check_kv: bool = True,
+        window: int | None = None,
+    ):
+        # window: attention sees only the last `window` positions; the scheduler may drop
+        # (null) the blocks before that, and only in-window reads are checked.
+        self.window = window
         self.block_size = block_size
         self.vocab = vocab
         self.check_kv = check_kv
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.reqs: dict[str, _State] = {}
+
+    def _no_live_null(self, block_ids: list[int], num_computed: int) -> bool:
+        """The null block stands only for blocks entirely before the window."""
+        if self.window is None:
+            return 0 not in block_ids
+        first = max(0, num_computed - self.window + 1) // self.block_size
+        return 0 not in block_ids[first:]
 
     def next_token(self, state: _State, last_pos: int) -> int:
         """Greedy 'sampling': a deterministic function of every token up to last_pos."""
@@ -87,7 +104,7 @@ class FakeModelRunner:
             self.reqs[rid].block_ids = None  # dropped from the batch until resumed
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.reqs
-            assert 0 not in new.block_ids, "the null block is never in a block table"
+            assert self._no_live_null(new.block_ids, new.num_computed_tokens)
             self.reqs[new.req_id] = _State(
                 list(new.prompt_token_ids),
                 list(new.prompt_token_ids),
@@ -97,8 +114,8 @@ class FakeModelRunner:
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             st = self.reqs[rid]
-            assert 0 not in c.new_block_ids[i]
             if c.resumed_from_preemption[i]:
+                assert self._no_live_null(c.new_block_ids[i], c.num_computed_tokens[i])
                 assert st.block_ids is None
                 # The scheduler's outputs must agree with what this runner sampled.
                 assert st.tokens[len(st.prompt) :] == c.new_token_ids[i]
@@ -107,6 +124,7 @@ class FakeModelRunner:
                 st.block_ids = list(c.new_block_ids[i])
                 st.num_computed = c.num_computed_tokens[i]
             else:
+                assert 0 not in c.new_block_ids[i], "new blocks are never the null block"
                 assert c.new_token_ids[i] == []
                 assert st.num_computed == c.num_computed_tokens[i]
                 st.block_ids.extend(c.new_block_ids[i])
@@ -121,7 +139,11 @@ class FakeModelRunner:
             assert n > 0 and end <= len(st.tokens), (rid, start, n, len(st.tokens))
             assert len(st.block_ids) * bs >= end, "not enough slots allocated"
             assert len(st.block_ids) == -(-end // bs), "more blocks than needed"
-            assert len(set(st.block_ids)) == len(st.block_ids)
+            # Blocks dropped out of the window keep stale ids here (the scheduler does not
+            # tell the runner): only the blocks still visible must be distinct and real.
+            first = 0 if self.window is None else max(0, start - self.window + 1) // bs
+            live = st.block_ids[first:]
+            assert 0 not in live and len(set(live)) == len(live)
             if self.check_kv:
                 for p in range(start, end):
                     self.kv[st.block_ids[p // bs]][p % bs] = st.value(p)
@@ -130,7 +152,8 @@ class FakeModelRunner:
             st = self.reqs[rid]
             end = st.num_computed + n
             if self.check_kv:
-                for p in range(end):
+                first_read = 0 if self.window is None else max(0, st.num_computed - self.window + 1)
+                for p in range(first_read, end):
                     got = self.kv[st.block_ids[p // bs]][p % bs]
                     assert got == st.value(p), f"{rid}: wrong K/V at position {p}"
             st.num_computed = end
@@ -177,7 +200,7 @@ def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> Non
     pool = kv.block_pool
     owners: Counter[int] = Counter()
     for blocks in kv.req_to_blocks.values():
-        ids = [b.block_id for b in blocks]
+        ids = [b.block_id for b in blocks if not b.is_null]
         assert len(set(ids)) == len(ids)
         owners.update(ids)
     assert pool.null_block.ref_cnt == 0 and pool.null_block.block_id == 0
@@ -198,6 +221,13 @@ def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> Non
     running_ids = {r.request_id for r in sched.running}
     assert len(running_ids) == len(sched.running) <= sched.max_num_seqs
     assert set(kv.req_to_blocks) == running_ids
+    if kv.sliding_window is not None:
+        # A request scheduled for `new` tokens holds only the blocks of positions
+        # [computed - window + 1, computed + new): at most ceil((window - 1 + new) / bs) + 1.
+        for rid, new in (so.num_scheduled_tokens if so is not None else {}).items():
+            bound = -(-(kv.sliding_window - 1 + new) // kv.block_size) + 1
+            held = kv.num_held_blocks(rid)
+            assert held <= bound, (rid, held, bound, new)
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
         assert len(kv.req_to_blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens

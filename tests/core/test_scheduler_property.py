@@ -27,6 +27,7 @@ configs = st.fixed_dictionaries(
         "threshold": st.sampled_from([0, 0, 3, 7]),
         "policy": st.sampled_from(["fcfs", "priority"]),
         "caching": st.sampled_from([True, True, False]),
+        "window": st.sampled_from([None, None, 1, 3, 8]),
     }
 )
 
@@ -63,10 +64,12 @@ def test_random_workloads_keep_invariants_and_finish(cfg, plan):
         SchedulerConfig(
             budget, cfg["max_seqs"], cfg["max_len"], cfg["chunked"], cfg["threshold"], cfg["policy"]
         ),
-        CacheConfig(block_size=bs, enable_prefix_caching=cfg["caching"]),
+        CacheConfig(
+            block_size=bs, enable_prefix_caching=cfg["caching"], sliding_window=cfg["window"]
+        ),
         cfg["num_blocks"],
     )
-    runner = FakeModelRunner(cfg["num_blocks"], bs, vocab=VOCAB)
+    runner = FakeModelRunner(cfg["num_blocks"], bs, vocab=VOCAB, window=cfg["window"])
     cap = min(cfg["max_len"], (cfg["num_blocks"] - 1) * bs)
     specs, aborted, results = {}, set(), {}
 

@@ -78,7 +78,7 @@ def setup(tiny_checkpoint, tmp_path_factory):
     return model, tmp, infile, env
 
 
-def run_batch(model, infile, outfile, env, *extra, wait=True):
+def run_batch(model, infile, outfile, env, *extra, wait=True, rc=0):
     cmd = [
         sys.executable,
         "-m",
@@ -97,7 +97,8 @@ def run_batch(model, infile, outfile, env, *extra, wait=True):
     if not wait:
         return proc
     out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == rc, err[-3000:]
+    proc.stderr_text = err
     return proc
 
 
@@ -121,7 +122,8 @@ def texts(results: list[dict]) -> list[object]:
 def test_results_in_order_with_openai_shapes_and_errors(setup):
     model, tmp, infile, env = setup
     outfile = tmp / "out.jsonl"
-    run_batch(model, infile, outfile, env)
+    proc = run_batch(model, infile, outfile, env, rc=1)  # two records failed: exit 1
+    assert "2 of 8 records failed" in proc.stderr_text
     results = read(outfile)
     assert [r["custom_id"] for r in results] == [r["custom_id"] for r in batch_records()]
     for r in results[:5]:
@@ -142,12 +144,12 @@ def test_results_in_order_with_openai_shapes_and_errors(setup):
 def test_rerun_resumes_after_a_crash(setup):
     model, tmp, infile, env = setup
     outfile = tmp / "resume.jsonl"
-    run_batch(model, infile, outfile, env)
+    run_batch(model, infile, outfile, env, rc=1)
     full = read(outfile)
     lines = open(outfile).read().splitlines(keepends=True)
     # A crash after three results, in the middle of writing the fourth.
     open(outfile, "w").write("".join(lines[:3]) + lines[3][:20])
-    run_batch(model, infile, outfile, env)
+    run_batch(model, infile, outfile, env, rc=1)
     resumed = read(outfile)
     assert [r["id"] for r in resumed[:3]] == [r["id"] for r in full[:3]]  # kept, not redone
     assert [r["custom_id"] for r in resumed] == [r["custom_id"] for r in full]
@@ -157,7 +159,7 @@ def test_rerun_resumes_after_a_crash(setup):
 def test_two_replicas_merge_into_input_order(setup):
     model, tmp, infile, env = setup
     single = tmp / "single.jsonl"
-    run_batch(model, infile, single, env)
+    run_batch(model, infile, single, env, rc=1)
     sharded = tmp / "sharded.jsonl"
     procs = [
         run_batch(
@@ -165,9 +167,9 @@ def test_two_replicas_merge_into_input_order(setup):
         )
         for i in range(2)
     ]
-    for proc in procs:
+    for proc in procs:  # each replica has one failing record
         _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+        assert proc.returncode == 1 and "1 of 4 records failed" in err, err[-3000:]
     merged = read(sharded)
     assert [r["custom_id"] for r in merged] == [r["custom_id"] for r in batch_records()]
     assert texts(merged) == texts(read(single))

@@ -211,9 +211,10 @@ def test_echo_token_prompts_and_tokenize(client, tokenizer):
     lp = scored.choices[0].logprobs
     assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
-    tok = httpx.post(server_url(client) + "/tokenize", json={"prompt": PROMPT}).json()
+    url = server_url(client)
+    tok = httpx.post(url + "/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
     assert tok["tokens"] == ids and tok["count"] == len(ids)
-    detok = httpx.post(server_url(client) + "/detokenize", json={"tokens": ids}).json()
+    detok = httpx.post(url + "/detokenize", json={"tokens": ids}, headers=AUTH).json()
     assert detok["prompt"] == PROMPT
 
 

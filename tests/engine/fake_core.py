@@ -17,8 +17,10 @@ from xlm.core.outputs import EngineCoreOutput, SchedulerStats
 from xlm.engine.core import EngineCore
 from xlm.engine.core_proc import EngineCoreProc
 from xlm.engine.messages import EngineCoreOutputs
+from xlm.engine.serial import register_wire_class
 
 
+@register_wire_class
 @dataclass
 class FakeRequest:
     """The fields of an EngineCoreRequest the fake core reads."""
@@ -93,6 +95,10 @@ class FakeEngineCore(EngineCore):
 
     def echo(self, *args: Any) -> list[Any]:
         return list(args)
+
+    def sleep(self, seconds: float) -> bool:
+        time.sleep(seconds)
+        return True
 
     def shutdown(self) -> None:
         pass

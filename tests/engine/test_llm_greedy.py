@@ -64,10 +64,12 @@ def tiny_case(request, tiny_checkpoint):
 
 def test_tiny_greedy_alone_equals_transformers(tiny_case):
     llm, prompts, refs = tiny_case
+    compiled = llm.llm_engine.num_compilations
     for prompt, ref in zip(prompts, refs):
         (out,) = llm.generate([prompt], greedy(TINY_NEW_TOKENS), use_tqdm=False)
         assert out.outputs[0].token_ids == ref
         assert out.outputs[0].finish_reason == "length"
+    assert llm.llm_engine.num_compilations == compiled  # warm-up compiled every program
 
 
 def test_tiny_greedy_in_preempting_batch_equals_transformers(tiny_case):

@@ -8,20 +8,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
+from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder, register_wire_class
 
 
+@register_wire_class
 class Color(enum.IntEnum):
     RED = 1
     BLUE = 2
 
 
+@register_wire_class
 @dataclass(slots=True)
 class Inner:
     token_ids: list[int]
     logprobs: np.ndarray | None = None
 
 
+@register_wire_class
 @dataclass
 class Outer:
     request_id: str
@@ -36,6 +39,7 @@ class Outer:
         self.calls += 1
 
 
+@register_wire_class
 class WithDict:
     def __init__(self, a: int, b: list[str]) -> None:
         self.a, self.b = a, b
@@ -111,3 +115,46 @@ def test_refuses_classes_outside_allowed_modules():
 def test_unencodable_object_is_a_type_error():
     with pytest.raises(TypeError, match="cannot encode"):
         MsgpackEncoder().encode(object())
+
+
+class Unregistered:
+    def __init__(self, a: int) -> None:
+        self.a = a
+
+    def to_dict(self) -> dict:
+        return {"a": self.a}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Unregistered:
+        return cls(data["a"])
+
+
+def test_only_registered_classes_decode_even_under_xlm():
+    # An xlm class that is not a wire class (importable, but not in the registry).
+    import msgpack
+
+    body = msgpack.packb(msgpack.ExtType(3, msgpack.packb(["xlm.config:XlmConfig", {}, 0])))
+    with pytest.raises(ValueError, match="not a registered wire class"):
+        MsgpackDecoder().decode([body])
+    # A test class that did not register itself: refused, though it is under tests.
+    frames = MsgpackEncoder().encode(Unregistered(1))
+    with pytest.raises(ValueError, match="not a registered wire class"):
+        MsgpackDecoder().decode(frames)
+
+
+def test_enum_values_and_dataclass_fields_are_checked():
+    import msgpack
+
+    body = msgpack.packb(
+        msgpack.ExtType(4, msgpack.packb(["xlm.sampling_params:RequestOutputKind", 99]))
+    )
+    with pytest.raises(ValueError, match="not a valid"):
+        MsgpackDecoder().decode([body])
+    frames = MsgpackEncoder().encode(Inner([1]))
+    bad = bytes(frames[0]).replace(b"token_ids", b"token_idz")
+    with pytest.raises(ValueError, match="unknown fields"):
+        MsgpackDecoder().decode([bad])
+    from xlm.sampling_params import RequestOutputKind
+
+    kind, _ = _roundtrip(RequestOutputKind.DELTA)
+    assert kind is RequestOutputKind.DELTA

@@ -1,4 +1,11 @@
-"""Which KV cache blocks each request holds: prefix-cache lookup, allocation, freeing."""
+"""Which KV cache blocks each request holds: prefix-cache lookup, allocation, freeing.
+
+With a sliding window (every attention layer of the model attends to at most `window`
+past tokens), blocks whose tokens all fell out of the window are freed while the request
+runs and replaced by the null block in its table, so a request holds at most
+ceil(window / block_size) + 1 blocks past its prefill (plus the blocks of one step's new
+tokens). Freed full blocks stay in the prefix cache until reused, like any freed block.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +23,11 @@ class KVCacheManager:
         block_size: int,
         max_model_len: int,
         enable_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} is invalid: must be >= 1 or None")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -24,6 +35,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
+        # Sliding window: how many leading blocks of each request were freed (now null).
+        self.num_dropped_block: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up, once per admission
         self.prefix_cache_hits = 0  # of which found cached
 
@@ -81,12 +94,19 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.get(request_id)
         bs = self.block_size
         if req_blocks is not None and not new_computed_blocks:
-            # Fast path (most decode steps): the tokens fit and no block becomes full.
-            num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-            if num_total <= len(req_blocks) * bs and (
-                not self.enable_caching or num_total // bs <= self.num_cached_block[request_id]
+            # Fast path (most decode steps): the tokens fit, no block becomes full and none
+            # leaves the window.
+            num_computed = request.num_computed_tokens + num_new_computed_tokens
+            num_total = num_computed + num_new_tokens
+            if (
+                num_total <= len(req_blocks) * bs
+                and (
+                    not self.enable_caching or num_total // bs <= self.num_cached_block[request_id]
+                )
+                and self._first_block_in_window(num_computed) <= self.num_dropped_block[request_id]
             ):
                 return []
+            self._drop_out_of_window(request_id, req_blocks, num_computed)
         is_new = req_blocks is None
         if is_new:
             req_blocks = []
@@ -106,11 +126,13 @@ class KVCacheManager:
         if is_new:
             self.req_to_blocks[request_id] = req_blocks
             self.num_cached_block[request_id] = 0
+            self.num_dropped_block[request_id] = 0
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_new_computed_tokens
         if num_hit:
             pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
+            self._drop_out_of_window(request_id, req_blocks, num_computed)
         if num_new_blocks > 0:
             new_blocks = pool.get_new_blocks(num_new_blocks)
             req_blocks.extend(new_blocks)
@@ -126,12 +148,41 @@ class KVCacheManager:
                 self.num_cached_block[request_id] = num_full
         return new_ids
 
+    def _first_block_in_window(self, num_computed: int) -> int:
+        """Index of the first block the next query (at position num_computed) can see."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def _drop_out_of_window(
+        self, request_id: str, req_blocks: list[KVCacheBlock], num_computed: int
+    ) -> None:
+        """Free the leading blocks no query from position num_computed on can attend to.
+
+        The model runner keeps their stale ids in its table; attention masks every key
+        outside the window by position, so whatever a reused block holds is never read.
+        """
+        first = min(self._first_block_in_window(num_computed), len(req_blocks))
+        dropped = self.num_dropped_block[request_id]
+        if first <= dropped:
+            return
+        null = self.block_pool.null_block
+        out = [b for b in req_blocks[dropped:first] if not b.is_null]
+        req_blocks[dropped:first] = [null] * (first - dropped)
+        self.num_dropped_block[request_id] = first
+        self.block_pool.free_blocks(out)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (null placeholders of dropped blocks not counted)."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so shared prefixes are evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        self.num_dropped_block.pop(request.request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table."""

@@ -101,6 +101,8 @@ class EngineCoreOutput:
     new_logprobs: Any = None
     new_prompt_logprobs: Any = None
     num_cached_tokens: int = 0
+    # When the scheduler first picked the request (time.time()); None if unknown.
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -53,6 +53,7 @@ class Request:
         "all_token_ids",
         "num_computed_tokens",
         "num_cached_tokens",
+        "first_scheduled_time",
         "status",
         "stop_reason",
         "block_hashes",
@@ -86,6 +87,8 @@ class Request:
         self.num_computed_tokens = 0
         # Prefix-cache hit (tokens) at the first schedule; -1 until then.
         self.num_cached_tokens = -1
+        # When the scheduler first picked it (time.time(), the clock of arrival_time).
+        self.first_scheduled_time: float | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks, in order; the KV cache manager extends it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 
 from xlm.config import CacheConfig, SchedulerConfig
@@ -50,7 +51,11 @@ class Scheduler:
         )
         self.policy = scheduler_config.policy
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching
+            num_blocks,
+            self.block_size,
+            self.max_model_len,
+            cache_config.enable_prefix_caching,
+            sliding_window=cache_config.sliding_window,
         )
         pool_tokens = self.kv_cache_manager.num_usable_blocks * self.block_size
         # A request may grow only as long as the whole pool holds; past that it could only
@@ -205,6 +210,8 @@ class Scheduler:
                 request.num_computed_tokens = num_hit
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.time()
                 req_id = request.request_id
                 if request.status == _PREEMPTED:
                     c_ids.append(req_id)
@@ -281,6 +288,7 @@ class Scheduler:
                             [],
                             new_prompt_logprobs=new_prompt_logprobs,
                             num_cached_tokens=request.num_cached_tokens,
+                            first_scheduled_time=request.first_scheduled_time,
                         )
                     )
                 continue
@@ -312,6 +320,7 @@ class Scheduler:
                         new_logprobs,
                         new_prompt_logprobs,
                         request.num_cached_tokens,
+                        request.first_scheduled_time,
                     )
                 )
             else:
@@ -324,6 +333,7 @@ class Scheduler:
                         new_logprobs,
                         new_prompt_logprobs,
                         request.num_cached_tokens,
+                        request.first_scheduled_time,
                     )
                 )
         if any_finished:

@@ -18,12 +18,17 @@ from xlm.config import (
 )
 
 _HELP = {
-    "model": "model directory, .gguf file, or built-in name (smollm2-135m)",
+    "model": "model directory, .gguf file, built-in name (smollm2-135m) or Hugging Face "
+    "name (org/name: the local hub cache first, downloaded unless HF_HUB_OFFLINE=1)",
+    "revision": "branch, tag or commit of a Hugging Face model (default: main)",
+    "download_dir": "Hugging Face cache directory to read and download into "
+    "(default: HF_HUB_CACHE or HF_HOME/hub)",
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "weights and activations dtype; auto = float32 on CPU, else the checkpoint's",
     "max_model_len": "context length (default: the model's)",
     "seed": "seed of the engine's random state",
-    "load_format": "weights format: auto, safetensors, gguf or dummy (random weights)",
+    "load_format": "weights format: auto, safetensors, gguf or dummy (random weights); for a "
+    "Hugging Face name only these files are fetched (auto: safetensors)",
     "served_model_name": "model name in the API (default: the model argument)",
     "generation_config": "'auto' (use generation_config.json defaults), 'xlm' or a directory",
     "block_size": "tokens per KV cache block",
@@ -60,6 +65,8 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     load_format: str = "auto"
+    revision: str | None = None
+    download_dir: str | None = None
     served_model_name: str | None = None
     generation_config: str = "auto"
     block_size: int = 16
@@ -148,10 +155,14 @@ class EngineArgs:
         from xlm.models.loader import load_hf_config
         from xlm.platforms import current_platform
 
-        model_path = resolve_model_name(self.model)
+        hub = dict(revision=self.revision, download_dir=self.download_dir)
+        model_path = resolve_model_name(self.model, load_format=self.load_format, **hub)
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            tokenizer = resolve_model_name(tokenizer, load_format="dummy", **hub)
         model_config = ModelConfig(
             model=model_path,
-            tokenizer=self.tokenizer,
+            tokenizer=tokenizer,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,

@@ -169,9 +169,31 @@ class AsyncLLM:
         core_requests = _register(self.output_processor, request)
         self.core_ids[request_id] = [r.request_id for r in core_requests]
         now = time.monotonic()
-        for core_request in core_requests:
-            self.stats_tracker.add(core_request.request_id, now, len(core_request.prompt_token_ids))
-            await self.engine_core.add_request_async(core_request)
+        sent: list[str] = []
+        try:
+            for core_request in core_requests:
+                self.stats_tracker.add(
+                    core_request.request_id, now, len(core_request.prompt_token_ids)
+                )
+                await self.engine_core.add_request_async(core_request)
+                sent.append(core_request.request_id)
+        except BaseException:
+            # Nothing of a request the core never got stays registered here.
+            self.collectors.pop(request_id, None)
+            self.core_ids.pop(request_id, None)
+            for core_request in core_requests:
+                self.stats_tracker.remove(core_request.request_id)
+            self.output_processor.abort_requests([request_id])
+            if (
+                sent
+                and self.dead_error is None
+                and not getattr(self.engine_core, "engine_dead", False)
+            ):
+                try:
+                    await self.engine_core.abort_requests_async(sent)
+                except Exception:
+                    logger.warning("Could not abort the parts of %s already sent", request_id)
+            raise
         return collector
 
     async def abort(self, request_id: str) -> None:

@@ -65,11 +65,11 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule one step, run it, and return the new tokens and finished requests."""
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.monotonic())
+            return EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.time())
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs, self._stats(), time.monotonic())
+        return EngineCoreOutputs(outputs, self._stats(), time.time())
 
     def _stats(self) -> SchedulerStats | None:
         return self.make_stats() if self.log_stats else None

@@ -186,7 +186,11 @@ class EngineCoreProc(EngineCore):
             while True:
                 frames = socket.recv_multipart(copy=False)
                 kind = frames[0].bytes
-                payload = decoder.decode(frames[1:])
+                try:
+                    payload = decoder.decode(frames[1:])
+                except Exception as e:  # a bad message is dropped; the engine keeps serving
+                    logger.error("Dropped a %r message the engine cannot decode: %s", kind, e)
+                    continue
                 self.input_queue.put((kind, payload))
                 if kind == RequestType.SHUTDOWN:
                     return

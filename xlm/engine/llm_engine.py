@@ -53,8 +53,18 @@ class LLMEngine:
         request = self.processor.process_inputs(
             request_id, prompt, params, arrival_time, priority=priority, cache_salt=cache_salt
         )
-        for core_request in self.output_processor.add_engine_request(request):
-            self.engine_core.add_request(core_request)
+        sent: list[str] = []
+        try:
+            for core_request in self.output_processor.add_engine_request(request):
+                self.engine_core.add_request(core_request)
+                sent.append(core_request.request_id)
+        except BaseException:
+            # The core refused it (or the send failed): forget it here too, so the caller's
+            # loop over unfinished requests does not wait for it forever.
+            self.output_processor.abort_requests([request_id])
+            if sent:
+                self.engine_core.abort_requests(sent)
+            raise
 
     def abort_request(self, request_ids: list[str]) -> None:
         core_ids = self.output_processor.abort_requests(request_ids)

@@ -206,6 +206,8 @@ class SyncMPClient(_MPClientBase):
         super().__init__(*args, **kwargs)
         self.outputs_queue: queue.Queue[Any] = queue.Queue()
         self._pending: dict[int, Future] = {}
+        # The reader thread and any caller thread touch _pending.
+        self._pending_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_outputs, daemon=True)
         self._reader.start()
@@ -220,8 +222,9 @@ class SyncMPClient(_MPClientBase):
                     self.outputs_queue.put(payload)
                 elif kind == OutputType.UTILITY_RESULT:
                     call_id, ok, value = payload
-                    future = self._pending.pop(call_id, None)
-                    if future is not None:
+                    with self._pending_lock:
+                        future = self._pending.pop(call_id, None)
+                    if future is not None and not future.done():
                         if ok:
                             future.set_result(value)
                         else:
@@ -236,9 +239,12 @@ class SyncMPClient(_MPClientBase):
         if message and self.engine.dead_message is None:
             self.engine.dead_message = message
         error = EngineDeadError(self.engine.dead_message or "the engine core process is dead")
-        for future in list(self._pending.values()):
-            future.set_exception(error)
-        self._pending.clear()
+        with self._pending_lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for future in pending:
+            if not future.done():
+                future.set_exception(error)
         self.outputs_queue.put(error)
 
     def _send(self, kind: bytes, payload: Any) -> None:
@@ -267,9 +273,14 @@ class SyncMPClient(_MPClientBase):
         """Call a method of the engine core in its process and return its result."""
         call_id = next(self._call_ids)
         future: Future = Future()
-        self._pending[call_id] = future
-        self._send(RequestType.UTILITY, [call_id, method, list(args)])
-        return future.result(timeout)
+        with self._pending_lock:
+            self._pending[call_id] = future
+        try:
+            self._send(RequestType.UTILITY, [call_id, method, list(args)])
+            return future.result(timeout)
+        finally:  # answered, timed out or failed: the entry goes either way
+            with self._pending_lock:
+                self._pending.pop(call_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache in the core."""
@@ -379,8 +390,11 @@ class AsyncMPClient(_MPClientBase):
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        await self._send(RequestType.UTILITY, [call_id, method, list(args)])
-        return await asyncio.wait_for(future, timeout)
+        try:
+            await self._send(RequestType.UTILITY, [call_id, method, list(args)])
+            return await asyncio.wait_for(future, timeout)
+        finally:  # answered, timed out or failed: the entry goes either way
+            self._pending.pop(call_id, None)
 
     async def reset_prefix_cache_async(self) -> bool:
         """Forget the prefix cache in the core."""

@@ -209,6 +209,9 @@ class OutputProcessor:
             new_ids = list(out.new_token_ids)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             metrics = state.metrics
+            scheduled = getattr(out, "first_scheduled_time", None)
+            if metrics.first_scheduled_time is None and scheduled is not None:
+                metrics.first_scheduled_time = scheduled
             if new_ids:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = timestamp
@@ -259,6 +262,11 @@ class OutputProcessor:
     def _merge_metrics(
         total: RequestMetrics, child: RequestMetrics, finished: float | None
     ) -> None:
+        if child.first_scheduled_time is not None and (
+            total.first_scheduled_time is None
+            or child.first_scheduled_time < total.first_scheduled_time
+        ):
+            total.first_scheduled_time = child.first_scheduled_time
         if child.first_token_time is not None and total.first_token_time is None:
             total.first_token_time = child.first_token_time
         total.last_token_time = child.last_token_time or total.last_token_time

@@ -7,7 +7,8 @@ read back with ``np.frombuffer``, so neither side copies them).
 Beyond msgpack's own types the encoder handles numpy arrays and scalars, sets,
 enums, dataclasses (field by field, without re-running ``__post_init__``) and
 objects with ``to_dict``/``from_dict`` (``SamplingParams``). Classes are named by
-their import path and only those under the allowed module prefixes are decoded.
+their import path; only those in the explicit registry (``WIRE_CLASSES``, plus what
+``register_wire_class`` adds) decode, and an unknown name or enum value is an error.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ _EXT_TUPLE = 6  # [items]
 
 # Arrays at least this many bytes travel as their own frame instead of inline.
 INLINE_ARRAY_BYTES = 256
-ALLOWED_MODULE_PREFIXES: tuple[str, ...] = ("xlm.", "tests.")
 
 Frame = bytes | bytearray | memoryview
 
@@ -40,21 +40,46 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-_class_cache: dict[str, type] = {}
+# The classes that may cross the engine socket, by where they are imported from (the
+# registry keys them by their own module:qualname, so a class moved behind a re-export
+# still resolves). Nothing else decodes: no import happens on a name a message carries.
+WIRE_CLASSES: tuple[tuple[str, str], ...] = (
+    ("xlm.engine.messages", "EngineCoreRequest"),
+    ("xlm.sampling_params", "SamplingParams"),
+    ("xlm.sampling_params", "RequestOutputKind"),
+    ("xlm.sampling_params", "SamplingType"),
+    ("xlm.core.outputs", "EngineCoreOutput"),
+    ("xlm.core.outputs", "SchedulerStats"),
+    ("xlm.engine.messages", "EngineCoreOutputs"),
+)
+
+_registry: dict[str, type] = {}
+_builtins_loaded = False
+
+
+def register_wire_class(cls: type) -> type:
+    """Allow `cls` to be decoded (usable as a class decorator; tests register their fakes)."""
+    _registry[_class_path(cls)] = cls
+    return cls
+
+
+def _load_wire_classes() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    for module_name, name in WIRE_CLASSES:
+        register_wire_class(getattr(importlib.import_module(module_name), name))
+    _builtins_loaded = True
 
 
 def _resolve_class(path: str) -> type:
-    cls = _class_cache.get(path)
-    if cls is not None:
-        return cls
-    module_name, _, qualname = path.partition(":")
-    if not module_name.startswith(ALLOWED_MODULE_PREFIXES):
-        raise ValueError(f"refusing to decode class {path!r}: not under {ALLOWED_MODULE_PREFIXES}")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    _class_cache[path] = obj
-    return obj
+    cls = _registry.get(path)
+    if cls is None:
+        _load_wire_classes()
+        cls = _registry.get(path)
+    if cls is None:
+        raise ValueError(f"refusing to decode class {path!r}: not a registered wire class")
+    return cls
 
 
 class MsgpackEncoder:
@@ -147,7 +172,13 @@ class MsgpackDecoder:
             return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
         if code == _EXT_ENUM:
             path, value = self._unpack(data)
-            return _resolve_class(path)(value)
+            cls = _resolve_class(path)
+            if not issubclass(cls, enum.Enum):
+                raise ValueError(f"refusing to decode {path!r} as an enum: it is not one")
+            try:
+                return cls(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a valid {path}") from None
         if code == _EXT_SET:
             return set(self._unpack(data))
         if code == _EXT_TUPLE:
@@ -155,8 +186,15 @@ class MsgpackDecoder:
         if code == _EXT_OBJECT:
             path, state, via_from_dict = self._unpack(data)
             cls = _resolve_class(path)
+            if not isinstance(state, dict):
+                raise ValueError(f"bad state for {path}: expected a mapping")
             if via_from_dict:
                 return cls.from_dict(state)
+            if not dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum):
+                raise ValueError(f"refusing to decode {path!r} field by field: not a dataclass")
+            unknown = set(state) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise ValueError(f"bad state for {path}: unknown fields {sorted(unknown)}")
             obj = cls.__new__(cls)
             for name, value in state.items():
                 object.__setattr__(obj, name, value)

@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("xlm.entrypoints.generate", "generate a completion for a prompt"),
     "chat": ("xlm.entrypoints.generate", "interactive chat on the terminal"),
     "convert": ("xlm.entrypoints.convert", "convert a GGUF file to a safetensors directory"),
-    "run-batch": ("xlm.entrypoints.run_batch", "run a file of OpenAI batch requests"),
+    "run-batch": ("xlm.entrypoints.run_batch_cli", "run a file of OpenAI batch requests"),
     "serve": ("xlm.entrypoints.serve", "start the OpenAI-compatible server"),
 }
 

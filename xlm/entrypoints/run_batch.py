@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import sys
@@ -47,7 +48,14 @@ def read_records(path: str) -> list[dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict) or not isinstance(record.get("body"), dict):
+            if not isinstance(record, dict):
+                # Valid JSON but no request: this line alone gets an error result.
+                record = {
+                    "custom_id": f"line-{lineno}",
+                    "input_error": f"line {lineno}: expected a JSON object, "
+                    f"got {type(record).__name__}",
+                }
+            elif not isinstance(record.get("body"), dict):
                 raise ValueError(f"{path}:{lineno}: expected an object with a 'body' object")
             custom_id = record.get("custom_id")
             if not isinstance(custom_id, str) or not custom_id:
@@ -60,7 +68,11 @@ def read_records(path: str) -> list[dict[str, Any]]:
 
 
 def done_ids(path: str) -> set[str]:
-    """custom_ids already answered in an existing output file (a partial last line is cut)."""
+    """custom_ids already answered in an existing output file (a partial last line is cut).
+
+    A line that is not a whole JSON result object (torn by a crash) is cut with
+    everything after it; those records are answered again.
+    """
     if not os.path.exists(path):
         return set()
     ids: set[str] = set()
@@ -68,9 +80,15 @@ def done_ids(path: str) -> set[str]:
     with open(path, "rb") as f:
         for line in f:
             try:
-                ids.add(json.loads(line)["custom_id"])
-            except (ValueError, KeyError):
-                break  # a line cut by a crash: it and what follows are redone
+                result = json.loads(line)
+            except ValueError:
+                break
+            if not line.endswith(b"\n") or not isinstance(result, dict):
+                break
+            custom_id = result.get("custom_id")
+            if not isinstance(custom_id, str):
+                break
+            ids.add(custom_id)
             good += len(line)
     with open(path, "rb+") as f:
         f.truncate(good)
@@ -96,11 +114,14 @@ async def answer(state: Any, record: dict[str, Any]) -> dict[str, Any]:
     """One batch request through the server's handlers; errors become error results."""
     from pydantic import ValidationError
 
-    from xlm.engine.exceptions import EngineDeadError
     from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
     from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception
 
     custom_id = record["custom_id"]
+    if "input_error" in record:
+        message = record["input_error"]
+        body = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+        return _result(custom_id, 400, body, None)
     url = record.get("url")
     method = record.get("method", "POST")
     body = dict(record["body"])
@@ -129,19 +150,68 @@ async def answer(state: Any, record: dict[str, Any]) -> dict[str, Any]:
             ) from e
         payload = response.model_dump(mode="json", exclude_none=True)
         return _result(custom_id, 200, payload, payload.get("id"))
-    except EngineDeadError:
-        raise  # the batch's failure, not this request's: a rerun must retry the record
     except Exception as e:  # the request's error, never the batch's
         error = error_from_exception(e)
         body = error.to_response().model_dump(mode="json")
         return _result(custom_id, int(error.status), body, None)
 
 
+# Output is flushed and fsynced at least this often (seconds), and at exit.
+FSYNC_INTERVAL_S = 2.0
+
+
+class BatchStopped(RuntimeError):
+    """The engine died mid-job: the records not yet answered were not written."""
+
+    def __init__(self, cause: BaseException, unanswered: int) -> None:
+        super().__init__(
+            f"the engine died ({cause}); {unanswered} records were not answered and not "
+            "written: rerun the same command to answer them"
+        )
+        self.unanswered = unanswered
+
+
+def is_final(result: dict[str, Any]) -> bool:
+    """A success or the request's own (4xx) error; 5xx results are redone on a rerun."""
+    return int(result["response"]["status_code"]) < 500
+
+
+class _Output:
+    """The output file, appended to; flushed and fsynced at a bounded interval and at close."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a")
+        self.last_sync = time.monotonic()
+
+    def write(self, result: dict[str, Any]) -> None:
+        self.file.write(json.dumps(result) + "\n")
+        self.file.flush()
+        if time.monotonic() - self.last_sync >= FSYNC_INTERVAL_S:
+            self.sync()
+
+    def sync(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.last_sync = time.monotonic()
+
+    def close(self) -> None:
+        try:
+            self.sync()
+        finally:
+            self.file.close()
+
+
 async def run_records(
     state: Any, records: list[dict[str, Any]], out_path: str, max_concurrency: int
-) -> int:
-    """Answer records concurrently, appending results to out_path in input order."""
+) -> tuple[int, int]:
+    """Answer records concurrently, appending final results to out_path in input order.
+
+    Returns (failed, redo): results written with an error, and records whose result was
+    a server error (5xx, not written, so a rerun answers them). Raises BatchStopped when
+    the engine dies: nothing from that record on is written.
+    """
     gate = asyncio.Semaphore(max_concurrency)
+    engine = state.engine
 
     async def bounded(record: dict[str, Any]) -> dict[str, Any]:
         async with gate:
@@ -151,16 +221,47 @@ async def run_records(
     bar = tqdm(
         total=len(tasks), desc="Batch requests", unit="req", disable=envs.XLM_DISABLE_PROGRESS_BARS
     )
-    failed = 0
-    with open(out_path, "a") as out:
-        for task in tasks:  # in input order, so a crash leaves a resumable prefix
+    failed = redo = 0
+    out = _Output(out_path)
+    try:
+        for done, task in enumerate(tasks):  # in input order: a crash leaves a resumable prefix
             result = await task
+            if not is_final(result):
+                if engine.errored:
+                    raise BatchStopped(engine.dead_error, len(tasks) - done)
+                redo += 1
+                continue
             failed += result["error"] is not None
-            out.write(json.dumps(result) + "\n")
-            out.flush()
+            out.write(result)
             bar.update(1)
-    bar.close()
-    return failed
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        out.close()
+        bar.close()
+    return failed, redo
+
+
+def reorder(out_path: str, order: list[str]) -> None:
+    """Rewrite a complete output file in input order (results redone on a rerun were
+    appended at the end)."""
+    lines: dict[str, str] = {}
+    with open(out_path) as f:
+        for line in f:
+            lines[json.loads(line)["custom_id"]] = line
+    if list(lines) == order or set(lines) != set(order):
+        return
+    _write_atomic(out_path, [lines[c] for c in order])
+
+
+def _write_atomic(path: str, lines: list[str]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def merge_shards(out_path: str, shard_paths: list[str], order: list[str]) -> None:
@@ -176,26 +277,49 @@ def merge_shards(out_path: str, shard_paths: list[str], order: list[str]) -> Non
             f"{len(missing)} record(s) are in no shard file, e.g. custom_id {missing[0]!r}: "
             "rerun the replica that owns them, then merge again"
         )
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        for custom_id in order:
-            f.write(results[custom_id])
-    os.replace(tmp, out_path)
+    _write_atomic(out_path, [results[custom_id] for custom_id in order])
 
 
 def _shard_path(out_path: str, index: int, count: int) -> str:
     return f"{out_path}.shard-{index}-of-{count}"
 
 
+def input_digest(path: str) -> str:
+    """sha256 of the input file: a shard's completion marker names the input it is for."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _marker_ok(shard_path: str, digest: str) -> bool:
+    """Whether a shard's completion marker was written by a run over this same input."""
+    try:
+        with open(shard_path + ".done") as f:
+            return f.read().strip() == digest
+    except OSError:
+        return False
+
+
 async def run(args: argparse.Namespace) -> int:
     from xlm.entrypoints.openai.api_server import ServerState, build_engine
 
+    if args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency={args.max_concurrency} is invalid: must be >= 1")
+    from xlm.sampling_params import MAX_DEVICE_LOGPROBS
+
+    if not 0 <= args.max_logprobs <= MAX_DEVICE_LOGPROBS:
+        raise ValueError(
+            f"--max-logprobs={args.max_logprobs} is invalid: allowed [0, {MAX_DEVICE_LOGPROBS}]"
+        )
     records = read_records(args.input_file)
     n, i = args.num_shards, args.shard_index
     if not 0 <= i < n:
         raise ValueError(f"--shard-index={i} is invalid: allowed [0, {n})")
+    digest = input_digest(args.input_file) if n > 1 else ""
     order = [r["custom_id"] for r in records]
-    if args.merge:
+    if getattr(args, "merge", False):
         shards = [_shard_path(args.output_file, k, n) for k in range(n)]
         absent = [p for p in shards if not os.path.exists(p)]
         if absent:
@@ -204,6 +328,8 @@ async def run(args: argparse.Namespace) -> int:
         logger.info("Merged %d shard(s) into %s.", n, args.output_file)
         return 0
     out_path = args.output_file if n == 1 else _shard_path(args.output_file, i, n)
+    if n > 1 and os.path.exists(out_path + ".done"):
+        os.remove(out_path + ".done")  # this run decides afresh whether the shard is complete
     mine = records[i::n]
     finished = done_ids(out_path)
     todo = [r for r in mine if r["custom_id"] not in finished]
@@ -214,77 +340,59 @@ async def run(args: argparse.Namespace) -> int:
         len(mine),
         len(mine) - len(todo),
     )
-    failed = 0
+    failed = redo = 0
     if todo:
         engine, registry = build_engine(args)
-        from xlm.engine.exceptions import EngineDeadError
-
         try:
             state = ServerState(args, engine, registry)
-            failed = await run_records(state, todo, out_path, args.max_concurrency)
-        except EngineDeadError as e:
-            logger.error(
-                "The engine died (%s); the results written to %s so far are kept: rerun "
-                "the same command to finish the remaining records.",
-                str(e).splitlines()[0] if str(e) else "no message",
-                out_path,
-            )
+            failed, redo = await run_records(state, todo, out_path, args.max_concurrency)
+        except BatchStopped as e:
+            print(f"xlm run-batch: error: {e}", file=sys.stderr)
             return 1
         finally:
             engine.shutdown()
-    if n > 1:
-        open(out_path + ".done", "w").close()
+    failed += count_failed(out_path, finished)
+    if redo:
+        print(
+            f"xlm run-batch: error: {redo} records got a server error and were not written: "
+            "rerun the same command to answer them",
+            file=sys.stderr,
+        )
+        return 1
+    if n == 1:
+        reorder(out_path, [r["custom_id"] for r in mine])
+    else:
+        with open(out_path + ".done", "w") as f:
+            f.write(digest)
         if i == 0:
             shards = [_shard_path(args.output_file, k, n) for k in range(n)]
             deadline = time.monotonic() + args.merge_timeout
-            while not all(os.path.exists(p + ".done") for p in shards):
+            while not all(_marker_ok(p, digest) for p in shards):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"shards not complete after {args.merge_timeout} s: "
-                        f"{[p for p in shards if not os.path.exists(p + '.done')]}"
+                        f"{[p for p in shards if not _marker_ok(p, digest)]}"
                     )
                 await asyncio.sleep(1.0)
             merge_shards(args.output_file, shards, order)
     logger.info("Wrote %s (%d failed requests).", args.output_file, failed)
+    if failed:
+        print(
+            f"xlm run-batch: {failed} of {len(mine)} records failed (their error results are "
+            f"in {out_path})",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
-def add_parser(subparsers: Any, name: str, help_text: str) -> None:
-    from xlm.entrypoints.openai.cli_args import add_engine_args, add_serving_args
-
-    parser = subparsers.add_parser(
-        name,
-        help=help_text,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("-i", "--input-file", required=True, help="JSONL of batch requests")
-    parser.add_argument("-o", "--output-file", required=True, help="JSONL of results")
-    parser.add_argument(
-        "--max-concurrency", type=int, default=256, help="requests in flight at once"
-    )
-    parser.add_argument(
-        "--num-shards", type=int, default=1, help="data-parallel replicas (one per host)"
-    )
-    parser.add_argument("--shard-index", type=int, default=0, help="this replica's index")
-    parser.add_argument(
-        "--merge-timeout",
-        type=float,
-        default=24 * 3600.0,
-        help="seconds replica 0 waits for the other shards",
-    )
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="only merge the --num-shards shard files of --output-file (copied from the "
-        "hosts) into it, in input order; runs no model",
-    )
-    add_serving_args(parser)
-    add_engine_args(parser)
-    parser.set_defaults(func=lambda args: asyncio.run(run(args)))
-
-
-def main() -> int:
-    from xlm.entrypoints.cli import main as cli_main
-
-    return cli_main(["run-batch", *sys.argv[1:]])
+def count_failed(out_path: str, ids: set[str]) -> int:
+    """Error results among `ids` in an output file (those answered by an earlier run)."""
+    if not ids or not os.path.exists(out_path):
+        return 0
+    failed = 0
+    with open(out_path) as f:
+        for line in f:
+            result = json.loads(line)
+            failed += result["custom_id"] in ids and result.get("error") is not None
+    return failed

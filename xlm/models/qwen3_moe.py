@@ -22,14 +22,23 @@ from xlm.models.weights import WeightTarget, column_part
 from xlm.ops import SiluAndMul
 
 
-class Qwen3MoeSparseMoeBlock(nnx.Module):
+class SparseMoeBlock(nnx.Module):
     """Softmax router, top-k experts (optionally renormalized), weighted sum of outputs."""
 
-    def __init__(self, config: Any, *, dtype: Any, rngs: nnx.Rngs) -> None:
-        hidden, inter = config.hidden_size, config.moe_intermediate_size
-        self.num_experts = config.num_experts
-        self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = bool(config.norm_topk_prob)
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        *,
+        dtype: Any,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = bool(norm_topk_prob)
         self.gate = Linear(hidden, self.num_experts, dtype=dtype, rngs=rngs)
         std = hidden**-0.5
         # Tensor split of every expert (not expert parallelism): each device holds a slice
@@ -68,6 +77,21 @@ class Qwen3MoeSparseMoeBlock(nnx.Module):
         h = jax.lax.ragged_dot(h, self.down_proj[...], group_sizes)
         out = h[jnp.argsort(order)].reshape(num_tokens, self.top_k, -1)
         return jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights).astype(x.dtype)
+
+
+class Qwen3MoeSparseMoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's experts: moe_intermediate_size wide, renormalized when norm_topk_prob."""
+
+    def __init__(self, config: Any, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        super().__init__(
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.norm_topk_prob,
+            dtype=dtype,
+            rngs=rngs,
+        )
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

@@ -10,8 +10,14 @@ from xlm.logger import init_logger
 logger = init_logger(__name__)
 
 _BUILTIN_MODELS: dict[str, str] = {
+    "Gemma2ForCausalLM": "xlm.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "xlm.models.gemma2:Gemma3ForCausalLM",
+    "GPT2LMHeadModel": "xlm.models.gpt2:GPT2LMHeadModel",
     "LlamaForCausalLM": "xlm.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "xlm.models.mistral:MistralForCausalLM",
+    "MixtralForCausalLM": "xlm.models.mixtral:MixtralForCausalLM",
+    "OPTForCausalLM": "xlm.models.opt:OPTForCausalLM",
+    "Phi3ForCausalLM": "xlm.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "xlm.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "xlm.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "xlm.models.qwen3_moe:Qwen3MoeForCausalLM",

@@ -1,16 +1,29 @@
 """Op layers (CustomOp subclasses); importing this package registers them."""
 
-from xlm.ops.activation import SiluAndMul
+from xlm.ops.activation import (
+    Gelu,
+    GeluAndMul,
+    ReLU,
+    SiluAndMul,
+    get_act_and_mul_fn,
+    get_act_fn,
+)
 from xlm.ops.custom_op import CustomOp
-from xlm.ops.layernorm import RMSNorm
+from xlm.ops.layernorm import LayerNorm, RMSNorm
 from xlm.ops.paged_attention import AttentionMetadata, PagedAttention
 from xlm.ops.rotary_embedding import RotaryEmbedding
 
 __all__ = [
     "AttentionMetadata",
     "CustomOp",
+    "Gelu",
+    "GeluAndMul",
+    "LayerNorm",
     "PagedAttention",
+    "ReLU",
     "RMSNorm",
     "RotaryEmbedding",
     "SiluAndMul",
+    "get_act_and_mul_fn",
+    "get_act_fn",
 ]

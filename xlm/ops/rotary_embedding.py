@@ -1,4 +1,5 @@
-"""Rotary position embedding: neox and GPT-J styles; linear, dynamic-NTK, llama3, YaRN scaling.
+"""Rotary position embedding: neox and GPT-J styles; linear, dynamic-NTK, llama3, YaRN and
+LongRoPE (Phi-3 "longrope"/"su") scaling.
 
 Scaling rules follow the formulas transformers uses, so logits match it; inverse
 frequencies are computed in numpy at trace time and become XLA constants.
@@ -15,7 +16,7 @@ import numpy as np
 
 from xlm.ops.custom_op import CustomOp
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "su")
 
 
 def _base_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
@@ -110,8 +111,13 @@ class RotaryEmbedding(CustomOp):
         self.base = float(base)
         self.is_neox_style = is_neox_style
         self.rope_type = rope_type
+        # Hashable: lists (LongRoPE's per-frequency factors) become tuples.
         self.scaling = tuple(
-            sorted((k, v) for k, v in scaling.items() if isinstance(v, int | float | str | None))
+            sorted(
+                (k, tuple(v) if isinstance(v, list) else v)
+                for k, v in scaling.items()
+                if isinstance(v, int | float | str | list | tuple | None)
+            )
         )
 
     def _inv_freq(self) -> tuple[np.ndarray, float]:
@@ -123,7 +129,23 @@ class RotaryEmbedding(CustomOp):
             return _llama3_inv_freq(inv_freq, scaling), 1.0
         if self.rope_type == "yarn":
             return _yarn_inv_freq(self.base, self.rotary_dim, self.max_position_embeddings, scaling)
+        if self.rope_type in ("longrope", "su"):
+            return inv_freq / np.asarray(scaling["short_factor"], np.float64), 1.0
         return inv_freq, 1.0
+
+    def _longrope(self) -> tuple[np.ndarray, int, float]:
+        """LongRoPE's long-context inverse frequencies, switch position and cos/sin factor."""
+        scaling = dict(self.scaling)
+        original = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or self.max_position_embeddings / original
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+            )
+        inv_freq = _base_inv_freq(self.base, self.rotary_dim)
+        long = inv_freq / np.asarray(scaling["long_factor"], np.float64)
+        return long, original, float(attention_factor)
 
     def _freqs(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         inv_freq, attention_factor = self._inv_freq()
@@ -139,6 +161,14 @@ class RotaryEmbedding(CustomOp):
             )
             exponents = jnp.arange(0, self.rotary_dim, 2, dtype=jnp.float32) / self.rotary_dim
             freqs = pos / (base ** exponents[None, :])
+        elif self.rope_type in ("longrope", "su"):
+            # Per token: positions past the original context rotate with the long factors.
+            # transformers switches the whole sequence once it is longer than that; equal
+            # below it (vLLM makes the same per-token choice, which keeps cached KV valid).
+            long_inv, original, attention_factor = self._longrope()
+            short = pos * jnp.asarray(inv_freq, dtype=jnp.float32)[None, :]
+            long = pos * jnp.asarray(long_inv, dtype=jnp.float32)[None, :]
+            freqs = jnp.where(pos >= original, long, short)
         else:
             freqs = pos * jnp.asarray(inv_freq, dtype=jnp.float32)[None, :]
         return jnp.cos(freqs) * attention_factor, jnp.sin(freqs) * attention_factor

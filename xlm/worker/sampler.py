@@ -36,6 +36,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from xlm.sampling_params import MAX_DEVICE_LOGPROBS
+
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
@@ -44,7 +46,7 @@ class SamplerConfig:
     """Static sampler settings (hashable: passed as a static jit argument)."""
 
     # Width of the top-k logprobs outputs; requests may ask for up to this many.
-    max_num_logprobs: int = 20
+    max_num_logprobs: int = MAX_DEVICE_LOGPROBS
     # Size of the lax.top_k candidate set used for top-k/top-p thresholds.
     top_k_cap: int = 64
     logprobs_mode: str = "raw_logprobs"

@@ -24,6 +24,13 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: jnp.dtype) -> int:
     return num_layers * 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
+def shared_sliding_window(model) -> int | None:
+    """The window every attention layer uses, or None (a full-attention layer, mixed windows,
+    or a model that does not report its windows)."""
+    windows = set(model.sliding_windows()) if hasattr(model, "sliding_windows") else {None}
+    return windows.pop() if len(windows) == 1 else None
+
+
 class Worker:
     """Loads the model, sizes and allocates the KV cache, and runs steps."""
 
@@ -46,6 +53,7 @@ class Worker:
         )
         self.num_blocks = self._determine_num_blocks()
         config.cache_config.num_blocks = self.num_blocks
+        config.cache_config.sliding_window = shared_sliding_window(self.model)
         self.model_runner = ModelRunner(
             config, self.model, self.num_blocks, self.kv_dtype, mesh=self.mesh
         )

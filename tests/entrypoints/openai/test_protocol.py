@@ -105,7 +105,7 @@ def test_completion_and_usage(client, tokenizer):
         "prompt_tokens": n_prompt,
         "completion_tokens": 3,
         "total_tokens": n_prompt + 3,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert body["choices"][0]["finish_reason"] == "length"
 

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any
@@ -29,12 +30,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import xlm
 from xlm import envs
+from xlm.entrypoints.openai.admission import (
+    RETRY_AFTER_S,
+    AdmissionGate,
+    default_max_waiting,
+    request_cost,
+)
+from xlm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, RequestLimits
 from xlm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from xlm.entrypoints.openai.security import BodySizeLimit, api_key_ok, needs_api_key
 from xlm.entrypoints.openai.serving_chat import OpenAIServingChat
 from xlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from xlm.entrypoints.openai.serving_engine import OpenAIError, ServingContext, error_from_exception
@@ -55,7 +64,9 @@ def _status_type(status: int) -> str:
         401: "authentication_error",
         404: "NotFoundError",
         405: "invalid_request_error",
+        413: "invalid_request_error",
         415: "invalid_request_error",
+        429: "rate_limit_error",
         503: "service_unavailable",
     }.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
@@ -139,11 +150,19 @@ class ServerState:
             vocab_size=int(vocab),
             enable_log_requests=args.enable_log_requests,
             kv_cache_tokens=kv_cache_tokens,
+            limits=RequestLimits(max_n=getattr(args, "max_n", DEFAULT_MAX_N)),
+            trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+            executor=ThreadPoolExecutor(max_workers=2, thread_name_prefix="xlm-tokenize"),
         )
         chat_template = _load_chat_template(args.chat_template)
         self.completion = OpenAIServingCompletion(self.ctx)
         self.chat = OpenAIServingChat(self.ctx, chat_template)
-        self.models = OpenAIServingModels(self.ctx, args.model)
+        self.models = OpenAIServingModels(self.ctx)
+        max_num_seqs = int(getattr(args, "max_num_seqs", None) or 64)
+        max_waiting = getattr(args, "max_waiting_requests", None)
+        if max_waiting is None:
+            max_waiting = default_max_waiting(max_num_seqs)
+        self.admission = AdmissionGate(max_num_seqs, max_waiting, registry)
         self.draining = False
 
 
@@ -155,6 +174,35 @@ def _load_chat_template(value: str | None) -> str | None:
             return f.read()
     except OSError:
         return value
+
+
+class _BodySchemas:
+    """Request-body schemas in the app's OpenAPI document.
+
+    The routes parse their bodies by hand (for 415s and OpenAI-shaped 400s), so FastAPI
+    cannot see the models; each route declares its model's JSON schema here, and the
+    models it refers to go under components/schemas.
+    """
+
+    REF = "#/components/schemas/{model}"
+
+    def __init__(self, app: FastAPI) -> None:
+        self.defs: dict[str, Any] = {}
+        base = app.openapi
+
+        def openapi() -> dict[str, Any]:
+            if app.openapi_schema is None:
+                schema = base()
+                schema.setdefault("components", {}).setdefault("schemas", {}).update(self.defs)
+            return app.openapi_schema
+
+        app.openapi = openapi  # type: ignore[method-assign]
+
+    def operation(self, model: type[BaseModel]) -> dict[str, Any]:
+        schema = model.model_json_schema(ref_template=self.REF)
+        self.defs.update(schema.pop("$defs", {}))
+        content = {"application/json": {"schema": schema}}
+        return {"requestBody": {"required": True, "content": content}}
 
 
 def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> FastAPI:
@@ -179,21 +227,19 @@ def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> Fa
     app = FastAPI(lifespan=lifespan, title="xlm", version=xlm.__version__)
     state = ServerState(args, engine, registry)
     app.state.xlm = state
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=args.allowed_origins,
-        allow_credentials=True,
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
+    origins = list(getattr(args, "allowed_origins", None) or [])
+    allow_credentials = bool(getattr(args, "allow_credentials", False))
+    if allow_credentials and "*" in origins:
+        raise ValueError("--allow-credentials cannot be used with the '*' origin")
 
     api_key = args.api_key
+    protect_metrics = bool(getattr(args, "metrics_require_api_key", False))
 
     @app.middleware("http")
     async def gate(request: Request, call_next: Any) -> Response:
         path = request.url.path
-        if request.method != "OPTIONS" and path.startswith("/v1"):
-            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+        if api_key is not None and needs_api_key(path, request.method, protect_metrics):
+            if not api_key_ok(request.headers.get("authorization"), api_key):
                 return error_response(
                     OpenAIError(
                         "Invalid or missing API key",
@@ -202,6 +248,7 @@ def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> Fa
                         code="invalid_api_key",
                     )
                 )
+        if request.method != "OPTIONS" and path.startswith("/v1"):
             if state.draining:
                 return error_response(
                     OpenAIError(
@@ -211,6 +258,20 @@ def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> Fa
                     )
                 )
         return await call_next(request)
+
+    if origins:  # outside the key check, so preflights and error responses carry CORS
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_credentials=allow_credentials,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )
+    # Outermost: a body over the limit is refused before anything reads it.
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
+    )
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -263,35 +324,59 @@ def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> Fa
     async def models() -> JSONResponse:
         return JSONResponse(state.models.show_available_models().model_dump())
 
+    admission = state.admission
+    body_schemas = _BodySchemas(app)
+
     async def _serve(raw_request: Request, model: type[BaseModel], handler: Any) -> Response:
         request = await parse_body(raw_request, model)
+        cost = request_cost(request)
+        if not admission.try_acquire(cost):
+            response = error_response(
+                OpenAIError(
+                    f"The server is overloaded: {admission.in_flight} sequences are running or "
+                    f"waiting (limit {admission.capacity}); retry later",
+                    HTTPStatus.TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    code="too_many_requests",
+                )
+            )
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
+        streaming = False
         try:
             if engine.errored:
                 raise engine.dead_error
             if getattr(request, "stream", False):
                 stream = await handler(request)
-                return StreamingResponse(stream, media_type="text/event-stream")
+                streaming = True
+                return StreamingResponse(
+                    admission.guard_stream(stream, cost), media_type="text/event-stream"
+                )
             result = await _with_disconnect(raw_request, handler(request))
         except Exception as e:
             return error_response(error_from_exception(e))
+        finally:
+            if not streaming:
+                admission.release(cost)
         if result is None:  # client went away
             return Response(status_code=499)
         return JSONResponse(result.model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schemas.operation(CompletionRequest))
     async def completions(raw_request: Request) -> Response:
         return await _serve(raw_request, CompletionRequest, state.completion.create_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schemas.operation(ChatCompletionRequest))
     async def chat_completions(raw_request: Request) -> Response:
         return await _serve(raw_request, ChatCompletionRequest, state.chat.create_chat_completion)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body_schemas.operation(TokenizeRequest))
     async def tokenize(raw_request: Request) -> JSONResponse:
         request = await parse_body(raw_request, TokenizeRequest)
-        return JSONResponse(state.models.tokenize(request).model_dump(exclude_none=True))
+        response = await state.ctx.run_blocking(state.models.tokenize, request)
+        return JSONResponse(response.model_dump(exclude_none=True))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body_schemas.operation(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> JSONResponse:
         request = await parse_body(raw_request, DetokenizeRequest)
         return JSONResponse(state.models.detokenize(request).model_dump())

@@ -8,6 +8,12 @@ import sys
 from typing import Any
 
 from xlm import envs
+from xlm.entrypoints.openai.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_N,
+    WAITING_PER_SEQ,
+)
+from xlm.sampling_params import MAX_DEVICE_LOGPROBS
 
 
 def _origins(value: str) -> list[str]:
@@ -35,9 +41,50 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $XLM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version "
+        "and /metrics (default: $XLM_API_KEY)",
     )
-    group.add_argument("--allowed-origins", type=_origins, default=["*"], help="CORS origins")
+    group.add_argument(
+        "--metrics-require-api-key",
+        action="store_true",
+        help="also require the API key on /metrics",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=[],
+        help="CORS origins allowed to call the API from a browser, as a JSON or comma list "
+        "(default: none, no CORS headers)",
+    )
+    group.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="let CORS requests carry credentials (refused with a '*' origin)",
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="sequences that may wait beyond --max-num-seqs; past it new requests get 429 "
+        f"(default: {WAITING_PER_SEQ} x max-num-seqs)",
+    )
+    group.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help=f"largest n / best_of a request may ask for (default {DEFAULT_MAX_N})",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body; larger is 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template in chat requests (refused by default)",
+    )
     group.add_argument(
         "--max-logprobs",
         type=int,
@@ -154,6 +201,18 @@ def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ar
         parser.error("a model is required: xlm serve MODEL")
     if args.api_key is None:
         args.api_key = envs.XLM_API_KEY
-    if args.max_logprobs < 0:
-        parser.error("--max-logprobs must be >= 0")
+    if not 0 <= args.max_logprobs <= MAX_DEVICE_LOGPROBS:
+        parser.error(
+            f"--max-logprobs={args.max_logprobs} is invalid: allowed [0, "
+            f"{MAX_DEVICE_LOGPROBS}] (the engine returns at most {MAX_DEVICE_LOGPROBS} "
+            "logprobs per token)"
+        )
+    if args.max_n < 1:
+        parser.error(f"--max-n={args.max_n} is invalid: must be >= 1")
+    if args.max_request_body_bytes < 1:
+        parser.error(f"--max-request-body-bytes={args.max_request_body_bytes} must be >= 1")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        parser.error(f"--max-waiting-requests={args.max_waiting_requests} must be >= 0")
+    if args.allow_credentials and "*" in args.allowed_origins:
+        parser.error("--allow-credentials cannot be used with the '*' origin: list the origins")
     return args

@@ -8,6 +8,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from xlm.entrypoints.openai.limits import (  # noqa: F401  (RequestValidationError re-exported)
+    Int32,
+    Int64,
+    RequestValidationError,
+    Seed,
+)
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -20,14 +26,6 @@ class OpenAIBaseModel(BaseModel):
     """Base of every protocol model: unknown request fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
-
-
-class RequestValidationError(ValueError):
-    """A request that parses but asks for something invalid (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # ---- errors, models, usage ----------------------------------------------------------------
@@ -114,8 +112,8 @@ class _SamplingRequest(OpenAIBaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    n: int = 1
-    seed: int | None = None
+    n: Int32 = 1
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -123,19 +121,19 @@ class _SamplingRequest(OpenAIBaseModel):
     top_p: float | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int32 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
-    priority: int = 0
+    prompt_logprobs: Int32 | None = None
+    priority: Int32 = 0
     request_id: str | None = None
     cache_salt: str | None = None
 
@@ -214,11 +212,11 @@ def _param_of(message: str) -> str | None:
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = None
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    best_of: Int32 | None = None
     echo: bool = False
-    logprobs: int | None = None
-    max_tokens: int | None = 16
+    logprobs: Int32 | None = None
+    max_tokens: Int32 | None = 16
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -296,9 +294,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[dict[str, Any]]
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: Int32 | None = None
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -452,7 +450,7 @@ class DetokenizeRequest(OpenAIBaseModel):
     """POST /detokenize."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

@@ -96,6 +96,7 @@ class OpenAIServingChat:
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tools=request.tools,
+                template_kwargs=request.chat_template_kwargs,
             )
         except OpenAIError:
             raise
@@ -108,7 +109,14 @@ class OpenAIServingChat:
         """Validate, submit and answer (a response, or an SSE stream when stream=true)."""
         ctx = self.ctx
         ctx.check_model(request.model)
-        prompt_ids = self.render(request)
+        ctx.check_limits(request)
+        if request.chat_template is not None and not ctx.trust_request_chat_template:
+            raise OpenAIError(
+                "chat_template in a request is refused: the server was not started with "
+                "--trust-request-chat-template",
+                param="chat_template",
+            )
+        prompt_ids = await ctx.run_blocking(self.render, request)
         if not prompt_ids:
             raise OpenAIError("the rendered chat prompt is empty", param="messages")
         requested = request.max_completion_tokens or request.max_tokens
@@ -150,6 +158,7 @@ class _ChatRun:
         self.num_prompt_tokens = num_prompt_tokens
         self.generator = generator
         self.created = int(time.time())
+        self.num_cached = 0  # prompt tokens served from the prefix cache
         self.tokenizer = ctx.engine.get_tokenizer()
         self.echo = ""
         if request.echo and request.messages:
@@ -191,6 +200,7 @@ class _ChatRun:
         stop: list[Any] = [None] * n
         try:
             async for output in self.generator:
+                self.num_cached = output.num_cached_tokens or self.num_cached
                 for c in output.outputs:
                     texts[c.index] += c.text
                     token_ids[c.index].extend(c.token_ids)
@@ -215,7 +225,7 @@ class _ChatRun:
             )
             for i in range(n)
         ]
-        usage = make_usage(self.num_prompt_tokens, sum(len(t) for t in token_ids))
+        usage = make_usage(self.num_prompt_tokens, sum(len(t) for t in token_ids), self.num_cached)
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -256,6 +266,7 @@ class _ChatRun:
                     ]
                 )
             async for output in self.generator:
+                self.num_cached = output.num_cached_tokens or self.num_cached
                 for c in output.outputs:
                     num_tokens[c.index] += len(c.token_ids)
                     if c.finish_reason == "error":
@@ -288,7 +299,9 @@ class _ChatRun:
                         ],
                     )
                     if include_usage and continuous:
-                        chunk.usage = make_usage(self.num_prompt_tokens, sum(num_tokens))
+                        chunk.usage = make_usage(
+                            self.num_prompt_tokens, sum(num_tokens), self.num_cached
+                        )
                     yield sse(chunk)
             if include_usage:
                 yield sse(
@@ -297,7 +310,7 @@ class _ChatRun:
                         created=self.created,
                         model=self.ctx.model_name,
                         choices=[],
-                        usage=make_usage(self.num_prompt_tokens, sum(num_tokens)),
+                        usage=make_usage(self.num_prompt_tokens, sum(num_tokens), self.num_cached),
                     )
                 )
         except RequestAbortedError:

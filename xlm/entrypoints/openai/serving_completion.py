@@ -57,7 +57,10 @@ class OpenAIServingCompletion:
         """Validate, submit and answer (a response, or an SSE stream when stream=true)."""
         ctx = self.ctx
         ctx.check_model(request.model)
-        prompts = ctx.tokenize_prompts(request.prompt, request.add_special_tokens)
+        ctx.check_limits(request)
+        prompts = await ctx.run_blocking(
+            ctx.tokenize_prompts, request.prompt, request.add_special_tokens
+        )
         tokenizer = ctx.engine.get_tokenizer()
         texts = [request.prompt if isinstance(request.prompt, str) else None for _ in prompts]
         if (
@@ -176,7 +179,7 @@ class _Run:
     def _usage(self, choices: dict[int, _Choice]) -> Any:
         num_prompt = sum(len(p) for p in self.prompts)
         num_completion = sum(len(c.token_ids) for c in choices.values())
-        return make_usage(num_prompt, num_completion)
+        return make_usage(num_prompt, num_completion, sum(self.num_cached))
 
     async def full(self) -> CompletionResponse:
         """Collect every output, then build one response."""

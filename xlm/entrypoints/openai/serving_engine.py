@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from xlm.engine.exceptions import EngineDeadError, EngineGenerateError
+from xlm.engine.exceptions import EngineDeadError
+from xlm.entrypoints.openai.limits import RequestLimits, check_request_limits
 from xlm.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     RequestValidationError,
     UsageInfo,
 )
@@ -54,20 +58,22 @@ def error_from_exception(e: BaseException) -> OpenAIError:
         return e
     if isinstance(e, RequestValidationError):
         return OpenAIError(str(e), param=e.param)
+    if isinstance(e, ValueError | TypeError | OverflowError):
+        return OpenAIError(str(e))
+    # A server-side failure: its text (tracebacks, paths) goes to the log under an id; the
+    # client gets only the id to quote.
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
     if isinstance(e, EngineDeadError):
+        logger.error("Request failed, error id %s: the engine is dead: %s", error_id, e)
         return OpenAIError(
-            f"The engine is dead: {e}",
+            f"The engine is dead (error id {error_id}; see the server log)",
             HTTPStatus.INTERNAL_SERVER_ERROR,
             "server_error",
             code="engine_dead",
         )
-    if isinstance(e, EngineGenerateError):
-        return OpenAIError(str(e), HTTPStatus.INTERNAL_SERVER_ERROR, "server_error")
-    if isinstance(e, ValueError | TypeError | OverflowError):
-        return OpenAIError(str(e))
-    logger.exception("Unexpected error while serving a request", exc_info=e)
+    logger.error("Request failed, error id %s", error_id, exc_info=e)
     return OpenAIError(
-        f"Internal server error: {type(e).__name__}: {e}",
+        f"Internal server error (error id {error_id}; see the server log)",
         HTTPStatus.INTERNAL_SERVER_ERROR,
         "server_error",
     )
@@ -95,6 +101,20 @@ class ServingContext:
     enable_log_requests: bool = False
     # Tokens the whole KV cache holds (None: unknown); a longer prompt can never run.
     kv_cache_tokens: int | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Whether a request may bring its own chat_template (--trust-request-chat-template).
+    trust_request_chat_template: bool = False
+    # Tokenization and template rendering run here, off the event loop.
+    executor: Executor | None = None
+
+    def check_limits(self, request: Any) -> None:
+        """400 for a field over the server's caps (before any tokenization)."""
+        check_request_limits(request, self.limits)
+
+    async def run_blocking(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) on the tokenizer thread pool, so long prompts do not stall streams."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, fn, *args)
 
     @property
     def model_name(self) -> str:
@@ -204,6 +224,8 @@ def make_usage(
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
     )
+    if num_cached_tokens is not None:  # prompt tokens the prefix cache supplied
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=max(num_cached_tokens, 0))
     return usage
 
 

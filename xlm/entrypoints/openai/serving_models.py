@@ -18,16 +18,19 @@ from xlm.entrypoints.openai.serving_engine import OpenAIError, ServingContext
 class OpenAIServingModels:
     """Model listing and tokenizer endpoints."""
 
-    def __init__(self, ctx: ServingContext, model_path: str) -> None:
+    def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
-        self.model_path = model_path
 
     def show_available_models(self) -> ModelList:
-        """Every served name, all pointing at the same model."""
+        """Every served name, all pointing at the same model.
+
+        `root` is the first served name, never the model's path: a local path says more
+        about the host than a client needs to know.
+        """
         cards = [
             ModelCard(
                 id=name,
-                root=self.model_path,
+                root=self.ctx.model_name,
                 max_model_len=self.ctx.max_model_len,
                 permission=[ModelPermission()],
             )

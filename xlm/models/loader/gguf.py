@@ -24,6 +24,9 @@ SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gpt2": ("gpt2", "GPT2LMHeadModel"),
 }
 _MISTRAL = ("mistral", "MistralForCausalLM")
 # llama.cpp's converter permutes Q/K rows for its rotary layout only for these architectures.
@@ -47,8 +50,42 @@ _BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per-architecture block names where llama.cpp's differ from the Llama mapping above.
+_ARCH_BLOCK_TENSORS: dict[str, dict[str, str]] = {
+    "gemma2": {
+        **_BLOCK_TENSORS,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {
+        **_BLOCK_TENSORS,
+        "attn_qkv": "self_attn.qkv_proj",
+        "ffn_up": "mlp.gate_up_proj",  # phi3's ffn_up holds gate and up rows
+    },
+    "gpt2": {
+        "attn_norm": "ln_1",
+        "attn_qkv": "attn.c_attn",
+        "attn_output": "attn.c_proj",
+        "ffn_norm": "ln_2",
+        "ffn_up": "mlp.c_fc",
+        "ffn_down": "mlp.c_proj",
+    },
+}
+_GPT2_GLOBAL_TENSORS = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+}
+# llama.cpp writes Gemma's RMSNorm weights as (1 + w); HF checkpoints hold w.
+_GEMMA_NORM_OFFSET = 1.0
+# GPT-2's Conv1D weights are [in, out]; llama.cpp stores them transposed.
+_GPT2_TRANSPOSED = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
 # Tensors llama.cpp derives from the config; their information lives in the HF config instead.
-_SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
+_SKIPPED_TENSORS = frozenset(
+    {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+)
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -152,9 +189,70 @@ def _rope_parameters(gguf_file: GGUFFile, arch: str, theta: float, head_dim: int
     return params
 
 
+def _read_f32(gguf_file: GGUFFile, name: str) -> list[float]:
+    values = dequantize(gguf_file.raw(name), GGMLQuantizationType.F32)
+    return [float(v) for v in np.asarray(values, dtype=np.float32).reshape(-1)]
+
+
+def _gpt2_config_dict(gguf_file: GGUFFile) -> dict[str, Any]:
+    def get(key: str, default: Any = None) -> Any:
+        return gguf_file.get(f"gpt2.{key}", default)
+
+    tokens = gguf_file.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size") or (len(tokens) if tokens else None)
+    vocab = vocab or gguf_file.tensors["token_embd.weight"].shape[0]
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "n_embd": int(get("embedding_length")),
+        "n_layer": int(get("block_count")),
+        "n_head": int(get("attention.head_count")),
+        "n_inner": int(get("feed_forward_length")),
+        "n_positions": int(get("context_length", 1024)),
+        "layer_norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": True,
+    }
+
+
+def _arch_config(gguf_file: GGUFFile, arch: str, config: dict[str, Any]) -> None:
+    """Gemma 2 and Phi-3 specifics on top of the Llama-shaped config."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return gguf_file.get(f"{arch}.{key}", default)
+
+    if arch == "gemma2":
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+        config["tie_word_embeddings"] = True
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if get(key) is not None:
+                config[key] = float(get(key))
+        # Not in the metadata: llama.cpp scales by 1/sqrt(head_dim), except Gemma 2 27B
+        # (46 layers), which uses hidden_size / num_heads.
+        scalar = config["head_dim"]
+        if config["num_hidden_layers"] == 46:
+            scalar = config["hidden_size"] // config["num_attention_heads"]
+        config["query_pre_attn_scalar"] = scalar
+    if arch == "phi3":
+        original = get("rope.scaling.original_context_length")
+        if original is not None:
+            config["original_max_position_embeddings"] = int(original)
+        if "rope_factors_long.weight" in gguf_file.tensors:
+            config["rope_parameters"] = {
+                "rope_type": "longrope",
+                "rope_theta": config["rope_parameters"]["rope_theta"],
+                "long_factor": _read_f32(gguf_file, "rope_factors_long.weight"),
+                "short_factor": _read_f32(gguf_file, "rope_factors_short.weight"),
+                "original_max_position_embeddings": int(original),
+            }
+        if get("attention.sliding_window") is None:
+            config["sliding_window"] = None
+
+
 def _config_dict(gguf_file: GGUFFile) -> dict[str, Any]:
     model_type, architecture = _hf_types(gguf_file)
     arch = gguf_file.architecture
+    if arch == "gpt2":
+        return {**_gpt2_config_dict(gguf_file), **_token_ids(gguf_file)}
 
     def get(key: str, default: Any = None) -> Any:
         return gguf_file.get(f"{arch}.{key}", default)
@@ -194,12 +292,18 @@ def _config_dict(gguf_file: GGUFFile) -> dict[str, Any]:
         config["sliding_window"] = int(get("attention.sliding_window"))
     elif model_type == "mistral":
         config["sliding_window"] = None
+    _arch_config(gguf_file, arch, config)
+    return {**config, **_token_ids(gguf_file)}
+
+
+def _token_ids(gguf_file: GGUFFile) -> dict[str, int]:
+    out = {}
     for name in ("bos", "eos", "pad", "unk"):
         key = "padding" if name == "pad" else "unknown" if name == "unk" else name
         token_id = gguf_file.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
-            config[f"{name}_token_id"] = int(token_id)
-    return config
+            out[f"{name}_token_id"] = int(token_id)
+    return out
 
 
 def load_gguf_config(path: str) -> Any:
@@ -212,16 +316,19 @@ def load_gguf_config(path: str) -> Any:
     return AutoConfig.for_model(model_type, **config)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _SKIPPED_TENSORS:
         return None
+    global_tensors = _GPT2_GLOBAL_TENSORS if arch == "gpt2" else _GLOBAL_TENSORS
+    block_tensors = _ARCH_BLOCK_TENSORS.get(arch, _BLOCK_TENSORS)
+    prefix = "transformer.h" if arch == "gpt2" else "model.layers"
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
-        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    if base in global_tensors and suffix in ("weight", "bias"):
+        return f"{global_tensors[base]}.{suffix}"
     match = _BLOCK_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_TENSORS:
+    if match and match.group(2) in block_tensors:
         layer, part, suffix = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{suffix}"
+        return f"{prefix}.{layer}.{block_tensors[part]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in xlm's mapping")
 
 
@@ -237,8 +344,16 @@ def gguf_tensor_names(path: str) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, in file order (skipping derived tensors)."""
     gguf_file = open_gguf(path)
     _hf_types(gguf_file)
-    names = {name: _hf_name(name) for name in gguf_file.tensors}
+    arch = gguf_file.architecture
+    names = {name: _hf_name(name, arch) for name in gguf_file.tensors}
     return {name: hf for name, hf in names.items() if hf is not None}
+
+
+def _hf_shape(arch: str, gguf_name: str, shape: list[int]) -> list[int]:
+    """The HF shape of a GGUF tensor (GPT-2's Conv1D weights are transposed back)."""
+    if arch == "gpt2" and gguf_name.endswith(_GPT2_TRANSPOSED):
+        return shape[::-1]
+    return shape
 
 
 def iter_gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
@@ -254,6 +369,10 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
             weights = _unpermute_rotary(weights, config["num_attention_heads"])
         elif permute and ".attn_k." in gguf_name:
             weights = _unpermute_rotary(weights, config["num_key_value_heads"])
+        elif gguf_file.architecture == "gemma2" and hf_name.endswith("norm.weight"):
+            weights = weights - np.float32(_GEMMA_NORM_OFFSET)
+        elif gguf_file.architecture == "gpt2" and gguf_name.endswith(_GPT2_TRANSPOSED):
+            weights = np.ascontiguousarray(weights.T)
         elif not weights.flags.owndata:
             weights = weights.copy()  # F32 tensors come back as views of the read-only map
         yield hf_name, weights
@@ -294,7 +413,9 @@ def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for gguf_name, hf_name in names.items():
-        shape = list(gguf_file.tensors[gguf_name].shape)
+        shape = _hf_shape(
+            gguf_file.architecture, gguf_name, list(gguf_file.tensors[gguf_name].shape)
+        )
         size = int(np.prod(shape)) * itemsize
         header[hf_name] = {
             "dtype": st_dtype,

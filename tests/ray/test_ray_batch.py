@@ -1,0 +1,327 @@
+"""xlm on Ray Data, on a local Ray cluster (127.0.0.1, 2 CPUs) with 2 replicas of the tiny
+model: every record exactly once, greedy text equal to the local LLM.generate, Parquet and
+JSONL, and a replica killed by pid mid-job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+import xlm  # noqa: E402
+from xlm.ray import ProcessorConfig, build_llm_processor  # noqa: E402
+from xlm.ray.replica import FATAL_ROW_ERROR, LLMReplica  # noqa: E402
+
+ENGINE = dict(
+    max_model_len=128,
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    token_buckets=[8, 64],
+    kv_cache_memory=0.02,
+)
+ENGINE_FLAGS = [
+    "--max-model-len=128",
+    "--max-num-seqs=16",
+    "--max-num-batched-tokens=64",
+    "--token-buckets=8,64",
+    "--kv-cache-memory=0.02",
+    "--disable-log-stats",
+]
+NUM_RECORDS = 500
+# Replicas take half a CPU each so Ray's read and split tasks still find one.
+REPLICA_CPUS = 0.5
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster for the module, on 127.0.0.1, shut down (processes too) after."""
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 * 1024**2,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def local_llm(model):
+    """The reference: the same model and engine options, in this process, no Ray."""
+    return xlm.LLM(model=model, **ENGINE)
+
+
+def prompt_text(i: int) -> str:
+    return " ".join(f"w{(i * 7 + k * 13) % 240}" for k in range(1 + i % 5))
+
+
+def max_tokens(i: int) -> int:
+    return 2 + i % 5
+
+
+def config(model: str, **kw) -> ProcessorConfig:
+    options = dict(engine_kwargs=ENGINE, replicas=2, batch_size=25, num_cpus=REPLICA_CPUS)
+    return ProcessorConfig(model=model, **{**options, **kw})
+
+
+def test_processor_parquet_500_rows_exactly_once_equal_to_generate(
+    ray_cluster, model, local_llm, tmp_path
+):
+    rows = []
+    for i in range(NUM_RECORDS):
+        row = {"idx": i, "sampling_params": {"max_tokens": max_tokens(i)}}
+        if i % 50 == 7:
+            row["messages"] = [{"role": "user", "content": prompt_text(i)}]
+        elif i % 50 == 11:
+            row["prompt_token_ids"] = [6 + (i + k) % 200 for k in range(4)]
+        else:
+            row["prompt"] = prompt_text(i)
+        rows.append(row)
+    rows[123] = {"idx": 123, "prompt_token_ids": list(range(6, 206))}  # longer than the model
+    columns = ["idx", "prompt", "messages", "prompt_token_ids", "sampling_params"]
+    table = pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in rows])
+    pq.write_table(table, tmp_path / "in.parquet")
+
+    processor = build_llm_processor(config(model), sampling_params={"temperature": 0})
+    ds = processor(ray.data.read_parquet(str(tmp_path / "in.parquet")))
+    ds.write_parquet(str(tmp_path / "out"))
+    out = pq.read_table(str(tmp_path / "out")).to_pylist()
+
+    assert sorted(r["idx"] for r in out) == list(range(NUM_RECORDS))  # each exactly once
+    by_idx = {r["idx"]: r for r in out}
+    assert "too long" in by_idx[123]["error"]
+    assert by_idx[123]["generated_text"] is None
+    for i, row in enumerate(rows):
+        if i == 123:
+            continue
+        params = xlm.SamplingParams(max_tokens=max_tokens(i), temperature=0)
+        if "messages" in row:
+            ref = local_llm.chat(row["messages"], params, use_tqdm=False)[0]
+        elif "prompt_token_ids" in row:
+            ref = local_llm.generate(
+                {"prompt_token_ids": row["prompt_token_ids"]}, params, use_tqdm=False
+            )[0]
+        else:
+            ref = local_llm.generate(row["prompt"], params, use_tqdm=False)[0]
+        got = by_idx[i]
+        assert got["error"] is None, got
+        assert got["generated_text"] == ref.outputs[0].text, i
+        assert got["generated_token_ids"] == list(ref.outputs[0].token_ids), i
+        assert got["finish_reason"] == ref.outputs[0].finish_reason
+        assert got["num_input_tokens"] == len(ref.prompt_token_ids)
+        assert got["num_generated_tokens"] == len(ref.outputs[0].token_ids)
+    summary = processor.stats(len(out), 1.0)
+    assert summary["output_tokens"] == sum(r["num_generated_tokens"] or 0 for r in out)
+    assert sum(r["records"] for r in summary["replicas"]) == NUM_RECORDS
+
+
+def batch_records(n: int) -> list[dict]:
+    records = []
+    for i in range(n):
+        if i % 100 == 42:
+            records.append(
+                {
+                    "custom_id": f"chat-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "messages": [{"role": "user", "content": prompt_text(i)}],
+                        "max_tokens": max_tokens(i),
+                        "temperature": 0,
+                    },
+                }
+            )
+        elif i % 100 == 77:
+            records.append(
+                {
+                    "custom_id": f"bad-{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"prompt": prompt_text(i), "temperature": -1},
+                }
+            )
+        else:
+            records.append(
+                {
+                    "custom_id": f"cmpl-{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {
+                        "prompt": prompt_text(i),
+                        "max_tokens": max_tokens(i),
+                        "temperature": 0,
+                    },
+                }
+            )
+    return records
+
+
+def run_batch_args(model: str, infile, outfile, *extra: str, replicas: int = 2):
+    from xlm.entrypoints.cli import build_parser
+
+    argv = ["run-batch", "--ray", f"--replicas={replicas}", f"--replica-cpus={REPLICA_CPUS}"]
+    argv += ["--ray-batch-size", "25", "-i", str(infile), "-o", str(outfile), "--model", model]
+    return build_parser().parse_args([*argv, *ENGINE_FLAGS, *extra])
+
+
+def check_results(results: list[dict], records: list[dict], local_llm) -> None:
+    """Input order, each custom_id once, batch ids, and the local engine's greedy text."""
+    assert [r["custom_id"] for r in results] == [r["custom_id"] for r in records]
+    assert len({r["id"] for r in results}) == len(records)
+    assert all(r["id"].startswith("batch_req_") for r in results)
+    for record, result in zip(records, results):
+        body = record["body"]
+        if record["custom_id"].startswith("bad"):
+            assert result["response"]["status_code"] == 400
+            assert result["error"]["message"].startswith("SamplingParams.temperature")
+            continue
+        assert result["error"] is None, result
+        params = xlm.SamplingParams(max_tokens=body["max_tokens"], temperature=0)
+        if "messages" in body:
+            ref = local_llm.chat(body["messages"], params, use_tqdm=False)[0]
+            text = result["response"]["body"]["choices"][0]["message"]["content"]
+        else:
+            ref = local_llm.generate(body["prompt"], params, use_tqdm=False)[0]
+            text = result["response"]["body"]["choices"][0]["text"]
+        assert text == ref.outputs[0].text, record["custom_id"]
+        usage = result["response"]["body"]["usage"]
+        assert usage["completion_tokens"] == len(ref.outputs[0].token_ids)
+
+
+@pytest.mark.slow
+def test_run_batch_ray_jsonl_500_records(ray_cluster, model, local_llm, tmp_path):
+    from xlm.ray.batch import run_batch_on_ray
+
+    records = batch_records(NUM_RECORDS)
+    infile = tmp_path / "in.jsonl"
+    infile.write_text("".join(json.dumps(r) + "\n" for r in records))
+    outfile = tmp_path / "out.jsonl"
+    summary = run_batch_on_ray(run_batch_args(model, infile, outfile))
+
+    results = [json.loads(line) for line in outfile.read_text().splitlines()]
+    check_results(results, records, local_llm)
+    assert summary["records"] == NUM_RECORDS
+    assert summary["failed"] == sum(r["custom_id"].startswith("bad") for r in records)
+    assert summary["replica_restarts"] == 0 and summary["rows_retried"] == 0
+
+    # A rerun finds every record done and starts no replica.
+    again = run_batch_on_ray(run_batch_args(model, infile, outfile))
+    assert again["records"] == 0
+    assert outfile.read_text().splitlines() == [json.dumps(r) for r in results]
+
+
+@pytest.mark.slow
+def test_run_batch_ray_parquet_in_and_out(ray_cluster, model, local_llm, tmp_path):
+    from xlm.ray.batch import run_batch_on_ray
+
+    records = batch_records(60)
+    table = pa.Table.from_pylist(
+        [{**r, "body": json.dumps(r["body"])} for r in records]  # body as a JSON string
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    outfile = tmp_path / "out.parquet"
+    # One replica: the two-replica path is the JSONL test's; this one is about the formats.
+    run_batch_on_ray(run_batch_args(model, tmp_path / "in.parquet", outfile, replicas=1))
+
+    rows = pq.read_table(outfile).to_pylist()
+    results = [
+        {
+            "id": r["id"],
+            "custom_id": r["custom_id"],
+            "response": json.loads(r["response"]),
+            "error": json.loads(r["error"]) if r["error"] else None,
+        }
+        for r in rows
+    ]
+    assert [r["status_code"] for r in rows] == [r["response"]["status_code"] for r in results]
+    check_results(results, records, local_llm)
+
+
+@pytest.mark.slow
+def test_replica_killed_mid_job_every_row_exactly_once(ray_cluster, model, local_llm):
+    n = 400
+    rows = [{"idx": i, "prompt": prompt_text(i)} for i in range(n)]
+    params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    processor = build_llm_processor(config(model, batch_size=10), sampling_params=params)
+    ds = processor(ray.data.from_items(rows))
+    killed: list[int] = []
+
+    def kill_a_busy_replica() -> None:
+        """SIGKILL a replica's process once it has finished rows and holds others."""
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and processor.job_stats is not None:
+            snapshot = ray.get(processor.job_stats.snapshot.remote())
+            for replica, s in snapshot.items():
+                if s["rows_finished"] >= 20 and s["rows_started"] > s["rows_finished"]:
+                    pid = ray.get(processor.job_stats.replica_pids.remote())[replica][-1]
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_a_busy_replica, daemon=True)
+    killer.start()
+    out = ds.take_all()
+    killer.join(timeout=5)
+
+    assert killed, "the job ended before a replica could be killed"
+    assert sorted(r["idx"] for r in out) == list(range(n))  # none lost, none twice
+    summary = processor.stats(len(out), 1.0)
+    assert summary["replica_restarts"] >= 1  # Ray restarted the killed replica...
+    assert summary["rows_retried"] >= 1  # ...and ran the rows it held again
+    reference = local_llm.generate(
+        [r["prompt"] for r in rows], xlm.SamplingParams(**params), use_tqdm=False
+    )
+    for row in out:
+        assert row["error"] is None
+        assert row["generated_text"] == reference[row["idx"]].outputs[0].text
+
+
+class CrashOnRow(LLMReplica):
+    """Fault injection: the replica's process dies whenever it runs the row "crash me"."""
+
+    async def _one(self, row):
+        if row.get("prompt") == "crash me":
+            os._exit(1)
+        return await super()._one(row)
+
+
+@pytest.mark.slow
+def test_row_that_kills_its_replica_ends_as_error_record(ray_cluster, model, local_llm):
+    rows = [{"idx": i, "prompt": prompt_text(i)} for i in range(40)]
+    rows[17]["prompt"] = "crash me"
+    params = {"max_tokens": 4, "temperature": 0}
+    processor = build_llm_processor(
+        config(model, batch_size=10), sampling_params=params, replica_cls=CrashOnRow
+    )
+    out = processor(ray.data.from_items(rows)).take_all()
+
+    assert sorted(r["idx"] for r in out) == list(range(40))  # the job went on
+    by_idx = {r["idx"]: r for r in out}
+    assert by_idx[17]["error"] == FATAL_ROW_ERROR
+    reference = local_llm.generate(
+        [r["prompt"] for r in rows], xlm.SamplingParams(**params), use_tqdm=False
+    )
+    for i in range(40):
+        if i != 17:
+            assert by_idx[i]["error"] is None
+            assert by_idx[i]["generated_text"] == reference[i].outputs[0].text
+    # It died once with its batch, once alone on the retry; then it was answered.
+    assert processor.stats(len(out), 1.0)["replica_restarts"] >= 2
