@@ -32,7 +32,12 @@ def shared_sliding_window(model) -> int | None:
 
 
 class Worker:
-    """Loads the model, sizes and allocates the KV cache, and runs steps."""
+    """Loads the model, sizes and allocates the KV cache, and runs steps.
+
+    One per process: under `multihost` every process owns a Worker over its share of the
+    global mesh, and the executor drives them; that is why it stays a layer of its own
+    above the runner (which only prepares inputs and runs programs).
+    """
 
     def __init__(self, config: XlmConfig) -> None:
         self.config = config
