@@ -35,7 +35,8 @@ from xlm.platforms.cpu import CpuPlatform
         ),
         (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size=0"),
         (lambda: ParallelConfig(num_processes=2, process_id=2), r"process_id=2.*\[0, 2\)"),
-        (lambda: ParallelConfig(executor_backend="multihost"), "coordinator_address=None"),
+        (lambda: ParallelConfig(coordinator_address="nohost"), "coordinator_address='nohost'"),
+        (lambda: ParallelConfig(num_processes=2), "num_processes=2.*multihost"),
         (lambda: CompilationConfig(token_buckets=[0, 8]), r"token_buckets=\[0, 8\]"),
     ],
 )
@@ -81,8 +82,8 @@ def test_envs_read_at_access_time(monkeypatch):
         _ = envs.XLM_NOT_A_VARIABLE
 
 
-def test_engine_refuses_tensor_parallelism_it_cannot_run_yet():
-    from xlm.engine.arg_utils import EngineArgs
+def test_tensor_parallel_size_beyond_the_devices_names_both():
+    from xlm.distributed.mesh import make_mesh
 
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
-        EngineArgs(model="smollm2-135m", tensor_parallel_size=2).create_config()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*1 device"):
+        make_mesh(ParallelConfig(tensor_parallel_size=2))

@@ -191,11 +191,13 @@ class ParallelConfig:
     # The fields below are validated but not read yet: the pods issue (#12) makes them
     # work (data-parallel replicas, a multi-host executor over jax.distributed).
     data_parallel_size: int = 1
-    # "uni": one process drives all local devices; "multihost": jax.distributed.
+    # "uni": one process drives all local devices; "multihost": jax.distributed, one
+    # process per host, process 0 schedules and the others follow.
     executor_backend: Literal["uni", "multihost"] = "uni"
+    # multihost only; None lets JAX detect them (TPU pods, SLURM, ...).
     coordinator_address: str | None = None
-    num_processes: int = 1
-    process_id: int = 0
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self) -> None:
         owner = "ParallelConfig"
@@ -208,27 +210,44 @@ class ParallelConfig:
             self.executor_backend,
             "'uni' or 'multihost'",
         )
-        _positive_int(owner, "num_processes", self.num_processes)
-        _require(
-            0 <= self.process_id < self.num_processes,
-            owner,
-            "process_id",
-            self.process_id,
-            f"an integer in [0, {self.num_processes})",
-        )
-        if self.executor_backend == "multihost":
+        _positive_int(owner, "num_processes", self.num_processes, optional=True)
+        if self.process_id is not None:
+            limit = self.num_processes
             _require(
-                bool(self.coordinator_address),
+                isinstance(self.process_id, int)
+                and self.process_id >= 0
+                and (limit is None or self.process_id < limit),
+                owner,
+                "process_id",
+                self.process_id,
+                f"an integer in [0, {limit})" if limit else "an integer >= 0",
+            )
+        if self.coordinator_address is not None:
+            host, _, port = self.coordinator_address.rpartition(":")
+            _require(
+                bool(host) and port.isdigit() and 0 < int(port) < 65536,
                 owner,
                 "coordinator_address",
                 self.coordinator_address,
-                "'host:port' when executor_backend='multihost'",
+                "'host:port'",
+            )
+        if self.executor_backend == "uni":
+            _require(
+                self.num_processes in (None, 1),
+                owner,
+                "num_processes",
+                self.num_processes,
+                "1 with executor_backend='uni' (use 'multihost' for several processes)",
             )
 
     @property
     def world_size(self) -> int:
         """Devices one engine spans (read by the multi-host executor of issue #12)."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def is_multihost(self) -> bool:
+        return self.executor_backend == "multihost"
 
 
 @dataclass
@@ -345,6 +364,13 @@ def set_current_xlm_config(config: XlmConfig) -> Iterator[None]:
         yield
     finally:
         _current_config = previous
+
+
+def get_current_parallel_config() -> ParallelConfig:
+    """The ParallelConfig of the model being built (one device outside of one)."""
+    if _current_config is None:
+        return ParallelConfig()
+    return _current_config.parallel_config
 
 
 def get_current_compilation_config() -> CompilationConfig:

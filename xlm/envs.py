@@ -71,7 +71,30 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "XLM_API_KEY": lambda: os.environ.get("XLM_API_KEY") or None,
     # Seconds between periodic stat log lines of the server (0 disables).
     "XLM_LOG_STATS_INTERVAL": _get_float("XLM_LOG_STATS_INTERVAL", 10.0),
+    # Fallbacks of the multi-host options (--tensor-parallel-size, ... on the CLI).
+    "XLM_TENSOR_PARALLEL_SIZE": lambda: _get_int("XLM_TENSOR_PARALLEL_SIZE"),
+    "XLM_DISTRIBUTED_EXECUTOR_BACKEND": lambda: (
+        os.environ.get("XLM_DISTRIBUTED_EXECUTOR_BACKEND") or None
+    ),
+    "XLM_COORDINATOR_ADDRESS": lambda: os.environ.get("XLM_COORDINATOR_ADDRESS") or None,
+    "XLM_NUM_PROCESSES": lambda: _get_int("XLM_NUM_PROCESSES"),
+    "XLM_PROCESS_ID": lambda: _get_int("XLM_PROCESS_ID"),
+    # Multi-host: a process silent this many seconds is dead (the others then exit).
+    "XLM_MULTIHOST_HEARTBEAT_TIMEOUT_S": _get_float("XLM_MULTIHOST_HEARTBEAT_TIMEOUT_S", 10.0),
+    # Multi-host: port of the leader's step channel (default: coordinator port + 1; the
+    # heartbeat channel uses the next one).
+    "XLM_MULTIHOST_PORT": lambda: _get_int("XLM_MULTIHOST_PORT"),
 }
+
+
+def _get_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError as e:
+        raise ValueError(f"{name}={value!r} is not an integer") from e
 
 
 def _get_cache_root() -> str:

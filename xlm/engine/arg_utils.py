@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from xlm import envs
 from xlm.config import (
     CacheConfig,
     CompilationConfig,
@@ -41,7 +42,13 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "long_prefill_token_threshold": "chunk prefills longer than this (0: off)",
     "scheduling_policy": "fcfs or priority",
-    "tensor_parallel_size": "devices to shard the model over",
+    "tensor_parallel_size": "devices to shard the model over (env XLM_TENSOR_PARALLEL_SIZE)",
+    "distributed_executor_backend": "uni (this process, all local devices) or multihost "
+    "(jax.distributed, one process per host) (env XLM_DISTRIBUTED_EXECUTOR_BACKEND)",
+    "coordinator_address": "multihost: host:port of process 0's jax.distributed coordinator "
+    "(env XLM_COORDINATOR_ADDRESS; detected on TPU pods)",
+    "num_processes": "multihost: number of processes (env XLM_NUM_PROCESSES; detected on TPU)",
+    "process_id": "multihost: this process's id, 0 leads (env XLM_PROCESS_ID or TPU_WORKER_ID)",
     "custom_ops": "comma list: all, none, +name, -name",
     "token_buckets": "comma list of padded token counts per step",
     "warmup": "compile every bucket before serving",
@@ -77,7 +84,13 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default_factory=lambda: envs.XLM_TENSOR_PARALLEL_SIZE or 1)
+    distributed_executor_backend: str = field(
+        default_factory=lambda: envs.XLM_DISTRIBUTED_EXECUTOR_BACKEND or "uni"
+    )
+    coordinator_address: str | None = field(default_factory=lambda: envs.XLM_COORDINATOR_ADDRESS)
+    num_processes: int | None = field(default_factory=lambda: envs.XLM_NUM_PROCESSES)
+    process_id: int | None = field(default_factory=lambda: envs.XLM_PROCESS_ID)
     custom_ops: list[str] = field(default_factory=list)
     token_buckets: list[int] | None = None
     warmup: bool = True
@@ -94,6 +107,7 @@ class EngineArgs:
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
+            flags = (flag, "-tp") if f.name == "tensor_parallel_size" else (flag,)
             default = getattr(defaults, f.name)
             help_text = f"{_HELP.get(f.name, '')} (default: {default})"
             if isinstance(default, bool):
@@ -116,16 +130,31 @@ class EngineArgs:
                 )
             else:
                 kind = {int: int, float: float}.get(type(default), None)
-                if f.name in ("max_model_len", "num_gpu_blocks_override"):
+                if f.name in ("max_model_len", "num_gpu_blocks_override", "num_processes"):
+                    kind = int
+                elif f.name == "process_id":
                     kind = int
                 elif f.name == "kv_cache_memory":
                     kind = float
-                group.add_argument(flag, default=default, help=help_text, type=kind or str)
+                choices = ("uni", "multihost") if f.name == "distributed_executor_backend" else None
+                group.add_argument(
+                    *flags, default=default, help=help_text, type=kind or str, choices=choices
+                )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def create_parallel_config(self) -> ParallelConfig:
+        """The ParallelConfig alone (followers of a multihost engine need only this)."""
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            executor_backend=self.distributed_executor_backend,
+            coordinator_address=self.coordinator_address,
+            num_processes=self.num_processes,
+            process_id=self.process_id,
+        )
 
     def create_config(self) -> XlmConfig:
         """Validate, resolve the model, read its config and apply platform defaults."""
@@ -133,13 +162,6 @@ class EngineArgs:
         from xlm.models.loader import load_hf_config
         from xlm.platforms import current_platform
 
-        if self.tensor_parallel_size != 1:
-            # Models carry sharding annotations (tested on fake devices), but the executor
-            # does not build a mesh yet: refuse rather than silently use one device.
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported by the "
-                "engine yet: allowed 1"
-            )
         hub = dict(revision=self.revision, download_dir=self.download_dir)
         model_path = resolve_model_name(self.model, load_format=self.load_format, **hub)
         tokenizer = self.tokenizer
@@ -182,7 +204,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=self.create_parallel_config(),
             compilation_config=CompilationConfig(
                 custom_ops=list(self.custom_ops),
                 token_buckets=self.token_buckets,

@@ -11,8 +11,8 @@ from xlm.core.outputs import SchedulerStats
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from xlm.executor import executor_class_for
 from xlm.executor.abstract import Executor
-from xlm.executor.uniproc import UniProcExecutor
 from xlm.logger import init_logger
 from xlm.structured_output.manager import StructuredOutputManager
 
@@ -30,12 +30,13 @@ class EngineCore:
         self,
         config: XlmConfig,
         log_stats: bool = True,
-        executor_class: type[Executor] = UniProcExecutor,
+        executor_class: type[Executor] | None = None,
     ) -> None:
         start = time.perf_counter()
         self.config = config
         self.log_stats = log_stats
-        self.executor = executor_class(config)
+        # None: the class ParallelConfig.executor_backend names (uni or multihost).
+        self.executor = (executor_class or executor_class_for(config))(config)
         self.structured_output_manager = make_structured_output_manager(config)
         self.scheduler = Scheduler(
             config.scheduler_config,

@@ -26,7 +26,6 @@ from xlm.engine.core import EngineCore
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest, OutputType, RequestType
 from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
 from xlm.executor.abstract import Executor
-from xlm.executor.uniproc import UniProcExecutor
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -54,7 +53,7 @@ class EngineCoreProc(EngineCore):
         input_address: str,
         output_address: str,
         log_stats: bool = True,
-        executor_class: type[Executor] = UniProcExecutor,
+        executor_class: type[Executor] | None = None,
     ) -> None:
         self._output_address = output_address
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()

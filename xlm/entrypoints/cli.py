@@ -49,11 +49,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        _follow_if_follower(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, ImportError) as e:
         # Bad options, paths or a missing package: one clear line, no traceback.
         print(f"xlm {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _follow_if_follower(args: argparse.Namespace) -> None:
+    """A multihost follower runs no front end: it mirrors process 0's steps, then exits."""
+    if getattr(args, "distributed_executor_backend", "uni") != "multihost":
+        return
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.executor.multihost import follow_if_follower
+
+    follow_if_follower(EngineArgs.from_cli_args(args).create_parallel_config())
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def collect_env() -> dict[str, Any]:
-    """Gather the environment report as a dict."""
+def collect_env(tensor_parallel_size: int | None = None) -> dict[str, Any]:
+    """Gather the environment report as a dict (the mesh: over tp or all devices)."""
     from xlm.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
 
     info: dict[str, Any] = {
@@ -56,13 +56,22 @@ def collect_env() -> dict[str, Any]:
         info["devices"] = [
             f"{d.platform}:{d.id} {d.device_kind}" for d in current_platform.devices()
         ]
+        import jax
+
+        from xlm.config import ParallelConfig
+        from xlm.distributed.mesh import describe_mesh, make_mesh
+
+        tp = tensor_parallel_size or len(jax.devices())
+        mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp))
+        info["mesh"] = describe_mesh(mesh)
+        info["mesh_devices"] = [f"{d.platform}:{d.id}" for d in mesh.devices.flat]
     except Exception as e:  # report, never crash: this command is for bug reports
         info["platform_error"] = f"{type(e).__name__}: {e}"
     return info
 
 
 def _run(args: argparse.Namespace) -> int:
-    info = collect_env()
+    info = collect_env(args.tensor_parallel_size)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -72,6 +81,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"Platform: {info.get('platform', info.get('platform_error'))}")
     for device in info.get("devices", []):
         print(f"  device {device}")
+    if "mesh" in info:
+        print(f"Mesh: {info['mesh']}: {' '.join(info['mesh_devices'])}")
     for group, entries in info["plugins"].items():
         print(f"Plugins [{group}]:" + ("" if entries else " none"))
         for ep in entries:
@@ -82,4 +93,11 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="show the mesh of this tensor-parallel size (default: all devices)",
+    )
     parser.set_defaults(func=_run)

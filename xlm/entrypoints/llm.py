@@ -65,6 +65,11 @@ class LLM:
         return llm
 
     def _init_engine(self, engine_args: EngineArgs, multiprocess: bool) -> None:
+        # Under multihost, processes other than 0 follow process 0's engine here and
+        # exit when it shuts down: the same script runs on every host.
+        from xlm.executor.multihost import follow_if_follower
+
+        follow_if_follower(engine_args.create_parallel_config())
         self.llm_engine = LLMEngine.from_engine_args(engine_args, multiprocess=multiprocess)
         self._request_counter = itertools.count()
 

@@ -7,7 +7,11 @@ input order. The requests go through the server's own handlers, so a result's bo
 exactly what `xlm serve` would have answered. A rerun skips custom_ids already in the
 output file. Data-parallel replicas (`--num-shards N --shard-index I`, one per host of a
 pod) each take every N-th record into their own shard file; replica 0 merges the shards
-into the output in input order once all are complete.
+into the output in input order once all are complete. Hosts without a shared disk: copy
+the shard files into one directory and run `xlm run-batch -i in.jsonl -o out.jsonl
+--num-shards N --merge` there. Under `--distributed-executor-backend multihost` one
+replica is a group of hosts running one model: every host of the group runs the same
+command (its --process-id differs) and process 0 reads and writes the files.
 """
 
 from __future__ import annotations
@@ -267,6 +271,12 @@ def merge_shards(out_path: str, shard_paths: list[str], order: list[str]) -> Non
         with open(path) as f:
             for line in f:
                 results[json.loads(line)["custom_id"]] = line
+    missing = [custom_id for custom_id in order if custom_id not in results]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} record(s) are in no shard file, e.g. custom_id {missing[0]!r}: "
+            "rerun the replica that owns them, then merge again"
+        )
     _write_atomic(out_path, [results[custom_id] for custom_id in order])
 
 
@@ -309,6 +319,14 @@ async def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--shard-index={i} is invalid: allowed [0, {n})")
     digest = input_digest(args.input_file) if n > 1 else ""
     order = [r["custom_id"] for r in records]
+    if getattr(args, "merge", False):
+        shards = [_shard_path(args.output_file, k, n) for k in range(n)]
+        absent = [p for p in shards if not os.path.exists(p)]
+        if absent:
+            raise FileNotFoundError(f"--merge: shard file(s) not found: {absent}")
+        merge_shards(args.output_file, shards, order)
+        logger.info("Merged %d shard(s) into %s.", n, args.output_file)
+        return 0
     out_path = args.output_file if n == 1 else _shard_path(args.output_file, i, n)
     if n > 1 and os.path.exists(out_path + ".done"):
         os.remove(out_path + ".done")  # this run decides afresh whether the shard is complete

@@ -40,6 +40,12 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
         default=24 * 3600.0,
         help="seconds replica 0 waits for the other shards",
     )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="only merge the --num-shards shard files of --output-file (copied from the "
+        "hosts) into it, in input order; runs no model",
+    )
     add_serving_args(parser)
     add_engine_args(parser)
     from xlm.ray.batch import add_ray_args

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xlm.distributed.tensor_parallel import check_split, kv_head_replicas, tp_size
 from xlm.ops import (
     AttentionMetadata,
     PagedAttention,
@@ -28,9 +29,13 @@ Parallel = Literal["column", "row"] | None
 _KERNEL_SHARDING = {"column": (None, TP_AXIS), "row": (TP_AXIS, None), None: (None, None)}
 
 
-def param(value: jax.Array, sharding: tuple[str | None, ...]) -> nnx.Param:
-    """An nnx.Param annotated with `sharding` names, not sharded eagerly."""
-    return nnx.Param(value, out_sharding=sharding, eager_sharding=False)
+def param(value: jax.Array, sharding: tuple[str | None, ...], **metadata: Any) -> nnx.Param:
+    """An nnx.Param annotated with `sharding` names (and layout metadata), not sharded eagerly.
+
+    Layout metadata (`head_replicas`, `fused_shards`) is described in
+    xlm.distributed.tensor_parallel; the loader applies it.
+    """
+    return nnx.Param(value, out_sharding=sharding, eager_sharding=False, **metadata)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> jax.Array:
@@ -49,12 +54,15 @@ class Linear(nnx.Module):
         parallel: Parallel = None,
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
+        layout: dict[str, Any] | None = None,
     ) -> None:
         self.in_features, self.out_features = in_features, out_features
+        layout = layout or {}
         kernel = _normal(rngs, (in_features, out_features), in_features**-0.5, dtype)
-        self.kernel = param(kernel, _KERNEL_SHARDING[parallel])
+        self.kernel = param(kernel, _KERNEL_SHARDING[parallel], **layout)
         bias_sharding = (TP_AXIS,) if parallel == "column" else (None,)
-        self.bias = param(jnp.zeros((out_features,), dtype), bias_sharding) if bias else None
+        bias_value = jnp.zeros((out_features,), dtype)
+        self.bias = param(bias_value, bias_sharding, **layout) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...]
@@ -118,9 +126,18 @@ class GatedMLP(nnx.Module):
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
-        # gate_up_proj.kernel is [hidden, 2 * intermediate]: gate columns, then up columns.
+        self.shards = tp_size()
+        check_split("intermediate_size", intermediate_size, self.shards)
+        # gate_up_proj.kernel is [hidden, 2 * intermediate]: gate columns, then up columns
+        # (under tensor parallelism: per shard, its gate columns then its up columns).
         self.gate_up_proj = Linear(
-            hidden_size, 2 * intermediate_size, bias=bias, parallel="column", dtype=dtype, rngs=rngs
+            hidden_size,
+            2 * intermediate_size,
+            bias=bias,
+            parallel="column",
+            dtype=dtype,
+            rngs=rngs,
+            layout={"fused_shards": (2, self.shards)},
         )
         self.down_proj = Linear(
             intermediate_size, hidden_size, bias=bias, parallel="row", dtype=dtype, rngs=rngs
@@ -128,7 +145,16 @@ class GatedMLP(nnx.Module):
         self.act_fn = get_act_and_mul_fn(hidden_act)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(gated_activation(self.act_fn, self.gate_up_proj(x), self.shards))
+
+
+def gated_activation(act_fn: Any, gate_up: jax.Array, shards: int) -> jax.Array:
+    """act(gate) * up over [..., 2I] columns laid out per shard as [gate_s | up_s]."""
+    if shards == 1:
+        return act_fn(gate_up)
+    lead, width = gate_up.shape[:-1], gate_up.shape[-1]
+    out = act_fn(gate_up.reshape(*lead, shards, width // shards))
+    return out.reshape(*lead, width // 2)
 
 
 class Attention(nnx.Module):
@@ -158,17 +184,36 @@ class Attention(nnx.Module):
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
+        tp = tp_size()
+        check_split("num_attention_heads", num_heads, tp)
+        # Fewer KV heads than devices: each is stored `replicas` times, one per device.
+        replicas = kv_head_replicas(num_kv_heads, tp)
+        num_kv_heads *= replicas
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
 
-        def proj(n_out: int, bias: bool) -> Linear:
-            return Linear(hidden_size, n_out, bias=bias, parallel="column", dtype=dtype, rngs=rngs)
+        def proj(n_out: int, bias: bool, layout: dict[str, Any] | None = None) -> Linear:
+            return Linear(
+                hidden_size,
+                n_out,
+                bias=bias,
+                parallel="column",
+                dtype=dtype,
+                rngs=rngs,
+                layout=layout,
+            )
 
+        kv_layout = {"head_replicas": (replicas, head_dim)}
         if fused_qkv:
+            if replicas > 1:
+                raise ValueError(
+                    f"num_key_value_heads={num_kv_heads // replicas} < tensor_parallel_size="
+                    f"{tp}: KV-head replication is not supported for fused qkv projections"
+                )
             self.qkv_proj = proj((num_heads + 2 * num_kv_heads) * head_dim, qkv_bias)
         else:
             self.q_proj = proj(num_heads * head_dim, qkv_bias)
-            self.k_proj = proj(num_kv_heads * head_dim, qkv_bias)
-            self.v_proj = proj(num_kv_heads * head_dim, qkv_bias)
+            self.k_proj = proj(num_kv_heads * head_dim, qkv_bias, kv_layout)
+            self.v_proj = proj(num_kv_heads * head_dim, qkv_bias, kv_layout)
         self.fused_qkv = fused_qkv
         self.o_proj = Linear(
             num_heads * head_dim, hidden_size, bias=o_bias, parallel="row", dtype=dtype, rngs=rngs

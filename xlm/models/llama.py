@@ -23,7 +23,6 @@ from xlm.models.layers import (
 )
 from xlm.models.weights import WeightTarget, default_weight_targets
 from xlm.ops import AttentionMetadata, PagedAttention, RMSNorm
-from xlm.ops.paged_attention import KV_CACHE_SHARDING
 
 
 def head_dim_of(config: Any) -> int:
@@ -185,7 +184,7 @@ class LlamaForCausalLM(nnx.Module):
         shape = ops[0].kv_cache_shape(num_blocks, block_size)
         sharding = None
         if mesh is not None and ops[0].num_kv_heads % mesh.shape[TP_AXIS] == 0:
-            sharding = NamedSharding(mesh, PartitionSpec(*KV_CACHE_SHARDING))
+            sharding = NamedSharding(mesh, PartitionSpec(*ops[0].kv_cache_sharding()))
         return [jnp.zeros(shape, dtype, device=sharding) for _ in ops]
 
     def hf_weight_targets(

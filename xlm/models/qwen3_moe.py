@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlm.models.layers import TP_AXIS, GatedMLP, Linear, param
+from xlm.distributed.tensor_parallel import check_split, tp_size
+from xlm.models.layers import TP_AXIS, GatedMLP, Linear, gated_activation, param
 from xlm.models.llama import LlamaForCausalLM
 from xlm.models.qwen3 import Qwen3DecoderLayer
 from xlm.models.weights import WeightTarget, column_part
@@ -40,11 +41,18 @@ class SparseMoeBlock(nnx.Module):
         self.norm_topk_prob = bool(norm_topk_prob)
         self.gate = Linear(hidden, self.num_experts, dtype=dtype, rngs=rngs)
         std = hidden**-0.5
-        # gate_up [E, hidden, 2 * inter] (gate columns, then up); down [E, inter, hidden].
+        # Tensor split of every expert (not expert parallelism): each device holds a slice
+        # of every expert's intermediate width, so routing skew never unbalances devices
+        # and the grouped matmuls keep one shape; down_proj's partial sums are all-reduced.
+        self.shards = tp_size()
+        check_split("moe_intermediate_size", inter, self.shards)
+        # gate_up [E, hidden, 2 * inter] (gate columns, then up; per shard under TP);
+        # down [E, inter, hidden].
         shape = (self.num_experts, hidden, 2 * inter)
         self.gate_up_proj = param(
             (jax.random.normal(rngs.params(), shape) * std).astype(dtype),
             (None, None, TP_AXIS),
+            fused_shards=(2, self.shards),
         )
         shape = (self.num_experts, inter, hidden)
         self.down_proj = param(
@@ -65,7 +73,8 @@ class SparseMoeBlock(nnx.Module):
         group_sizes = jnp.bincount(flat_experts, length=self.num_experts).astype(jnp.int32)
         rows = x[order // self.top_k]  # [T * k, H], grouped by expert
         h = jax.lax.ragged_dot(rows, self.gate_up_proj[...], group_sizes)
-        h = jax.lax.ragged_dot(self.act_fn(h), self.down_proj[...], group_sizes)
+        h = gated_activation(self.act_fn, h, self.shards)
+        h = jax.lax.ragged_dot(h, self.down_proj[...], group_sizes)
         out = h[jnp.argsort(order)].reshape(num_tokens, self.top_k, -1)
         return jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights).astype(x.dtype)
 

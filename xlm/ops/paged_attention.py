@@ -45,6 +45,17 @@ class AttentionMetadata:
 
 # Logical sharding of a layer's cache: over KV heads on the tensor-parallel axis.
 KV_CACHE_SHARDING: tuple[str | None, ...] = (None, None, None, "model", None)
+# The TPU kernel's layout (2, num_blocks, num_kv_heads, block_size, head_dim).
+KV_CACHE_SHARDING_TPU: tuple[str | None, ...] = (None, None, "model", None, None)
+TP_AXIS = "model"
+
+
+def _tp_mesh() -> jax.sharding.AbstractMesh | None:
+    """The mesh being traced under when it splits the `model` axis, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TP_AXIS not in mesh.axis_names or mesh.shape[TP_AXIS] == 1:
+        return None
+    return mesh
 
 
 # Tokens of context per step of the attention loop.
@@ -226,6 +237,12 @@ class PagedAttention(CustomOp):
             return kv_cache_shape_tpu(num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
+    def kv_cache_sharding(self) -> tuple[str | None, ...]:
+        """Mesh axis names of the cache's dimensions (KV heads over the `model` axis)."""
+        if self._forward_name == "forward_tpu":
+            return KV_CACHE_SHARDING_TPU
+        return KV_CACHE_SHARDING
+
     def forward_native(
         self,
         q: jax.Array,
@@ -247,6 +264,34 @@ class PagedAttention(CustomOp):
         return out, kv_cache
 
     def _run_kernel(
+        self, kernel, write, q, k, v, kv_cache, metadata: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array]:
+        """Write K/V and run a Pallas kernel; per head shard under a tensor-parallel mesh.
+
+        XLA cannot partition a Pallas call, so under a mesh that splits `model` each
+        device runs the kernel on its own query and KV heads (`shard_map`): attention
+        needs no collective since every device holds the KV heads its query heads use.
+        """
+        mesh = _tp_mesh()
+        if mesh is None:
+            return self._run_kernel_local(kernel, write, q, k, v, kv_cache, metadata)
+        from jax.sharding import PartitionSpec as P
+
+        heads = P(None, TP_AXIS, None)
+        cache = P(*self.kv_cache_sharding())
+
+        def local(q, k, v, kv_cache, metadata):
+            return self._run_kernel_local(kernel, write, q, k, v, kv_cache, metadata)
+
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(heads, heads, heads, cache, P()),
+            out_specs=(heads, cache),
+            check_vma=False,
+        )(q, k, v, kv_cache, metadata)
+
+    def _run_kernel_local(
         self, kernel, write, q, k, v, kv_cache, metadata: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
         kv_cache = write(kv_cache, k, v, metadata.slot_mapping)

@@ -95,6 +95,14 @@ class MeshSpec:
     axes: tuple[tuple[str, int], ...] = ()
     num_processes: int = 1
 
+    @classmethod
+    def of(cls, mesh: jax.sharding.Mesh | None) -> MeshSpec:
+        """The spec of a device mesh (None: one device, one process)."""
+        if mesh is None:
+            return cls()
+        processes = len({d.process_index for d in mesh.devices.flat})
+        return cls(tuple(mesh.shape.items()), processes)
+
 
 @dataclass(frozen=True)
 class ProgramKey:
@@ -119,8 +127,16 @@ class ProgramSpec:
     args: tuple
     static: Any
     out_tree: Any
+    # The device mesh to trace under (ops that shard_map their kernels read it).
+    mesh: Any = None
 
     def lower(self) -> Any:
+        if self.mesh is not None:
+            with jax.set_mesh(self.mesh):
+                return self._lower()
+        return self._lower()
+
+    def _lower(self) -> Any:
         if self.static is None:
             return self.fn.lower(*self.args)
         return self.fn.lower(*self.args, self.static)
@@ -160,6 +176,10 @@ def executable_cache_dir(config: XlmConfig) -> str | None:
     """
     cache_dir = envs.XLM_COMPILATION_CACHE_DIR
     if not config.compilation_config.enable_compilation_cache or not cache_dir:
+        return None
+    if config.parallel_config.is_multihost:
+        # A multi-process program loaded back from disk gave wrong tokens on XLA:CPU
+        # (Gloo); every process compiles until that is understood.
         return None
     return cache_dir
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from xlm.distributed.mesh import fetch, put_replicated, replicated
 from xlm.logger import init_logger
 from xlm.ops.paged_attention import AttentionMetadata
 from xlm.worker import prompt_logprobs
@@ -44,7 +45,12 @@ class ModelRunner:
     """Owns the model, the KV cache and the jitted step; turns SchedulerOutputs into tokens."""
 
     def __init__(
-        self, config: XlmConfig, model: nnx.Module, num_blocks: int, kv_dtype: jnp.dtype
+        self,
+        config: XlmConfig,
+        model: nnx.Module,
+        num_blocks: int,
+        kv_dtype: jnp.dtype,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         self.config = config
         sched, cache = config.scheduler_config, config.cache_config
@@ -53,7 +59,9 @@ class ModelRunner:
         self.max_num_seqs = sched.max_num_seqs
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.buckets = Buckets.from_config(config)
-        self.mesh = MeshSpec()  # one device, one process
+        # None: one device; else the (data, model) mesh the weights and cache live on.
+        self.device_mesh = mesh
+        self.mesh = MeshSpec.of(mesh)
         self.vocab_size = config.model_config.hf_config.vocab_size
         self.sampler_config = sampler_lib.SamplerConfig()
         self.input_batch = InputBatch(
@@ -61,7 +69,7 @@ class ModelRunner:
         )
         self.graphdef, self.state = nnx.split(model)
         self.num_blocks = num_blocks
-        self.kv_caches = model.make_kv_caches(num_blocks, self.block_size, kv_dtype)
+        self.kv_caches = model.make_kv_caches(num_blocks, self.block_size, kv_dtype, mesh=mesh)
         # Unseeded requests draw from the engine seed folded with the step count.
         self.step_count = config.model_config.seed << 20
         self._model_fn = jax.jit(self._model_step, static_argnums=(3,), donate_argnums=(1,))
@@ -94,20 +102,42 @@ class ModelRunner:
         logits = model.compute_logits(hidden[inputs["logits_indices"]])
         # Pad (not compute) up to the sampler's row bucket, so its program fits every step.
         rows = self.buckets.sampler_bucket(logits.shape[0])
-        return kv_caches, jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0))), hidden
+        logits = jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
+        # Under a mesh the logits are gathered over the vocabulary shards: the sampler
+        # runs whole on every device.
+        logits, hidden = self._replicate((logits, hidden))
+        return kv_caches, logits, hidden
 
     def _prompt_logprobs_step(
         self, state: nnx.State, hidden: jax.Array, next_token_ids: jax.Array
     ) -> tuple[jax.Array, ...]:
         """Logprobs of the next prompt tokens from hidden states [P, H] (plus the top-k)."""
         model = nnx.merge(self.graphdef, state)
-        return sampler_lib.compute_prompt_logprobs(
-            model.compute_logits(hidden), next_token_ids, self.sampler_config.max_num_logprobs
+        return self._replicate(
+            sampler_lib.compute_prompt_logprobs(
+                model.compute_logits(hidden), next_token_ids, self.sampler_config.max_num_logprobs
+            )
         )
 
     def _sample_step(self, logits: jax.Array, packed: jax.Array, layout: Any) -> Any:
         """Sample one token per row of logits [R, V] (R: the sampler's row bucket)."""
-        return sampler_lib.sample(logits, unpack(packed, layout), self.sampler_config)
+        return self._replicate(
+            sampler_lib.sample(logits, unpack(packed, layout), self.sampler_config)
+        )
+
+    def _replicate(self, tree: Any) -> Any:
+        """Outputs the host reads: a whole copy on every device (each process reads its own)."""
+        if self.device_mesh is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, replicated(self.device_mesh))
+
+    def _put(self, value: np.ndarray) -> jax.Array:
+        """Host array -> device(s): replicated over the mesh when there is one."""
+        return put_replicated(value, self.device_mesh)
+
+    def _abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        sharding = None if self.device_mesh is None else replicated(self.device_mesh)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     # ---- program specs (what compilation lowers) ---------------------------------------
     def _key(self, kind: ProgramKind, size: int) -> ProgramKey:
@@ -115,15 +145,17 @@ class ModelRunner:
 
     def _model_spec(self, packed: Any, layout: Any) -> ProgramSpec:
         out_tree = jax.tree_util.tree_structure((list(self.kv_caches), 0, 0))
-        return ProgramSpec(self._model_fn, (self.state, self.kv_caches, packed), layout, out_tree)
+        args = (self.state, self.kv_caches, packed)
+        return ProgramSpec(self._model_fn, args, layout, out_tree, self.device_mesh)
 
     def _sampler_spec(self, logits: Any, packed: Any, layout: Any) -> ProgramSpec:
         out_tree = jax.tree_util.tree_structure(sampler_lib.SamplerOutput(0, 0, 0, 0, 0))
-        return ProgramSpec(self._sample_fn, (logits, packed), layout, out_tree)
+        return ProgramSpec(self._sample_fn, (logits, packed), layout, out_tree, self.device_mesh)
 
     def _prompt_logprobs_spec(self, hidden: Any, ids: Any) -> ProgramSpec:
         out_tree = jax.tree_util.tree_structure((0, 0, 0, 0))
-        return ProgramSpec(self._prompt_logprobs_fn, (self.state, hidden, ids), None, out_tree)
+        args = (self.state, hidden, ids)
+        return ProgramSpec(self._prompt_logprobs_fn, args, None, out_tree, self.device_mesh)
 
     # ---- host side -------------------------------------------------------------------
     def _prepare_inputs(
@@ -191,7 +223,7 @@ class ModelRunner:
 
     def _run(self, num_tokens_padded: int, inputs: dict[str, Any], sampling: Any) -> Any:
         packed, layout = pack(inputs)
-        model_args = (self.state, self.kv_caches, jax.device_put(packed))
+        model_args = (self.state, self.kv_caches, self._put(packed))
         program = self.compiler.get(
             self._key(ProgramKind.MODEL, num_tokens_padded),
             lambda: self._model_spec(model_args[2], layout),
@@ -199,21 +231,21 @@ class ModelRunner:
         )
         self.kv_caches, logits, hidden = program(*model_args)
         packed, layout = pack(sampling)
-        sample_args = (logits, jax.device_put(packed))
+        sample_args = (logits, self._put(packed))
         program = self.compiler.get(
             self._key(ProgramKind.SAMPLER, logits.shape[0]),
             lambda: self._sampler_spec(*sample_args, layout),
             layout,
         )
-        return jax.device_get(program(*sample_args)), hidden
+        return fetch(program(*sample_args)), hidden
 
     def _run_prompt_logprobs(self, hidden: np.ndarray, ids: np.ndarray) -> tuple:
-        args = (self.state, jax.device_put(hidden), jax.device_put(ids))
+        args = (self.state, self._put(hidden), self._put(ids))
         program = self.compiler.get(
             self._key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS),
             lambda: self._prompt_logprobs_spec(*args[1:]),
         )
-        return jax.device_get(program(*args))
+        return fetch(program(*args))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return the sampled tokens per request."""
@@ -273,17 +305,19 @@ class ModelRunner:
         for bucket in self.buckets.token_buckets:
             inputs, sampling, _ = self._prepare_inputs([], [], bucket)
             packed, layout = pack(inputs)
+            packed = self._abstract(packed.shape, packed.dtype)
             specs[self._key(ProgramKind.MODEL, bucket)] = self._model_spec(packed, layout)
             packed, layout = pack(sampling)
+            packed = self._abstract(packed.shape, packed.dtype)
             rows = self.buckets.sampler_bucket(self.buckets.rows_for_tokens(bucket))
-            logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32)
+            logits = self._abstract((rows, self.vocab_size), jnp.float32)
             specs[self._key(ProgramKind.SAMPLER, rows)] = self._sampler_spec(logits, packed, layout)
         hidden_size = self.config.model_config.hf_config.hidden_size
         dtype = jax.tree_util.tree_leaves(self.state)[0].dtype
         specs[self._key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS)] = (
             self._prompt_logprobs_spec(
-                jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS, hidden_size), dtype),
-                jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32),
+                self._abstract((PROMPT_LOGPROB_ROWS, hidden_size), dtype),
+                self._abstract((PROMPT_LOGPROB_ROWS,), jnp.int32),
             )
         )
         return specs

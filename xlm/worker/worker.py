@@ -1,4 +1,4 @@
-"""The worker: one device set, its model and KV cache, and the compile cache."""
+"""The worker: one device set (a mesh under tensor parallelism), its model and KV cache."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.distributed.coordination import agree_min
+from xlm.distributed.mesh import describe_mesh, make_mesh
 from xlm.logger import init_logger
 from xlm.platforms import current_platform
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
@@ -30,13 +32,23 @@ def shared_sliding_window(model) -> int | None:
 
 
 class Worker:
-    """Loads the model, sizes and allocates the KV cache, and runs steps."""
+    """Loads the model, sizes and allocates the KV cache, and runs steps.
+
+    One per process: under `multihost` every process owns a Worker over its share of the
+    global mesh, and the executor drives them; that is why it stays a layer of its own
+    above the runner (which only prepares inputs and runs programs).
+    """
 
     def __init__(self, config: XlmConfig) -> None:
         self.config = config
         from xlm.models.loader import get_model, resolve_dtype
 
-        self.model = get_model(config)
+        parallel = config.parallel_config
+        # One device in one process needs no mesh; anything else runs on the global mesh.
+        single = parallel.world_size == 1 and not parallel.is_multihost
+        self.mesh = None if single else make_mesh(parallel)
+        logger.info("Devices: %s.", describe_mesh(self.mesh))
+        self.model = get_model(config, mesh=self.mesh)
         model_config = config.model_config
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = (
@@ -47,7 +59,9 @@ class Worker:
         self.num_blocks = self._determine_num_blocks()
         config.cache_config.num_blocks = self.num_blocks
         config.cache_config.sliding_window = shared_sliding_window(self.model)
-        self.model_runner = ModelRunner(config, self.model, self.num_blocks, self.kv_dtype)
+        self.model_runner = ModelRunner(
+            config, self.model, self.num_blocks, self.kv_dtype, mesh=self.mesh
+        )
 
     def _determine_num_blocks(self) -> int:
         cache = self.config.cache_config
@@ -66,11 +80,16 @@ class Worker:
             total = current_platform.get_device_total_memory()
             in_use = total - current_platform.get_device_free_memory()
             budget = total * cache.memory_utilization - in_use
+            # Memory figures are per device; each device holds 1/tp of every block.
+            per_block = -(-per_block // self.config.parallel_config.tensor_parallel_size)
             # Keep headroom for activations of the largest step (logits dominate).
             sched = self.config.scheduler_config
             hidden_size = self.config.model_config.hf_config.hidden_size
             activation = sched.max_num_batched_tokens * hidden_size * 4 * 16
             num_blocks = int(max(budget - activation, 0) // per_block)
+        if cache.num_blocks is None:
+            # One global cache needs one size: the smallest of all processes'.
+            num_blocks = agree_min("num_blocks", num_blocks)
         needed = -(-self.config.scheduler_config.max_model_len // cache.block_size) + 1
         if num_blocks < needed:
             raise ValueError(

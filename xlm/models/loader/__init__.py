@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from xlm import envs
 from xlm.config import XlmConfig, set_current_xlm_config
+from xlm.distributed.tensor_parallel import logical_shape, to_physical
 from xlm.logger import init_logger
 from xlm.models.loader.dummy_format import dummy_value
 from xlm.models.loader.safetensors_format import (
@@ -162,16 +163,28 @@ class _WeightPlacer:
 
     def __init__(self, variables: dict[str, nnx.Variable], dtype: Any, mesh: Mesh | None):
         self.variables = variables
-        self.shapes = {p: tuple(v.shape) for p, v in variables.items()}
+        # Checkpoint-layout shapes; `_put` turns a value into the stored layout.
+        self.shapes = {
+            p: logical_shape(tuple(v.shape), v.get_metadata()) for p, v in variables.items()
+        }
         self.np_dtype = np.dtype(dtype)
         self.mesh = mesh
         self.placed: dict[str, jax.Array] = {}
         self._pending: dict[str, tuple[np.ndarray, int]] = {}
 
     def _put(self, path: str, value: np.ndarray) -> None:
-        sharding = _sharding_for(self.variables[path], value.shape, self.mesh)
-        # A fresh host array: the source may be a memory map that jax must not alias.
-        self.placed[path] = jax.device_put(np.array(value, self.np_dtype), sharding)
+        var = self.variables[path]
+        value = to_physical(value, var.get_metadata())
+        sharding = _sharding_for(var, value.shape, self.mesh)
+        if sharding is None:
+            # A fresh host array: the source may be a memory map that jax must not alias.
+            self.placed[path] = jax.device_put(np.array(value, self.np_dtype))
+            return
+        # Each device receives only its own slice (also the only slices this process
+        # addresses when the mesh spans hosts): never the whole tensor on one device.
+        self.placed[path] = jax.make_array_from_callback(
+            value.shape, sharding, lambda index: np.array(value[index], self.np_dtype)
+        )
 
     def place(
         self, name: str, path: str, index: Any, value: np.ndarray, transposed: bool = False
@@ -262,8 +275,8 @@ def load_dummy_weights(
     flat = nnx.to_flat_state(state)
     variables = {".".join(map(str, path)): var for path, var in flat}
     placer = _WeightPlacer(variables, dtype, mesh)
-    for path, var in _progress(variables.items(), len(variables), "Dummy weights"):
-        placer.place(path, path, None, dummy_value(path, tuple(var.shape), seed))
+    for path in _progress(variables, len(variables), "Dummy weights"):
+        placer.place(path, path, None, dummy_value(path, placer.shapes[path], seed))
     return _merge(graphdef, flat, placer.placed)
 
 

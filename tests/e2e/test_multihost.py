@@ -1,0 +1,230 @@
+"""One TP=4 engine over two processes x two fake CPU devices on 127.0.0.1 (jax.distributed):
+`xlm generate`, `xlm run-batch` and `xlm serve` give TP=1's greedy text; a killed follower
+makes the leader fail naming it, a rerun completes every record once; a killed leader
+makes its follower exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import xlm
+from tests.e2e.server_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = dict(
+    max_model_len=64,
+    block_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    token_buckets=[16],
+    num_gpu_blocks_override=40,
+)
+FLAGS = [
+    "--max-model-len=64",
+    "--block-size=4",
+    "--max-num-seqs=4",
+    "--max-num-batched-tokens=16",
+    "--token-buckets=16",
+    "--num-gpu-blocks-override=40",
+]
+PROMPTS = [f"w{i} w{i + 7} w{i + 30} w{2 * i + 1}" for i in range(12)]
+MAX_TOKENS = 8
+FAULT_S = 30.0  # the issue's bound on noticing a dead process
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint) -> str:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> dict[str, str]:
+    """TP=1 greedy completions, one device, this process."""
+    llm = xlm.LLM(model=model, **ENGINE)
+    params = xlm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}
+
+
+class Pod:
+    """Two `xlm` processes (process 0 leads) forming one TP=4 engine on 127.0.0.1."""
+
+    def __init__(self, tmp_path: Path, command: list[str], leader_extra: list[str] = ()):
+        self.coordinator = f"127.0.0.1:{free_port()}"
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        env.update(JAX_PLATFORMS="cpu", XLM_DISABLE_PROGRESS_BARS="1")
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        for process_id in (1, 0):
+            log = tmp_path / f"process{process_id}-{time.monotonic_ns()}.log"
+            multihost = [
+                "-tp=4",
+                "--distributed-executor-backend=multihost",
+                f"--coordinator-address={self.coordinator}",
+                "--num-processes=2",
+                f"--process-id={process_id}",
+            ]
+            extra = list(leader_extra) if process_id == 0 else []
+            cmd = [sys.executable, "-m", "xlm.entrypoints.cli", *command, *FLAGS, *multihost]
+            self.procs.insert(
+                0,
+                subprocess.Popen(
+                    cmd + extra,
+                    stdout=subprocess.PIPE if process_id == 0 else subprocess.DEVNULL,
+                    stderr=log.open("w"),
+                    env=env,
+                    cwd=str(ROOT),
+                    text=True,
+                    start_new_session=True,  # a "host": its whole process group
+                ),
+            )
+            self.logs.insert(0, log)
+
+    @property
+    def leader(self) -> subprocess.Popen:
+        return self.procs[0]
+
+    @property
+    def follower(self) -> subprocess.Popen:
+        return self.procs[1]
+
+    def log(self, process_id: int) -> str:
+        return self.logs[process_id].read_text(errors="replace")
+
+    def kill_host(self, process_id: int) -> None:
+        os.killpg(self.procs[process_id].pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture
+def pods(tmp_path):
+    made: list[Pod] = []
+
+    def make(command: list[str], leader_extra: list[str] = ()) -> Pod:
+        made.append(Pod(tmp_path, command, leader_extra))
+        return made[-1]
+
+    yield make
+    for pod in made:
+        pod.close()
+
+
+def group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_generate_over_two_processes_equals_tp1(pods, model, expected):
+    prompt = PROMPTS[0]
+    pod = pods(
+        ["generate", "--model", model, prompt, f"--max-tokens={MAX_TOKENS}", "--temperature=0"]
+    )
+    out, _ = pod.leader.communicate(timeout=900)
+    assert pod.leader.returncode == 0, pod.log(0)[-4000:]
+    # Gloo's C++ code prints its connection lines to stdout.
+    out = "".join(line for line in out.splitlines(True) if not line.startswith("[Gloo]"))
+    assert out == expected[prompt] + "\n"
+    assert pod.follower.wait(60) == 0, pod.log(1)[-4000:]
+    assert "follower process 1 ready" in pod.log(1)
+
+
+NUM_RECORDS = 4 * len(PROMPTS)
+
+
+def batch_file(path: Path) -> None:
+    with path.open("w") as f:
+        for i in range(NUM_RECORDS):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            record = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions"}
+            f.write(json.dumps({**record, "body": body}) + "\n")
+
+
+@pytest.mark.slow
+def test_run_batch_survives_a_killed_follower_by_rerun(pods, model, expected, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    batch_file(inp)
+    command = ["run-batch", "-i", str(inp), "-o", str(out), "--model", model]
+    # One request at a time keeps the run going long enough to kill mid-way.
+    pod = pods(command, ["--max-concurrency=1", "--disable-log-stats"])
+    deadline = time.monotonic() + 900
+    while not (out.exists() and out.read_text().count("\n") >= 2):
+        assert pod.leader.poll() is None, pod.log(0)[-4000:]
+        assert time.monotonic() < deadline, "run-batch wrote nothing"
+        time.sleep(0.2)
+    pod.kill_host(1)
+    killed = time.monotonic()
+    try:
+        pod.leader.wait(FAULT_S + 15)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"leader still running after the follower died:\n{pod.log(0)[-3000:]}")
+    assert time.monotonic() - killed < FAULT_S + 15
+    assert pod.leader.returncode != 0
+    assert "follower process 1 stopped responding" in pod.log(0)
+    time.sleep(2)
+    assert not group_alive(pod.leader.pid), "the leader left processes behind"
+    done_before = out.read_text().count("\n")
+    assert 2 <= done_before < NUM_RECORDS
+
+    rerun = pods(command, ["--disable-log-stats"])
+    rerun.leader.communicate(timeout=900)
+    assert rerun.leader.returncode == 0, rerun.log(0)[-4000:]
+    assert rerun.follower.wait(60) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in results) == sorted(f"r{i}" for i in range(NUM_RECORDS))
+    for r in results:
+        prompt = PROMPTS[int(r["custom_id"][1:]) % len(PROMPTS)]
+        assert r["response"]["body"]["choices"][0]["text"] == expected[prompt]
+
+
+@pytest.mark.slow
+def test_serve_over_two_processes_then_leader_death_ends_the_follower(pods, model, expected):
+    port = free_port()
+    pod = pods(["serve", model, "--host", "127.0.0.1", "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while True:
+        assert pod.leader.poll() is None, pod.log(0)[-4000:]
+        assert time.monotonic() < deadline, "server never became healthy"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    for prompt in PROMPTS[:3]:
+        completion = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert completion.choices[0].text == expected[prompt]
+    pod.kill_host(0)
+    try:
+        pod.follower.wait(FAULT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"follower outlived its leader:\n{pod.log(1)[-3000:]}")
+    assert pod.follower.returncode != 0
+    # Our heartbeat names the leader; JAX's coordination client (the service lived in the
+    # leader) may notice first and end the process itself.
+    log = pod.log(1)
+    assert "leader process 0 stopped responding" in log or "JAX distributed service" in log

@@ -1,0 +1,1 @@
+"""Device mesh, tensor-parallel layout rules and multi-host set-up."""

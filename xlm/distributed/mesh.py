@@ -1,0 +1,100 @@
+"""The engine's device mesh (axes `data`, `model`) and moving step data on and off it.
+
+One process drives every local device (`uni`) or, with `jax.distributed`, one process per
+host drives its own devices of one global mesh (`multihost`). Step inputs are replicated:
+every process builds the same host arrays and places its own devices' copies. Outputs the
+host reads (sampled tokens, logprobs) are replicated too, so each process reads its local
+copy and no process gathers from another.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from xlm.config import ParallelConfig
+
+MESH_AXES = ("data", "model")
+
+
+def make_mesh(parallel_config: ParallelConfig, devices: list[Any] | None = None) -> Mesh:
+    """The (data, model) mesh over the first tp devices of `jax.devices()` (all hosts')."""
+    devices = list(jax.devices() if devices is None else devices)
+    tp, dp = parallel_config.tensor_parallel_size, parallel_config.data_parallel_size
+    if dp != 1:
+        raise ValueError(
+            f"data_parallel_size={dp} is not supported inside one engine: allowed 1 (run "
+            "data-parallel replicas as separate engines, e.g. run-batch --num-shards)"
+        )
+    if tp > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs {tp} devices; {len(devices)} device(s) "
+            f"found ({devices[0].platform})"
+        )
+    if jax.process_count() > 1 and tp != len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tp} must equal the {len(devices)} devices of the "
+            f"{jax.process_count()} processes: every host takes part in the one model"
+        )
+    grid = _device_grid(devices[:tp], (dp, tp))
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _device_grid(devices: list[Any], shape: tuple[int, int]) -> np.ndarray:
+    # On TPU, mesh_utils orders chips so that `model` neighbours are ICI neighbours.
+    if devices[0].platform == "tpu":
+        from jax.experimental import mesh_utils
+
+        try:
+            return mesh_utils.create_device_mesh(shape, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass
+    return np.asarray(devices, dtype=object).reshape(shape)
+
+
+def describe_mesh(mesh: Mesh | None) -> str:
+    """One line: axis sizes, device kind, processes."""
+    if mesh is None:
+        device = jax.devices()[0]
+        return f"no mesh (one device: {device.device_kind})"
+    sizes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    device = mesh.devices.flat[0]
+    processes = len({d.process_index for d in mesh.devices.flat})
+    count = mesh.devices.size
+    return f"mesh ({sizes}) of {count} {device.device_kind} device(s), {processes} process(es)"
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def put_replicated(value: np.ndarray, mesh: Mesh | None) -> jax.Array:
+    """A host array on every device of the mesh (each process places its own copies)."""
+    if mesh is None:
+        return jax.device_put(value)
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, replicated(mesh), lambda index: value[index])
+
+
+def fetch(tree: Any) -> Any:
+    """Host copies of (replicated) device arrays; reads only this process's devices."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(x) if isinstance(x, jax.Array) else x
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def per_device_bytes(tree: Any) -> dict[Any, int]:
+    """Bytes each (local) device holds of the arrays in `tree`."""
+    total: dict[Any, int] = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
+    return total
