@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xlm.entrypoints.openai.protocol import RequestValidationError
+from xlm.entrypoints.openai.limits import RequestValidationError
 from xlm.structured_output.params import StructuredOutputsParams
 
 _GUIDED = {
