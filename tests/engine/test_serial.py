@@ -158,3 +158,25 @@ def test_enum_values_and_dataclass_fields_are_checked():
 
     kind, _ = _roundtrip(RequestOutputKind.DELTA)
     assert kind is RequestOutputKind.DELTA
+
+
+def test_everything_the_engine_sends_decodes():
+    """Logprobs and structured-output specs cross the socket inside the real messages."""
+    from xlm.core.outputs import EngineCoreOutput, LogprobsLists
+    from xlm.engine.messages import EngineCoreOutputs
+    from xlm.sampling_params import SamplingParams
+    from xlm.structured_output.params import StructuredOutputsParams
+
+    logprobs = LogprobsLists(
+        logprob_token_ids=[[5, 6]], logprobs=[[-0.1, -2.0]], sampled_token_ranks=[1]
+    )
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput("r", [5], new_logprobs=logprobs, new_prompt_logprobs=logprobs)]
+    )
+    back = MsgpackDecoder().decode(MsgpackEncoder().encode(outputs))
+    assert isinstance(back.outputs[0].new_logprobs, LogprobsLists)
+    assert back.outputs[0].new_logprobs.logprobs == [[-0.1, -2.0]]
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    back = MsgpackDecoder().decode(MsgpackEncoder().encode(params))
+    assert isinstance(back.structured_outputs, StructuredOutputsParams)
+    assert back.structured_outputs.regex == "[ab]+"

@@ -48,7 +48,9 @@ WIRE_CLASSES: tuple[tuple[str, str], ...] = (
     ("xlm.sampling_params", "SamplingParams"),
     ("xlm.sampling_params", "RequestOutputKind"),
     ("xlm.sampling_params", "SamplingType"),
+    ("xlm.structured_output.params", "StructuredOutputsParams"),
     ("xlm.core.outputs", "EngineCoreOutput"),
+    ("xlm.core.outputs", "LogprobsLists"),
     ("xlm.core.outputs", "SchedulerStats"),
     ("xlm.engine.messages", "EngineCoreOutputs"),
 )
