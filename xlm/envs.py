@@ -97,6 +97,15 @@ def _get_int(name: str) -> int | None:
         raise ValueError(f"{name}={value!r} is not an integer") from e
 
 
+def tpu_worker_id() -> int | None:
+    """The worker index a TPU VM's runtime sets (TPU_WORKER_ID, or CLOUD_TPU_TASK_ID)."""
+    for name in ("TPU_WORKER_ID", "CLOUD_TPU_TASK_ID"):
+        value = _get_int(name)
+        if value is not None:
+            return value
+    return None
+
+
 def _get_cache_root() -> str:
     return _VARIABLES["XLM_CACHE_ROOT"]()
 

@@ -11,7 +11,6 @@ each process from that scheduler output (no device-to-device broadcast of inputs
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import time
 from typing import Any
@@ -35,11 +34,8 @@ def resolve_process_id(parallel_config: ParallelConfig) -> int | None:
     """This process's id: the option, else XLM_PROCESS_ID, else the TPU worker id."""
     if parallel_config.process_id is not None:
         return parallel_config.process_id
-    for name in ("XLM_PROCESS_ID", "TPU_WORKER_ID", "CLOUD_TPU_TASK_ID"):
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            return int(value)
-    return None
+    process_id = envs.XLM_PROCESS_ID
+    return process_id if process_id is not None else envs.tpu_worker_id()
 
 
 def initialize_distributed(parallel_config: ParallelConfig) -> None:
