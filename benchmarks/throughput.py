@@ -14,25 +14,18 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+# This folder is on the path only while common.py is imported: its kernels.py would shadow
+# the `kernels` package that transformers probes for. (Spawned children rerun this.)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE))
+from common import HfRunner, XlmRunner, measure_bandwidth, single_request, time_call  # noqa: E402
 
-
-def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Memory bandwidth in bytes/s: read + write of a large warm buffer, best of `repeats`."""
-    src = np.ones(num_bytes // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in before timing
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * num_bytes / best
+sys.path.pop(0)
 
 
 def make_prompts(vocab_size: int, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -43,65 +36,10 @@ def make_prompts(vocab_size: int, n: int, lo: int, hi: int, seed: int = 0) -> li
     ]
 
 
-class XlmRunner:
-    def __init__(self, model: str, max_num_seqs: int) -> None:
-        import xlm
-
-        t = time.perf_counter()
-        self.llm = xlm.LLM(model=model, max_num_seqs=max_num_seqs)
-        self.startup_s = time.perf_counter() - t
-        self.xlm = xlm
-        self.vocab_size = self.llm.get_tokenizer().vocab_size
-
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        params = self.xlm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-
-class HfRunner:
-    def __init__(self, gguf_path: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        torch.set_num_threads(os.cpu_count() or 1)
-        self.torch = torch
-        d, f = os.path.split(gguf_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            d, gguf_file=f, dtype=torch.float32
-        ).eval()
-
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        torch = self.torch
-        width = max(len(p) for p in prompts)
-        pad = 0
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding, as batched generate needs
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                pad_token_id=pad,
-            )
-        return [row[width:].tolist() for row in out]
-
-
-def time_call(fn, *args) -> tuple[float, object]:
-    t = time.perf_counter()
-    result = fn(*args)
-    return time.perf_counter() - t, result
-
-
 def latency(runner, prompt: list[int], output_len: int) -> dict[str, float]:
     """TTFT from a 1-token request; decode tok/s from the extra time of output_len tokens."""
-    ttft = min(time_call(runner.generate, [prompt], 1)[0] for _ in range(3))
-    full = min(time_call(runner.generate, [prompt], output_len)[0] for _ in range(2))
+    times = single_request(runner, prompt, output_len, repeats=3)
+    ttft, full = min(times["ttft_s"]), min(times["full_s"])
     return {"ttft_s": ttft, "decode_tok_s": (output_len - 1) / (full - ttft)}
 
 
