@@ -260,7 +260,8 @@ class LlamaCppRunner:
         self.ctx = ll.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context for {batch_size} sequences")
-        self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        self.chunk = ll.llama_n_batch(self.ctx)  # n_batch, capped by llama.cpp at n_ctx
+        self.batch = ll.llama_batch_init(self.chunk, 0, 1)
         self.batch_size = batch_size
 
     def close(self) -> None:
@@ -300,8 +301,8 @@ class LlamaCppRunner:
             for pos, tok in enumerate(p)
         ]
         last: list[int] = []
-        for i in range(0, len(entries), self.n_batch):
-            last.extend(self._decode(entries[i : i + self.n_batch]).tolist())
+        for i in range(0, len(entries), self.chunk):
+            last.extend(self._decode(entries[i : i + self.chunk]).tolist())
         outs = [[t] for t in last]
         for step in range(1, max_tokens):
             entries = [(s, len(p) + step - 1, outs[s][-1], True) for s, p in enumerate(prompts)]
