@@ -41,6 +41,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -76,6 +77,9 @@ VERSION_KEYS = {
     "transformers": ("transformers", "torch"),
 }
 RESULT_TAG = "PEERS_RESULT "
+# Worker log lines kept as start-up phase timings (xlm: "Compiled N programs ... in X s",
+# "Engine core ready in X s", and any line about phases).
+PHASE_WORDS = re.compile(r"phase|ready in|compiled .* in|loaded .* in", re.IGNORECASE)
 PROMPT_MIN, PROMPT_MAX = 16, 64
 
 
@@ -227,7 +231,9 @@ class LlamaCppRunner:
     in llama_decode calls of up to n_batch tokens, then one llama_decode per step carrying
     one token per sequence; greedy = argmax of the logits in numpy."""
 
-    def __init__(self, gguf_path: str, max_context: int, n_batch: int = 2048) -> None:
+    def __init__(
+        self, gguf_path: str, max_context: int, n_threads: int, n_batch: int = 2048
+    ) -> None:
         import llama_cpp as ll
 
         self.ll = ll
@@ -239,6 +245,7 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
         self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
         self.max_context = max_context
+        self.n_threads = n_threads
         self.n_batch = n_batch
         self.ctx = None
         self.batch_size = 0
@@ -249,7 +256,7 @@ class LlamaCppRunner:
         if self.batch_size == batch_size:
             return
         self.close()
-        threads = os.cpu_count() or 1
+        threads = self.n_threads
         params = ll.llama_context_default_params()
         params.n_ctx = self.max_context * batch_size
         params.n_batch = self.n_batch
@@ -356,9 +363,11 @@ def make_runner(engine: str, spec: dict) -> tuple[Any, dict[str, str]]:
 
         path = spec["weights"]["gguf_" + engine.partition("-")[2]]
         context = PROMPT_MAX + max(spec["output_lens"]) + 1
-        runner = LlamaCppRunner(path, max_context=-(-context // 256) * 256)
+        threads = spec["llama_threads"] or os.cpu_count() or 1
+        runner = LlamaCppRunner(path, max_context=-(-context // 256) * 256, n_threads=threads)
         info = versions(["llama_cpp_python", "numpy"])
         info["llama_cpp"] = llama_cpp.__version__
+        info["llama_n_threads"] = str(threads)
         info["llama_system_info"] = llama_cpp.llama_print_system_info().decode().strip()
         return runner, info
     if engine == "vllm":
@@ -456,7 +465,9 @@ def run_worker(
         log=str(log),
         env={k: v for k, v in env.items() if k.startswith(("VLLM_", "XLM_", "LD_PRELOAD", "OMP_"))},
         startup_phase_lines=[
-            line for line in text.splitlines() if "phase" in line.lower() and RESULT_TAG not in line
+            line
+            for line in text.splitlines()
+            if PHASE_WORDS.search(line) and not line.startswith(RESULT_TAG)
         ],
     )
     return result
@@ -696,6 +707,13 @@ def main() -> None:
     parser.add_argument("--output-lens", type=csv(int), default=[32, 128])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--llama-threads",
+        type=int,
+        default=None,
+        help="llama.cpp threads (default: all cores; its OpenMP barriers stall when "
+        "another process takes a core, see the other-CPU column)",
+    )
     parser.add_argument("--llama-python", default=default_python("/work/venvs/llama/bin/python"))
     parser.add_argument("--vllm-python", default=default_python("/work/venvs/vllm/bin/python"))
     parser.add_argument(
@@ -751,6 +769,7 @@ def main() -> None:
         "batches": args.batches,
         "output_lens": args.output_lens,
         "repeats": args.repeats,
+        "llama_threads": args.llama_threads,
         "prompts": load_prompts(tokenizer, max(args.batches), args.seed),
     }
     spec_path = work_dir / "spec.json"
