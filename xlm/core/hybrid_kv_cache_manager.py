@@ -11,7 +11,7 @@ the next query sees).
 from __future__ import annotations
 
 from xlm.core.block_pool import BlockPool, KVCacheBlock
-from xlm.core.kv_cache_groups import KVCacheGroupSpec, blocks_for_request, window_block_bound
+from xlm.core.kv_cache_groups import KVCacheGroupSpec, blocks_for_request
 from xlm.core.kv_cache_manager import KVCacheManager, num_evictable
 from xlm.core.kv_cache_utils import update_block_hashes
 from xlm.core.request import Request
@@ -69,14 +69,6 @@ class HybridKVCacheManager:
         """Blocks all groups together may hold (all but the null block)."""
         return self.block_pool.num_blocks - 1
 
-    def _window_blocks(self) -> int:
-        bs, step = self.block_size, self.max_step_tokens
-        return sum(
-            window_block_bound(s.sliding_window, bs, step)
-            for s in self.specs
-            if s.sliding_window is not None
-        )
-
     def num_blocks_to_fit(self, num_tokens: int) -> int:
         """Blocks a request of num_tokens needs at most, alone, over all groups."""
         return blocks_for_request(self.specs, num_tokens, self.block_size, self.max_step_tokens)
@@ -87,11 +79,15 @@ class HybridKVCacheManager:
 
     @property
     def max_request_tokens(self) -> int:
-        """The longest request the whole pool holds (windows at their bound)."""
-        num_full = sum(1 for s in self.specs if s.sliding_window is None)
-        if num_full == 0:
-            return self.max_model_len
-        return max(0, self.num_usable_blocks - self._window_blocks()) // num_full * self.block_size
+        """The longest request (<= max_model_len) the whole pool holds alone."""
+        lo, hi = 0, self.max_model_len  # can_fit is monotone in the length
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.can_fit(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def get_computed_blocks(
         self, request: Request
@@ -156,9 +152,12 @@ class HybridKVCacheManager:
         if is_new:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_new_computed_tokens
-        return tuple(
-            g.commit_slots(request, num_computed, num_total, hit) for g, hit in zip(groups, hits)
-        )
+        if new_computed_blocks:
+            # Every group takes its hits before any group allocates: a hit block waiting in
+            # the free queue must not be handed out as another group's new block.
+            for g, hit in zip(groups, hits):
+                g.commit_slots(request, num_computed, num_computed, hit)
+        return tuple(g.commit_slots(request, num_computed, num_total, None) for g in groups)
 
     def num_held_blocks_per_group(self, request_id: str) -> list[int]:
         """Blocks the request holds now in each group (dropped ones not counted)."""
