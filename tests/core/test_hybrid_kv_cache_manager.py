@@ -42,17 +42,11 @@ def manager(num_blocks: int = 40) -> HybridKVCacheManager:
     return kv
 
 
-def run(kv, request, steps: list[int], hit=None, num_hit: int = 0):
-    """Allocate step by step (advancing num_computed_tokens); the per-step new ids."""
-    out = []
-    for i, n in enumerate(steps):
-        ids = kv.allocate_slots(request, n, num_hit if i == 0 else 0, hit if i == 0 else None)
-        assert ids is not None
-        if i == 0:
-            request.num_computed_tokens = num_hit
+def run(kv, request, steps: list[int]) -> None:
+    """Allocate step by step, advancing num_computed_tokens."""
+    for n in steps:
+        assert kv.allocate_slots(request, n) is not None
         request.num_computed_tokens += n
-        out.append(ids)
-    return out
 
 
 def test_window_group_frees_while_full_group_keeps_all():

@@ -12,6 +12,7 @@ global group holds every block of the request.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,7 +21,7 @@ from tests.conftest import VOCAB_SIZE, write_tiny_checkpoint
 from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf, scheduler
 from xlm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from xlm.core.kv_cache_groups import window_block_bound
-from xlm.worker.worker import kv_cache_groups, shared_sliding_window
+from xlm.worker.worker import kv_cache_bytes_per_block, kv_cache_groups, shared_sliding_window
 
 WINDOW = 8  # TINY_CONFIGS["mistral"]
 BLOCK = TINY_ENGINE["block_size"]
@@ -105,6 +106,14 @@ def test_layer_groups_by_window(tiny_checkpoint):
     assert groups("gemma2") == [(None, (1,)), (WINDOW, (0,))]
     assert groups("mistral") == [(WINDOW, (0, 1))]
     assert groups("llama") == [(None, (0, 1))]
+
+    # Gemma 2's two groups share one cache array: a block costs one layer's pages, and the
+    # cache is sized from that (half of one table's cost for every layer).
+    model = get_model(XlmConfig(ModelConfig(model=tiny_checkpoint("gemma2"), load_format="dummy")))
+    one_table = kv_cache_bytes_per_block(model, BLOCK, jnp.float32)
+    model.use_kv_cache_groups(kv_cache_groups(model))
+    assert kv_cache_bytes_per_block(model, BLOCK, jnp.float32) * 2 == one_table
+    assert len(model.make_kv_caches(4, BLOCK, jnp.float32)) == 1
 
 
 def run_checking_groups(llm, prompt: list[int], request_id: str) -> tuple[list[int], int]:
