@@ -156,17 +156,24 @@ def gemma_engine(path: str, num_blocks: int):
         ("gemma2", None, 24),
         # Gemma 3's 5:1: six groups of one layer (five windowed), one shared cache array.
         ("gemma3", ["sliding_attention"] * 5 + ["full_attention"], 64),
+        # 3 windowed, 2 global: groups of 2 layers over 2 shared arrays, and a remainder
+        # windowed group of one layer.
+        ("gemma3", ["sliding_attention"] * 3 + ["full_attention"] * 2, 48),
     ],
+    ids=["gemma2", "gemma3-5to1", "gemma3-remainder"],
 )
 def test_gemma_window_groups_hold_window_blocks(arch, layer_types, num_blocks, tmp_path):
-    changes = {} if layer_types is None else dict(num_hidden_layers=6, layer_types=layer_types)
+    changes = {}
+    if layer_types is not None:
+        changes = dict(num_hidden_layers=len(layer_types), layer_types=layer_types)
     path = write_tiny_checkpoint(arch, str(tmp_path / arch), **changes)
     llm = gemma_engine(path, num_blocks)
     kv = scheduler(llm).kv_cache_manager
     windows = [s.sliding_window for s in kv.specs]
     assert windows.count(None) == 1 and windows.count(WINDOW) == len(windows) - 1
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
-    assert len(runner.kv_caches) == 1  # every group's layer 0 shares one array
+    # Layer j of every group shares array j.
+    assert len(runner.kv_caches) == max(len(s.layer_ids) for s in kv.specs)
     prompt = np.random.default_rng(7).integers(6, VOCAB_SIZE, size=90).tolist()
     compiles = runner.num_compilations
     out, steps = run_checking_groups(llm, prompt, "long")
