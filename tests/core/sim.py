@@ -254,6 +254,14 @@ def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> Non
                 assert held <= bound, (rid, held, bound, new)
         for r in sched.running:
             assert len(m.req_to_blocks[r.request_id]) * m.block_size >= r.num_computed_tokens
+    # Groups of one window hold alike (the hybrid manager's decode fast path checks one).
+    by_window: dict[int | None, object] = {}
+    for m in managers:
+        first = by_window.setdefault(m.sliding_window, m)
+        for rid in running_ids:
+            assert len(m.req_to_blocks[rid]) == len(first.req_to_blocks[rid])
+            assert m.num_cached_block[rid] == first.num_cached_block[rid]
+            assert m.num_dropped_block[rid] == first.num_dropped_block[rid]
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
     for r in sched.waiting:

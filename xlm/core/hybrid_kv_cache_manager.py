@@ -16,8 +16,8 @@ from xlm.core.kv_cache_manager import KVCacheManager, num_evictable
 from xlm.core.kv_cache_utils import update_block_hashes
 from xlm.core.request import Request
 
-# One list of block ids (or of blocks) per group.
-GroupBlockIds = tuple[list[int], ...]
+# One sequence of block ids per group.
+GroupBlockIds = tuple[list[int] | tuple[int, ...], ...]
 
 
 class HybridKVCacheManager:
@@ -56,6 +56,13 @@ class HybridKVCacheManager:
         # No model-wide window: groups have their own.
         self.sliding_window = None
         self._no_hits: tuple[None, ...] = (None,) * len(groups)
+        self._no_new_blocks: tuple[tuple[int, ...], ...] = ((),) * len(groups)
+        # Groups of one window always hold the same number of (cached, dropped) blocks:
+        # the decode fast path checks one group per window.
+        first_of_window = {}
+        for g in self.groups:
+            first_of_window.setdefault(g.sliding_window, g)
+        self._window_representatives = list(first_of_window.values())
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -123,7 +130,7 @@ class HybridKVCacheManager:
     ) -> GroupBlockIds | None:
         """Slots for num_new_tokens more tokens in every group; None if blocks run out.
 
-        Returns the newly allocated block ids per group (read-only lists).
+        Returns the newly allocated block ids per group (read-only sequences).
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} is invalid: must be > 0")
@@ -133,8 +140,11 @@ class HybridKVCacheManager:
         num_total = num_computed + num_new_tokens
         is_new = request_id not in groups[0].req_to_blocks
         if not is_new and not new_computed_blocks:
-            if all(g.fits_without_change(request_id, num_computed, num_total) for g in groups):
-                return tuple([] for _ in groups)
+            for g in self._window_representatives:
+                if not g.fits_without_change(request_id, num_computed, num_total):
+                    break
+            else:
+                return self._no_new_blocks  # fast path: most decode steps
             for g in groups:
                 g._drop_out_of_window(request_id, g.req_to_blocks[request_id], num_computed)
         hits = new_computed_blocks or self._no_hits
