@@ -95,6 +95,9 @@ class CacheConfig:
     # Set by the worker from the model: the attention window every layer shares (None:
     # some layer attends to the whole context); the KV manager frees blocks outside it.
     sliding_window: int | None = None
+    # Set by the worker from the model when its layers use several windows: one KV cache
+    # group (xlm.core.kv_cache_groups.KVCacheGroupSpec) per window, each its own block table.
+    kv_cache_groups: list[Any] | None = None
 
     def __post_init__(self) -> None:
         owner = "CacheConfig"

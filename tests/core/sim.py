@@ -52,7 +52,7 @@ def prefix_value(parent: int, token: int) -> int:
 class _State:
     prompt: list[int]
     tokens: list[int]
-    block_ids: list[int] | None
+    block_ids: list[list[int]] | None  # one list per KV cache group
     num_computed: int
     values: list[int] = field(default_factory=list)
 
@@ -74,22 +74,40 @@ class FakeModelRunner:
         vocab: int = 1000,
         check_kv: bool = True,
         window: int | None = None,
+        group_windows: list[int | None] | None = None,
     ):
         # window: attention sees only the last `window` positions; the scheduler may drop
         # (null) the blocks before that, and only in-window reads are checked.
-        self.window = window
+        # group_windows: KV cache groups (block ids come as one list per group), each with
+        # its own window; every group's K/V is written and checked in the same block space,
+        # tagged with the group, so two groups sharing a block or a hit from another
+        # group's cache is caught.
+        self.grouped = group_windows is not None
+        self.windows = list(group_windows) if self.grouped else [window]
         self.block_size = block_size
         self.vocab = vocab
         self.check_kv = check_kv
-        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.kv: list[list[object]] = [[None] * block_size for _ in range(num_blocks)]
         self.reqs: dict[str, _State] = {}
 
-    def _no_live_null(self, block_ids: list[int], num_computed: int) -> bool:
+    def _groups(self, block_ids) -> list[list[int]]:
+        """Block ids from the scheduler as one list per group."""
+        if self.grouped:
+            assert isinstance(block_ids, tuple) and len(block_ids) == len(self.windows)
+            return [list(ids) for ids in block_ids]
+        return [list(block_ids)]
+
+    def _first(self, g: int, num_computed: int) -> int:
+        """First position group g's next query (at num_computed) reads."""
+        window = self.windows[g]
+        return 0 if window is None else max(0, num_computed - window + 1)
+
+    def _no_live_null(self, block_ids, num_computed: int) -> bool:
         """The null block stands only for blocks entirely before the window."""
-        if self.window is None:
-            return 0 not in block_ids
-        first = max(0, num_computed - self.window + 1) // self.block_size
-        return 0 not in block_ids[first:]
+        return all(
+            0 not in ids[self._first(g, num_computed) // self.block_size :]
+            for g, ids in enumerate(self._groups(block_ids))
+        )
 
     def next_token(self, state: _State, last_pos: int) -> int:
         """Greedy 'sampling': a deterministic function of every token up to last_pos."""
@@ -108,7 +126,7 @@ class FakeModelRunner:
             self.reqs[new.req_id] = _State(
                 list(new.prompt_token_ids),
                 list(new.prompt_token_ids),
-                list(new.block_ids),
+                self._groups(new.block_ids),
                 new.num_computed_tokens,
             )
         c = so.scheduled_cached_reqs
@@ -121,13 +139,14 @@ class FakeModelRunner:
                 assert st.tokens[len(st.prompt) :] == c.new_token_ids[i]
                 st.tokens = st.prompt + list(c.new_token_ids[i])
                 st.values = []
-                st.block_ids = list(c.new_block_ids[i])
+                st.block_ids = self._groups(c.new_block_ids[i])
                 st.num_computed = c.num_computed_tokens[i]
             else:
-                assert 0 not in c.new_block_ids[i], "new blocks are never the null block"
                 assert c.new_token_ids[i] == []
                 assert st.num_computed == c.num_computed_tokens[i]
-                st.block_ids.extend(c.new_block_ids[i])
+                for ids, new_ids in zip(st.block_ids, self._groups(c.new_block_ids[i])):
+                    assert 0 not in new_ids, "new blocks are never the null block"
+                    ids.extend(new_ids)
         assert set(so.num_scheduled_tokens) == {n.req_id for n in so.scheduled_new_reqs} | set(
             c.req_ids
         )
@@ -137,25 +156,26 @@ class FakeModelRunner:
             st = self.reqs[rid]
             start, end = st.num_computed, st.num_computed + n
             assert n > 0 and end <= len(st.tokens), (rid, start, n, len(st.tokens))
-            assert len(st.block_ids) * bs >= end, "not enough slots allocated"
-            assert len(st.block_ids) == -(-end // bs), "more blocks than needed"
-            # Blocks dropped out of the window keep stale ids here (the scheduler does not
-            # tell the runner): only the blocks still visible must be distinct and real.
-            first = 0 if self.window is None else max(0, start - self.window + 1) // bs
-            live = st.block_ids[first:]
-            assert 0 not in live and len(set(live)) == len(live)
-            if self.check_kv:
-                for p in range(start, end):
-                    self.kv[st.block_ids[p // bs]][p % bs] = st.value(p)
+            for g, ids in enumerate(st.block_ids):
+                assert len(ids) * bs >= end, "not enough slots allocated"
+                assert len(ids) == -(-end // bs), "more blocks than needed"
+                # Blocks dropped out of the window keep stale ids here (the scheduler does
+                # not tell the runner): only the blocks still visible must be real, and no
+                # two groups or requests write one block (checked by the tagged values).
+                live = ids[self._first(g, start) // bs :]
+                assert 0 not in live and len(set(live)) == len(live)
+                if self.check_kv:
+                    for p in range(start, end):
+                        self.kv[ids[p // bs]][p % bs] = (g, st.value(p))
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
             end = st.num_computed + n
             if self.check_kv:
-                first_read = 0 if self.window is None else max(0, st.num_computed - self.window + 1)
-                for p in range(first_read, end):
-                    got = self.kv[st.block_ids[p // bs]][p % bs]
-                    assert got == st.value(p), f"{rid}: wrong K/V at position {p}"
+                for g, ids in enumerate(st.block_ids):
+                    for p in range(self._first(g, st.num_computed), end):
+                        got = self.kv[ids[p // bs]][p % bs]
+                        assert got == (g, st.value(p)), f"{rid}: wrong K/V at {p} (group {g})"
             st.num_computed = end
             req_ids.append(rid)
             if end == len(st.tokens):
@@ -198,11 +218,14 @@ def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> Non
     """Block accounting and scheduling limits that must hold after every step."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
+    # One manager per KV cache group (a single one without groups), over one pool.
+    managers = getattr(kv, "groups", [kv])
     owners: Counter[int] = Counter()
-    for blocks in kv.req_to_blocks.values():
-        ids = [b.block_id for b in blocks if not b.is_null]
-        assert len(set(ids)) == len(ids)
-        owners.update(ids)
+    for m in managers:
+        for blocks in m.req_to_blocks.values():
+            ids = [b.block_id for b in blocks if not b.is_null]
+            assert len(set(ids)) == len(ids)
+            owners.update(ids)
     assert pool.null_block.ref_cnt == 0 and pool.null_block.block_id == 0
     assert 0 not in owners
     for block in pool.blocks[1:]:
@@ -220,17 +243,27 @@ def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> Non
         assert b.block_hash == h
     running_ids = {r.request_id for r in sched.running}
     assert len(running_ids) == len(sched.running) <= sched.max_num_seqs
-    assert set(kv.req_to_blocks) == running_ids
-    if kv.sliding_window is not None:
-        # A request scheduled for `new` tokens holds only the blocks of positions
-        # [computed - window + 1, computed + new): at most ceil((window - 1 + new) / bs) + 1.
-        for rid, new in (so.num_scheduled_tokens if so is not None else {}).items():
-            bound = -(-(kv.sliding_window - 1 + new) // kv.block_size) + 1
-            held = kv.num_held_blocks(rid)
-            assert held <= bound, (rid, held, bound, new)
+    for m in managers:
+        assert set(m.req_to_blocks) == running_ids
+        if m.sliding_window is not None:
+            # A request scheduled for `new` tokens holds only the blocks of positions
+            # [computed - window + 1, computed + new): at most ceil((window - 1 + new) / bs) + 1.
+            for rid, new in (so.num_scheduled_tokens if so is not None else {}).items():
+                bound = -(-(m.sliding_window - 1 + new) // m.block_size) + 1
+                held = m.num_held_blocks(rid)
+                assert held <= bound, (rid, held, bound, new)
+        for r in sched.running:
+            assert len(m.req_to_blocks[r.request_id]) * m.block_size >= r.num_computed_tokens
+    # Groups of one window hold alike (the hybrid manager's decode fast path checks one).
+    by_window: dict[int | None, object] = {}
+    for m in managers:
+        first = by_window.setdefault(m.sliding_window, m)
+        for rid in running_ids:
+            assert len(m.req_to_blocks[rid]) == len(first.req_to_blocks[rid])
+            assert m.num_cached_block[rid] == first.num_cached_block[rid]
+            assert m.num_dropped_block[rid] == first.num_dropped_block[rid]
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
-        assert len(kv.req_to_blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens == 0

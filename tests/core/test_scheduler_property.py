@@ -10,6 +10,7 @@ from tests.core.sim import (
     reference_generate,
 )
 from xlm.config import CacheConfig, SchedulerConfig
+from xlm.core.kv_cache_groups import KVCacheGroupSpec
 from xlm.core.request import RequestStatus
 from xlm.core.scheduler import Scheduler
 
@@ -28,6 +29,11 @@ configs = st.fixed_dictionaries(
         "policy": st.sampled_from(["fcfs", "priority"]),
         "caching": st.sampled_from([True, True, False]),
         "window": st.sampled_from([None, None, 1, 3, 8]),
+        # KV cache groups by window (Gemma 2: full + window; Gemma 3: one full, several
+        # windowed; two windows without full attention); None: one block table.
+        "groups": st.sampled_from(
+            [None, None, None, (None, 3), (None, 8), (None, 1, 3), (None, 3, 3, 3), (3, 8)]
+        ),
     }
 )
 
@@ -60,17 +66,27 @@ PREFIXES = [[(7 * i + 3 * k) % (VOCAB - 1) + 1 for i in range(16)] for k in rang
 def test_random_workloads_keep_invariants_and_finish(cfg, plan):
     bs = cfg["block_size"]
     budget = cfg["budget"] if cfg["chunked"] else max(cfg["budget"], cfg["max_len"])
+    windows = cfg["groups"]
+    groups = None if windows is None else [KVCacheGroupSpec(w, (i,)) for i, w in enumerate(windows)]
+    window = None if groups else cfg["window"]
     sched = Scheduler(
         SchedulerConfig(
             budget, cfg["max_seqs"], cfg["max_len"], cfg["chunked"], cfg["threshold"], cfg["policy"]
         ),
         CacheConfig(
-            block_size=bs, enable_prefix_caching=cfg["caching"], sliding_window=cfg["window"]
+            block_size=bs,
+            enable_prefix_caching=cfg["caching"],
+            sliding_window=window,
+            kv_cache_groups=groups,
         ),
         cfg["num_blocks"],
     )
-    runner = FakeModelRunner(cfg["num_blocks"], bs, vocab=VOCAB, window=cfg["window"])
-    cap = min(cfg["max_len"], (cfg["num_blocks"] - 1) * bs)
+    runner = FakeModelRunner(
+        cfg["num_blocks"], bs, vocab=VOCAB, window=window, group_windows=windows
+    )
+    kv = sched.kv_cache_manager
+    cap = min(cfg["max_len"], kv.max_request_tokens)
+    event(f"groups: {windows is not None}")
     specs, aborted, results = {}, set(), {}
 
     def do_step():
@@ -104,7 +120,7 @@ def test_random_workloads_keep_invariants_and_finish(cfg, plan):
                 ignore_eos=spec["ignore_eos"],
                 stop_token_ids=spec["stop"],
             )
-            if not body or len(body) > cap:
+            if not body or not kv.can_fit(len(body)) or len(body) > cfg["max_len"]:
                 try:
                     sched.add_request(req)
                 except ValueError:

@@ -5,13 +5,34 @@ past tokens), blocks whose tokens all fell out of the window are freed while the
 runs and replaced by the null block in its table, so a request holds at most
 ceil(window / block_size) + 1 blocks past its prefill (plus the blocks of one step's new
 tokens). Freed full blocks stay in the prefix cache until reused, like any freed block.
+
+One manager serves one KV cache group; a model with layers of several windows has one per
+group over a shared BlockPool (xlm.core.hybrid_kv_cache_manager).
 """
 
 from __future__ import annotations
 
 from xlm.core.block_pool import BlockPool, KVCacheBlock
-from xlm.core.kv_cache_utils import update_block_hashes
+from xlm.core.kv_cache_utils import BlockHash, update_block_hashes
 from xlm.core.request import Request
+
+
+class GroupKeys:
+    """Prefix-cache keys of one KV cache group: (group id, block hash) by block index."""
+
+    __slots__ = ("group_id", "hashes")
+
+    def __init__(self, group_id: int, hashes: list[BlockHash]) -> None:
+        self.group_id = group_id
+        self.hashes = hashes
+
+    def __getitem__(self, i: int) -> tuple[int, BlockHash]:
+        return (self.group_id, self.hashes[i])
+
+
+def num_evictable(blocks: list[KVCacheBlock]) -> int:
+    """Blocks of a hit that sit in the free queue (taking them shrinks what is free)."""
+    return sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
 
 
 class KVCacheManager:
@@ -24,6 +45,8 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         sliding_window: int | None = None,
+        block_pool: BlockPool | None = None,
+        group_id: int | None = None,
     ) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} is invalid: must be >= 1 or None")
@@ -31,7 +54,12 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = (
+            BlockPool(num_blocks, enable_caching) if block_pool is None else block_pool
+        )
+        # One of several groups: its cached blocks are keyed (group_id, hash), since the same
+        # tokens give other K/V in other layers.
+        self.group_id = group_id
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
@@ -50,9 +78,18 @@ class KVCacheManager:
         """Blocks a request may hold (all but the null block)."""
         return self.block_pool.num_blocks - 1
 
+    def num_blocks_to_fit(self, num_tokens: int) -> int:
+        """Blocks a request of num_tokens needs at most, alone."""
+        return -(-num_tokens // self.block_size)
+
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of num_tokens could ever fit, alone, in the whole pool."""
         return -(-num_tokens // self.block_size) <= self.num_usable_blocks
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request the whole pool holds."""
+        return self.num_usable_blocks * self.block_size
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, as blocks and a token count.
@@ -107,32 +144,54 @@ class KVCacheManager:
             ):
                 return []
             self._drop_out_of_window(request_id, req_blocks, num_computed)
-        is_new = req_blocks is None
-        if is_new:
-            req_blocks = []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
-        num_required = -(-num_total // bs)
         num_hit = len(new_computed_blocks) if new_computed_blocks else 0
-        num_new_blocks = num_required - len(req_blocks) - num_hit
-        pool = self.block_pool
+        num_held = 0 if req_blocks is None else len(req_blocks)
+        num_new_blocks = -(-num_total // bs) - num_held - num_hit
         if num_new_blocks > 0 or num_hit:
             # Hit blocks sitting in the free queue stop being allocatable once touched.
-            num_evictable_hits = (
-                sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit else 0
-            )
-            if num_new_blocks > pool.free_block_queue.num_free_blocks - num_evictable_hits:
+            num_evictable_hits = num_evictable(new_computed_blocks) if num_hit else 0
+            free = self.block_pool.free_block_queue.num_free_blocks
+            if num_new_blocks > free - num_evictable_hits:
                 return None
-        if is_new:
-            self.req_to_blocks[request_id] = req_blocks
-            self.num_cached_block[request_id] = 0
-            self.num_dropped_block[request_id] = 0
+        if req_blocks is None:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_new_computed_tokens
-        if num_hit:
-            pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
+        return self.commit_slots(request, num_computed, num_total, new_computed_blocks)
+
+    def fits_without_change(self, request_id: str, num_computed: int, num_total: int) -> bool:
+        """Whether a running request's step needs no new, newly full or dropped block."""
+        bs = self.block_size
+        return (
+            num_total <= len(self.req_to_blocks[request_id]) * bs
+            and (not self.enable_caching or num_total // bs <= self.num_cached_block[request_id])
+            and self._first_block_in_window(num_computed) <= self.num_dropped_block[request_id]
+        )
+
+    def commit_slots(
+        self,
+        request: Request,
+        num_computed: int,
+        num_total: int,
+        hit_blocks: list[KVCacheBlock] | None,
+    ) -> list[int]:
+        """Take the hit blocks and enough new ones for num_total tokens (capacity checked)."""
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+            self.num_cached_block[request_id] = 0
+            self.num_dropped_block[request_id] = 0
+        pool = self.block_pool
+        bs = self.block_size
+        if hit_blocks:
+            pool.touch([b for b in hit_blocks if not b.is_null])
+            req_blocks.extend(hit_blocks)
+            # Hits are cached already (nulls: a windowed group's blocks before its window).
+            self.num_cached_block[request_id] = len(req_blocks)
             self._drop_out_of_window(request_id, req_blocks, num_computed)
+        num_new_blocks = -(-num_total // bs) - len(req_blocks)
         if num_new_blocks > 0:
             new_blocks = pool.get_new_blocks(num_new_blocks)
             req_blocks.extend(new_blocks)
@@ -144,9 +203,41 @@ class KVCacheManager:
             num_cached = self.num_cached_block[request_id]
             if num_full > num_cached:
                 hashes = update_block_hashes(request, bs, num_full)
-                pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+                keys = hashes if self.group_id is None else GroupKeys(self.group_id, hashes)
+                pool.cache_full_blocks(req_blocks, keys, num_cached, num_full)
                 self.num_cached_block[request_id] = num_full
         return new_ids
+
+    def find_cached_blocks(self, hashes: list[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+        """This group's longest usable hit of at most max_blocks blocks.
+
+        Full attention needs every block of the prefix; a window needs only the blocks the
+        next query (at the hit's end) can see, the ones before it come back as null.
+        """
+        get = self.block_pool.cached_block_hash_to_block.get
+        keys = hashes if self.group_id is None else GroupKeys(self.group_id, hashes)
+        if self.sliding_window is None:
+            blocks = []
+            for i in range(max_blocks):
+                block = get(keys[i])
+                if block is None:
+                    break
+                blocks.append(block)
+            return blocks
+        k = max_blocks
+        while k > 0:
+            first = self._first_block_in_window(k * self.block_size)
+            tail = []
+            for i in range(k - 1, first - 1, -1):
+                block = get(keys[i])
+                if block is None:
+                    break
+                tail.append(block)
+            else:
+                tail.reverse()
+                return [self.block_pool.null_block] * first + tail
+            k = i  # block i is missing: every longer hit would need it
+        return []
 
     def _first_block_in_window(self, num_computed: int) -> int:
         """Index of the first block the next query (at position num_computed) can see."""

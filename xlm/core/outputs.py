@@ -13,7 +13,8 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: Any
-    block_ids: list[int]
+    # One list, or with several KV cache groups one list per group (a tuple).
+    block_ids: list[int] | tuple[list[int], ...]
     # Prefix-cache hit: tokens whose K/V already sit in the first blocks.
     num_computed_tokens: int
 
@@ -30,7 +31,8 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Per request: one list, or with several KV cache groups a tuple of one list per group.
+    new_block_ids: list[Any] = field(default_factory=list)
     # Tokens whose K/V are in the cache before this step.
     num_computed_tokens: list[int] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
-from xlm.core.kv_cache_manager import KVCacheManager
+from xlm.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from xlm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -56,14 +56,16 @@ class Scheduler:
             scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         )
         self.policy = scheduler_config.policy
-        self.kv_cache_manager = KVCacheManager(
+        self.kv_cache_manager = make_kv_cache_manager(
+            cache_config.kv_cache_groups,
             num_blocks,
             self.block_size,
             self.max_model_len,
             cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
-        pool_tokens = self.kv_cache_manager.num_usable_blocks * self.block_size
+        pool_tokens = self.kv_cache_manager.max_request_tokens
         # A request may grow only as long as the whole pool holds; past that it could only
         # preempt itself forever, so it is finished as length-capped there instead.
         self.max_request_len = min(self.max_model_len, pool_tokens)
@@ -108,7 +110,7 @@ class Scheduler:
                 f"than max_model_len={self.max_model_len}"
             )
         if not self.kv_cache_manager.can_fit(num_prompt):
-            need = -(-num_prompt // self.block_size)
+            need = self.kv_cache_manager.num_blocks_to_fit(num_prompt)
             have = self.kv_cache_manager.num_usable_blocks
             raise ValueError(
                 f"request {request.request_id!r}: the prompt has {num_prompt} tokens and needs "

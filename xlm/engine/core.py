@@ -98,6 +98,9 @@ class EngineCore:
         return {
             "max_model_len": self.config.model_config.max_model_len,
             "num_blocks": self.config.cache_config.num_blocks,
+            # The longest prompt the KV cache admits (with KV cache groups, all groups'
+            # blocks together must fit, so it is less than (num_blocks - 1) * block_size).
+            "kv_cache_tokens": self.scheduler.kv_cache_manager.max_request_tokens,
         }
 
     def reset_prefix_cache(self) -> bool:

@@ -104,6 +104,8 @@ class Gemma2Model(nnx.Module):
             [layer_cls(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)]
         )
         self.norm = _norm(config, config.hidden_size, dtype)
+        # Per layer, its KV cache array when layers share them (None: one array each).
+        self.kv_cache_index: tuple[int, ...] | None = None
 
     def __call__(
         self, input_ids: jax.Array, kv_caches: list[jax.Array], metadata: AttentionMetadata
@@ -111,6 +113,13 @@ class Gemma2Model(nnx.Module):
         hidden_states = self.embed_tokens(input_ids)
         # transformers rounds the scale to the activation dtype first.
         hidden_states = hidden_states * jnp.asarray(self.embed_scale, hidden_states.dtype)
+        if self.kv_cache_index is not None:  # KV cache groups: layers share cache arrays
+            caches = list(kv_caches)
+            for layer, j in zip(self.layers, self.kv_cache_index, strict=True):
+                hidden_states, caches[j] = layer(
+                    metadata.positions, hidden_states, caches[j], metadata
+                )
+            return self.norm(hidden_states), caches
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, kv_cache = layer(metadata.positions, hidden_states, kv_cache, metadata)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xlm.core.kv_cache_groups import KVCacheGroupSpec, layer_placement
 from xlm.models.layers import (
     TP_AXIS,
     Attention,
@@ -121,11 +122,21 @@ class LlamaModel(nnx.Module):
             [layer_cls(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        # Per layer, its KV cache array when layers share them (None: one array each).
+        self.kv_cache_index: tuple[int, ...] | None = None
 
     def __call__(
         self, input_ids: jax.Array, kv_caches: list[jax.Array], metadata: AttentionMetadata
     ) -> tuple[jax.Array, list[jax.Array]]:
         hidden_states, residual = self.embed_tokens(input_ids), None
+        if self.kv_cache_index is not None:  # KV cache groups: layers share cache arrays
+            caches = list(kv_caches)
+            for layer, j in zip(self.layers, self.kv_cache_index, strict=True):
+                hidden_states, residual, caches[j] = layer(
+                    metadata.positions, hidden_states, residual, caches[j], metadata
+                )
+            hidden_states, _ = self.norm(hidden_states, residual)
+            return hidden_states, caches
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual, kv_cache = layer(
@@ -168,9 +179,26 @@ class LlamaForCausalLM(nnx.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the KV cache."""
+        """(num_caches, num_kv_heads, head_dim): one cache array per layer, or per layer
+        of one KV cache group when groups share arrays (use_kv_cache_groups)."""
         ops = self.attention_ops()
-        return len(ops), ops[0].num_kv_heads, ops[0].head_dim
+        return self.num_kv_caches(), ops[0].num_kv_heads, ops[0].head_dim
+
+    def num_kv_caches(self) -> int:
+        """How many KV cache arrays the model reads (make_kv_caches makes these)."""
+        index = getattr(self.model, "kv_cache_index", None)
+        return len(self.attention_ops()) if index is None else max(index) + 1
+
+    def use_kv_cache_groups(self, groups: list[KVCacheGroupSpec]) -> None:
+        """Read each layer's KV through its group's block table, from the array it shares
+        with the same-numbered layer of every other group (xlm.core.kv_cache_groups)."""
+        if not hasattr(self.model, "kv_cache_index"):
+            raise NotImplementedError(f"{type(self).__name__} has no KV cache groups")
+        ops = self.attention_ops()
+        placement = layer_placement(groups)
+        for op, (group, _) in zip(ops, placement, strict=True):
+            op.kv_group = group
+        self.model.kv_cache_index = tuple(j for _, j in placement)
 
     def sliding_windows(self) -> list[int | None]:
         """Each layer's attention window (None: full attention), for the KV cache manager."""
@@ -185,7 +213,7 @@ class LlamaForCausalLM(nnx.Module):
         sharding = None
         if mesh is not None and ops[0].num_kv_heads % mesh.shape[TP_AXIS] == 0:
             sharding = NamedSharding(mesh, PartitionSpec(*ops[0].kv_cache_sharding()))
-        return [jnp.zeros(shape, dtype, device=sharding) for _ in ops]
+        return [jnp.zeros(shape, dtype, device=sharding) for _ in range(self.num_kv_caches())]
 
     def hf_weight_targets(
         self, name: str, param_shapes: dict[str, tuple[int, ...]]

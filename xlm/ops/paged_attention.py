@@ -33,6 +33,8 @@ class AttentionMetadata:
     T tokens (padded), R requests (padded). Request r owns query rows
     query_start_loc[r]:query_start_loc[r+1]; its context (cached + new tokens) has
     seq_lens[r] tokens whose pages are block_tables[r]. Padded requests have zero rows.
+    A model with G > 1 KV cache groups (xlm.core.kv_cache_groups) has one slot mapping
+    and one block table per group, stacked first: [G, T] and [G, R, max_blocks_per_req].
     """
 
     positions: jax.Array  # [T]
@@ -41,6 +43,14 @@ class AttentionMetadata:
     seq_lens: jax.Array  # [R]
     block_tables: jax.Array  # [R, max_blocks_per_req]
     num_seqs: jax.Array  # [1] number of real requests
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV cache group `group` reads (itself with one group)."""
+        if self.block_tables.ndim == 2:
+            return self
+        return dataclasses.replace(
+            self, slot_mapping=self.slot_mapping[group], block_tables=self.block_tables[group]
+        )
 
 
 # Logical sharding of a layer's cache: over KV heads on the tensor-parallel axis.
@@ -228,6 +238,8 @@ class PagedAttention(CustomOp):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # The KV cache group whose block table this layer reads (models with several).
+        self.kv_group = 0
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's cache shape in the layout of the path this instance dispatches to."""
@@ -252,6 +264,7 @@ class PagedAttention(CustomOp):
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         """q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], updated kv_cache)."""
+        metadata = metadata.for_group(self.kv_group)
         kv_cache = write_kv(kv_cache, k, v, metadata.slot_mapping)
         out = ragged_paged_attention(
             q,
@@ -272,6 +285,7 @@ class PagedAttention(CustomOp):
         device runs the kernel on its own query and KV heads (`shard_map`): attention
         needs no collective since every device holds the KV heads its query heads use.
         """
+        metadata = metadata.for_group(self.kv_group)
         mesh = _tp_mesh()
         if mesh is None:
             return self._run_kernel_local(kernel, write, q, k, v, kv_cache, metadata)

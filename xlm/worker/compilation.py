@@ -157,6 +157,7 @@ def engine_fingerprint(
             model.hf_config.to_json_string(),
             config.scheduler_config,
             config.cache_config.block_size,
+            config.cache_config.kv_cache_groups,
             num_blocks,
             str(jnp.dtype(kv_dtype)),
             config.compilation_config.custom_ops,

@@ -17,6 +17,9 @@ from xlm.core.outputs import SchedulerOutput
 from xlm.worker.sampler import SamplingMetadata
 from xlm.worker.sampling_rows import SamplingRows
 
+# A request's block ids: one list, or one list per KV cache group (xlm.core.kv_cache_groups).
+BlockIds = list[int] | tuple[list[int], ...]
+
 
 @dataclass(slots=True)
 class CachedRequestState:
@@ -35,15 +38,22 @@ class InputBatch:
     """Fixed-capacity rows of token ids, computed counts, block tables and sampler state."""
 
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        vocab_size: int,
+        num_kv_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        # Several KV cache groups: one table per group, stacked first ([G, rows, blocks]).
+        groups = (num_kv_groups,) if num_kv_groups > 1 else ()
+        self.block_table = np.zeros((*groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros((*groups, max_num_reqs), dtype=np.int32)
         self.sampling = SamplingRows(max_num_reqs, vocab_size, max_model_len)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
@@ -60,7 +70,7 @@ class InputBatch:
             self.release(req_id, forget=False)
         for new in so.scheduled_new_reqs:
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids), new.sampling_params)
-            self.add(state, list(new.block_ids), new.num_computed_tokens)
+            self.add(state, new.block_ids, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -68,12 +78,12 @@ class InputBatch:
                 if state.slot >= 0:
                     self.release(req_id, forget=False)
                 state.output_token_ids = list(cached.new_token_ids[i])
-                self.add(state, list(cached.new_block_ids[i]), cached.num_computed_tokens[i])
+                self.add(state, cached.new_block_ids[i], cached.num_computed_tokens[i])
             else:
-                self.append_blocks(state.slot, list(cached.new_block_ids[i]))
+                self.append_blocks(state.slot, cached.new_block_ids[i])
                 self.num_computed_tokens[state.slot] = cached.num_computed_tokens[i]
 
-    def add(self, state: CachedRequestState, block_ids: list[int], num_computed: int) -> None:
+    def add(self, state: CachedRequestState, block_ids: BlockIds, num_computed: int) -> None:
         """Give a request a row: its known tokens, block table, computed count, sampler row."""
         slot = self._free_slots.pop()
         state.slot = slot
@@ -82,13 +92,19 @@ class InputBatch:
         self.token_ids[slot, : len(tokens)] = tokens
         self.num_tokens[slot] = len(tokens)
         self.num_computed_tokens[slot] = num_computed
-        self.num_blocks[slot] = 0
+        self.num_blocks[..., slot] = 0
         self.append_blocks(slot, block_ids)
         self.sampling.add(
             slot, state.sampling_params, state.prompt_token_ids, state.output_token_ids
         )
 
-    def append_blocks(self, slot: int, block_ids: list[int]) -> None:
+    def append_blocks(self, slot: int, block_ids: BlockIds) -> None:
+        if isinstance(block_ids, tuple):  # one list per KV cache group
+            for g, ids in enumerate(block_ids):
+                start = self.num_blocks[g, slot]
+                self.block_table[g, slot, start : start + len(ids)] = ids
+                self.num_blocks[g, slot] = start + len(ids)
+            return
         start = self.num_blocks[slot]
         self.block_table[slot, start : start + len(block_ids)] = block_ids
         self.num_blocks[slot] = start + len(block_ids)

@@ -65,7 +65,11 @@ class ModelRunner:
         self.vocab_size = config.model_config.hf_config.vocab_size
         self.sampler_config = sampler_lib.SamplerConfig()
         self.input_batch = InputBatch(
-            self.max_num_seqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size
+            self.max_num_seqs,
+            self.max_model_len,
+            self.max_blocks_per_req,
+            self.vocab_size,
+            len(cache.kv_cache_groups or ()),
         )
         self.graphdef, self.state = nnx.split(model)
         self.num_blocks = num_blocks
@@ -182,16 +186,19 @@ class ModelRunner:
         token_slots = slots[req_of_token]
         input_ids = np.zeros(num_tokens_padded, dtype=np.int32)
         input_ids[:total] = batch.token_ids[token_slots, positions[:total]]
-        slot_mapping = np.zeros(num_tokens_padded, dtype=np.int32)  # padding -> null block
+        # With KV cache groups the tables carry a leading group axis ([G, ...]).
+        tables = batch.block_table
+        groups = tables.shape[:-2]
+        slot_mapping = np.zeros((*groups, num_tokens_padded), dtype=np.int32)  # pad: null block
         pos = positions[:total]
-        slot_mapping[:total] = (
-            batch.block_table[token_slots, pos // self.block_size] * self.block_size
+        slot_mapping[..., :total] = (
+            tables[..., token_slots, pos // self.block_size] * self.block_size
             + pos % self.block_size
         )
         seq_lens = np.zeros(num_reqs_padded, dtype=np.int32)
         seq_lens[:num_reqs] = computed + counts
-        block_tables = np.zeros((num_reqs_padded, self.max_blocks_per_req), dtype=np.int32)
-        block_tables[:num_reqs] = batch.block_table[slots]
+        block_tables = np.zeros((*groups, num_reqs_padded, self.max_blocks_per_req), np.int32)
+        block_tables[..., :num_reqs, :] = tables[..., slots, :]
         logits_indices = np.zeros(num_reqs_padded, dtype=np.int32)
         logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
         # A request samples when this step computes its last known token.

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from xlm import envs
 from xlm.config import XlmConfig
+from xlm.core.kv_cache_groups import KVCacheGroupSpec, blocks_for_request, group_layers
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.coordination import agree_min
 from xlm.distributed.mesh import describe_mesh, make_mesh
@@ -29,6 +30,13 @@ def shared_sliding_window(model) -> int | None:
     or a model that does not report its windows)."""
     windows = set(model.sliding_windows()) if hasattr(model, "sliding_windows") else {None}
     return windows.pop() if len(windows) == 1 else None
+
+
+def kv_cache_groups(model) -> list[KVCacheGroupSpec]:
+    """The model's KV cache groups by layer window (one group: a single block table)."""
+    if not hasattr(model, "sliding_windows"):
+        return []
+    return group_layers(model.sliding_windows())
 
 
 class Worker:
@@ -56,6 +64,12 @@ class Worker:
             if cache_dtype == "auto"
             else jnp.dtype(cache_dtype)
         )
+        groups = kv_cache_groups(self.model)
+        if len(groups) > 1:
+            # Layers of several windows: one block table per group, arrays shared across
+            # groups, so a block costs one group's layers (set before sizing the cache).
+            self.model.use_kv_cache_groups(groups)
+        config.cache_config.kv_cache_groups = groups if len(groups) > 1 else None
         self.num_blocks = self._determine_num_blocks()
         config.cache_config.num_blocks = self.num_blocks
         config.cache_config.sliding_window = shared_sliding_window(self.model)
@@ -90,7 +104,14 @@ class Worker:
         if cache.num_blocks is None:
             # One global cache needs one size: the smallest of all processes'.
             num_blocks = agree_min("num_blocks", num_blocks)
-        needed = -(-self.config.scheduler_config.max_model_len // cache.block_size) + 1
+        sched = self.config.scheduler_config
+        groups = cache.kv_cache_groups or [KVCacheGroupSpec(None, ())]
+        needed = (
+            blocks_for_request(
+                groups, sched.max_model_len, cache.block_size, sched.max_num_batched_tokens
+            )
+            + 1
+        )
         if num_blocks < needed:
             raise ValueError(
                 f"KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.2f} GiB) "

@@ -139,7 +139,9 @@ class ServerState:
         vocab = ready.get("vocab_size") or len(tokenizer)
         kv_cache_tokens = None
         block_size = getattr(getattr(engine, "xlm_config", None), "cache_config", None)
-        if ready.get("num_blocks") and block_size is not None:
+        if ready.get("kv_cache_tokens"):
+            kv_cache_tokens = int(ready["kv_cache_tokens"])
+        elif ready.get("num_blocks") and block_size is not None:
             # Block 0 is the null block; the rest hold tokens.
             kv_cache_tokens = (int(ready["num_blocks"]) - 1) * block_size.block_size
         self.ctx = ServingContext(
