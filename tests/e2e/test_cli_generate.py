@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,23 @@ def test_generate_prints_the_greedy_completion(tiny_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"
+    # Start-up is printed by phase, and the phases add up to the total printed.
+    phases = parse_startup_line(result.stderr)
+    assert list(phases)[:2] == ["imports", "tokenizer"]
+    assert {"weights", "KV cache", "programs"} <= set(phases)
+    assert "First step (" in result.stderr
+
+
+def parse_startup_line(stderr: str) -> dict[str, float]:
+    """Phase -> seconds from the "Engine ready in T s: name S s, ..." line (sum checked)."""
+    line = next(x for x in stderr.splitlines() if "Engine ready in" in x)
+    total, _, rest = line.split("Engine ready in ", 1)[1].partition(" s: ")
+    # "name S s" or "name S s (note)", joined by ", "; notes may hold commas.
+    parts = re.findall(r"([A-Za-z][A-Za-z ]*?) ([0-9.]+) s(?: \([^)]*\))?(?:, |\.$)", rest)
+    phases = {name: float(seconds) for name, seconds in parts}
+    assert all(s >= 0 for s in phases.values())
+    assert abs(sum(phases.values()) - float(total)) < 0.05 + 0.01 * len(phases)
+    return phases
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from xlm.engine.exceptions import EngineDeadError, RequestAbortedError
 from xlm.engine.messages import EngineCoreOutputs
 from xlm.engine.mp_client import AsyncMPClient
 from xlm.logger import init_logger
+from xlm.metrics import startup
 from xlm.metrics.loggers import StatLoggerBase
 from xlm.metrics.stats import RequestStatsTracker
 from xlm.outputs import RequestOutput
@@ -72,19 +73,22 @@ class AsyncLLM:
         output_processor: Any | None = None,
         max_logprobs: int = 20,
     ) -> None:
+        startup.begin()
         self.xlm_config = xlm_config
         self.log_stats = log_stats
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
         # Start the engine process first: it loads the model while nothing else waits, and
         # its READY message carries the context length the core settled on.
-        self.engine_core = engine_core_client or AsyncMPClient(xlm_config, log_stats)
+        with startup.phase("engine core process"):
+            self.engine_core = engine_core_client or AsyncMPClient(xlm_config, log_stats)
         ready = self.engine_core.ready_info
         # The core settled the context length (the model's limit): the front end follows.
         if ready.get("max_model_len") and xlm_config is not None:
             xlm_config.set_max_model_len(int(ready["max_model_len"]))
         self.ready_info = ready
         try:
-            self.processor = processor or _make_processor(xlm_config, max_logprobs)
+            with startup.phase("tokenizer"):
+                self.processor = processor or _make_processor(xlm_config, max_logprobs)
             self.tokenizer = tokenizer or getattr(self.processor, "tokenizer", None)
             if output_processor is None:
                 from xlm.engine.output_processor import OutputProcessor
@@ -102,6 +106,7 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self._output_handler: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        startup.report("API server engine client")
 
     @classmethod
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:

@@ -27,6 +27,7 @@ from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest, OutputType
 from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
 from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
+from xlm.metrics import startup
 
 logger = init_logger(__name__)
 
@@ -248,8 +249,10 @@ class EngineCoreProc(EngineCore):
         signal.signal(signal.SIGTERM, on_sigterm)
         if parent_pid is not None:
             threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
+        startup.begin()
         try:
             proc = cls(config, input_address, output_address, log_stats)
+            startup.report("Engine core process")
         except BaseException:
             logger.exception("Engine core failed to start")
             time.sleep(0.5)  # let the output thread send the error

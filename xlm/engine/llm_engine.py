@@ -10,6 +10,7 @@ from xlm.engine.core_client import EngineCoreClient, InprocClient
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.processor import Processor
 from xlm.logger import init_logger
+from xlm.metrics import startup
 from xlm.outputs import RequestOutput
 from xlm.plugins import load_general_plugins
 from xlm.sampling_params import SamplingParams
@@ -23,17 +24,21 @@ class LLMEngine:
     def __init__(
         self, config: XlmConfig, multiprocess: bool = False, log_stats: bool = False
     ) -> None:
+        startup.begin()
         self.config = config
-        self.processor = Processor.from_config(config)
+        with startup.phase("tokenizer"):
+            self.processor = Processor.from_config(config)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: EngineCoreClient
         if multiprocess:
             from xlm.engine.mp_client import SyncMPClient
 
-            self.engine_core = SyncMPClient(config, log_stats)
+            with startup.phase("engine core process"):
+                self.engine_core = SyncMPClient(config, log_stats)
         else:
             self.engine_core = InprocClient(config, log_stats=log_stats)
+        startup.report("Engine")
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = False) -> LLMEngine:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from xlm import envs
 from xlm.config import XlmConfig
 from xlm.logger import init_logger
+from xlm.metrics import startup
 from xlm.worker.executable_cache import ExecutableCache
 
 logger = init_logger(__name__)
@@ -235,6 +236,7 @@ class Compiler:
                 self._programs[key] = (specs[key].static, program)
                 self._cache.store(key, program, specs[key].static)
         self.num_compilations += len(keys) + loaded
+        startup.note("programs", f"{len(keys)} compiled, {loaded} loaded")
         logger.info(
             "Compiled %d programs, loaded %d saved ones, in %.1f s.",
             len(keys),

@@ -11,6 +11,7 @@ from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.coordination import agree_min
 from xlm.distributed.mesh import describe_mesh, make_mesh
 from xlm.logger import init_logger
+from xlm.metrics import startup
 from xlm.platforms import current_platform
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
 from xlm.worker.model_runner import ModelRunner
@@ -56,7 +57,8 @@ class Worker:
         single = parallel.world_size == 1 and not parallel.is_multihost
         self.mesh = None if single else make_mesh(parallel)
         logger.info("Devices: %s.", describe_mesh(self.mesh))
-        self.model = get_model(config, mesh=self.mesh)
+        with startup.phase("weights"):
+            self.model = get_model(config, mesh=self.mesh)
         model_config = config.model_config
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = (
@@ -73,9 +75,10 @@ class Worker:
         self.num_blocks = self._determine_num_blocks()
         config.cache_config.num_blocks = self.num_blocks
         config.cache_config.sliding_window = shared_sliding_window(self.model)
-        self.model_runner = ModelRunner(
-            config, self.model, self.num_blocks, self.kv_dtype, mesh=self.mesh
-        )
+        with startup.phase("KV cache"):
+            self.model_runner = ModelRunner(
+                config, self.model, self.num_blocks, self.kv_dtype, mesh=self.mesh
+            )
 
     def _determine_num_blocks(self) -> int:
         cache = self.config.cache_config
@@ -129,7 +132,8 @@ class Worker:
         return num_blocks
 
     def warmup(self) -> None:
-        self.model_runner.warmup()
+        with startup.phase("programs"):
+            self.model_runner.warmup()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -25,6 +25,7 @@ from xlm import envs
 from xlm.config import XlmConfig, set_current_xlm_config
 from xlm.distributed.tensor_parallel import logical_shape, to_physical
 from xlm.logger import init_logger
+from xlm.metrics import startup
 from xlm.models.loader.dummy_format import dummy_value
 from xlm.models.loader.safetensors_format import (
     count_safetensors_tensors,
@@ -112,6 +113,7 @@ def _dequantized_gguf_dir(path: str) -> str | None:
     weights = os.path.join(cache_dir, "model.safetensors")
     if disk_cache.check_directory(cache_dir):
         if _safetensors_complete(weights):
+            startup.note("weights", "dequantized GGUF from the cache")
             return cache_dir
         logger.warning("Rebuilding the corrupt dequantized-weights cache %s.", cache_dir)
         disk_cache.discard(cache_dir)
@@ -119,6 +121,7 @@ def _dequantized_gguf_dir(path: str) -> str | None:
         logger.info("Dequantizing %s once into %s.", path, cache_dir)
         with disk_cache.atomic_directory(cache_dir) as tmp:
             gguf.gguf_to_safetensors(path, str(tmp))
+        startup.note("weights", "GGUF dequantized and cached")
     except OSError as e:
         logger.warning("Could not cache the dequantized GGUF weights (%s); loading the GGUF.", e)
         return cache_dir if disk_cache.check_directory(cache_dir) else None
