@@ -26,7 +26,6 @@ import os
 import time
 from pathlib import Path
 
-
 HERE = Path(__file__).resolve().parent
 
 
