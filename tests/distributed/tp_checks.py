@@ -47,10 +47,26 @@ def sharded_bytes(tree) -> tuple[int, int]:
     return split, whole
 
 
+def num_kv_cache_groups(model: str) -> int:
+    """How many KV cache groups xlm makes for this checkpoint's layer windows."""
+    from transformers import AutoConfig
+
+    from xlm.core.kv_cache_groups import group_layers
+    from xlm.models.llama import layer_sliding_window
+
+    config = AutoConfig.from_pretrained(model)
+    windows = [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
+    return len(group_layers(windows))
+
+
 def run(model: str, tp: int, engine: dict) -> dict:
     import xlm
     from xlm.distributed.mesh import per_device_bytes
 
+    engine = dict(engine)
+    # A model with several KV cache groups (windowed and full layers) needs a block in
+    # each group per token span: the same pool, in blocks, for each group.
+    engine["num_gpu_blocks_override"] *= num_kv_cache_groups(model)
     llm = xlm.LLM(model=model, tensor_parallel_size=tp, **engine)
     core = llm.llm_engine.engine_core.engine_core
     runner = core.executor.worker.model_runner
