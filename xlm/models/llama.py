@@ -186,13 +186,14 @@ class LlamaForCausalLM(nnx.Module):
 
     def num_kv_caches(self) -> int:
         """How many KV cache arrays the model reads (make_kv_caches makes these)."""
-        index = getattr(self.model, "kv_cache_index", None)
+        # Families whose decoder is not `self.model` (GPT-2's `transformer`) have no groups.
+        index = getattr(getattr(self, "model", None), "kv_cache_index", None)
         return len(self.attention_ops()) if index is None else max(index) + 1
 
     def use_kv_cache_groups(self, groups: list[KVCacheGroupSpec]) -> None:
         """Read each layer's KV through its group's block table, from the array it shares
         with the same-numbered layer of every other group (xlm.core.kv_cache_groups)."""
-        if not hasattr(self.model, "kv_cache_index"):
+        if not hasattr(getattr(self, "model", None), "kv_cache_index"):
             raise NotImplementedError(f"{type(self).__name__} has no KV cache groups")
         ops = self.attention_ops()
         placement = layer_placement(groups)
