@@ -11,8 +11,10 @@ token ids in, greedy token ids out, end-of-sequence ignored.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,3 +100,14 @@ class HfRunner:
                 pad_token_id=pad,
             )
         return [row[width:].tolist() for row in out]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

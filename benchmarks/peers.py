@@ -58,7 +58,14 @@ HERE = Path(__file__).resolve().parent
 # the `kernels` package that transformers probes for. (Spawned children rerun this.)
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE))
-from common import HfRunner, XlmRunner, measure_bandwidth, single_request, time_call  # noqa: E402
+from common import (  # noqa: E402
+    HfRunner,
+    XlmRunner,
+    cpu_model,
+    measure_bandwidth,
+    single_request,
+    time_call,
+)
 
 sys.path.pop(0)
 
@@ -84,16 +91,6 @@ PROMPT_MIN, PROMPT_MAX = 16, 64
 
 
 # ---- machine and fairness records (Linux /proc) ----------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def load_average() -> list[float]:

@@ -25,6 +25,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # Import xlm from this checkout even when another one is installed.
 sys.path.insert(0, str(HERE.parent))
+# This folder only while common.py is imported (its kernels.py shadows a package name).
+sys.path.insert(0, str(HERE))
+from common import cpu_model  # noqa: E402
+
+sys.path.pop(0)
 
 from xlm.config import CacheConfig, SchedulerConfig  # noqa: E402
 from xlm.core.outputs import ModelRunnerOutput  # noqa: E402
@@ -40,16 +45,6 @@ class _SP:
     min_tokens: int = 0
     ignore_eos: bool = True
     stop_token_ids: list[int] | None = None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run(num_running: int, num_steps: int, freeze_gc: bool = False, seed: int = 0) -> dict:
@@ -199,7 +194,7 @@ def main() -> None:
     if args.no_write:
         return
     command = "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
-    machine = f"{_cpu_name()}, {os.cpu_count()} cores"
+    machine = f"{cpu_model()}, {os.cpu_count()} cores"
     meta = {
         "machine": machine,
         "python": platform.python_version(),
