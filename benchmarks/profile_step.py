@@ -54,48 +54,29 @@ class StepTimer:
 
         from xlm.worker import model_runner as mr
 
-        timer = self
         compiler_get = runner.compiler.get
 
         def get(key, spec, static=None):
             program = compiler_get(key, spec, static)
-
-            def timed(*args):
-                start = time.perf_counter()
-                out = jax.block_until_ready(program(*args))
-                timer.add(f"{key.kind.value} program", time.perf_counter() - start)
-                return out
-
-            return timed
+            return self.wrap(
+                f"{key.kind.value} program", lambda *a: jax.block_until_ready(program(*a))
+            )
 
         runner.compiler.get = get
-        prepare = runner._prepare_inputs
+        runner._prepare_inputs = self.wrap("host: build inputs", runner._prepare_inputs)
+        mr.fetch = self.wrap("host: fetch tokens", mr.fetch)
+        runner.execute_model = self.wrap("runner total", runner.execute_model)
 
-        def prepare_inputs(*args, **kwargs):
+    def wrap(self, name: str, fn):
+        """fn, timed into `name` on every call."""
+
+        def timed(*args, **kwargs):
             start = time.perf_counter()
-            out = prepare(*args, **kwargs)
-            timer.add("host: build inputs", time.perf_counter() - start)
+            out = fn(*args, **kwargs)
+            self.add(name, time.perf_counter() - start)
             return out
 
-        runner._prepare_inputs = prepare_inputs
-        fetch = mr.fetch
-
-        def timed_fetch(tree):
-            start = time.perf_counter()
-            out = fetch(tree)
-            timer.add("host: fetch tokens", time.perf_counter() - start)
-            return out
-
-        mr.fetch = timed_fetch
-        execute = runner.execute_model
-
-        def execute_model(so):
-            start = time.perf_counter()
-            out = execute(so)
-            timer.add("runner total", time.perf_counter() - start)
-            return out
-
-        runner.execute_model = execute_model
+        return timed
 
 
 def matmul_time(state, batch: int, repeats: int = 10) -> tuple[float, float]:
