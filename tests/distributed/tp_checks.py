@@ -49,12 +49,11 @@ def sharded_bytes(tree) -> tuple[int, int]:
 
 def num_kv_cache_groups(model: str) -> int:
     """How many KV cache groups xlm makes for this checkpoint's layer windows."""
-    from transformers import AutoConfig
-
     from xlm.core.kv_cache_groups import group_layers
     from xlm.models.llama import layer_sliding_window
+    from xlm.models.loader import load_hf_config
 
-    config = AutoConfig.from_pretrained(model)
+    config = load_hf_config(model)
     windows = [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
     return len(group_layers(windows))
 
