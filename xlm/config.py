@@ -137,6 +137,10 @@ class CacheConfig:
             )
 
 
+# Whether async scheduling is on unless asked otherwise (RESULTS.md has the measurement).
+ASYNC_SCHEDULING_DEFAULT = True
+
+
 @dataclass
 class SchedulerConfig:
     """How the scheduler spends each step: token budget, request cap, chunking, policy."""
@@ -149,6 +153,10 @@ class SchedulerConfig:
     # A prefill longer than this is chunked to it even when budget remains (0: off).
     long_prefill_token_threshold: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # Step N+1 is scheduled and dispatched before step N's tokens reach the host
+    # (xlm.engine.core); requests that need their last token on the host to be scheduled
+    # (grammars, penalties, bans) wait for it.
+    async_scheduling: bool = ASYNC_SCHEDULING_DEFAULT
 
     @staticmethod
     def step_budget(max_num_batched_tokens: int, max_model_len: int, chunked: bool) -> int:

@@ -1,5 +1,7 @@
 """Property test: random arrivals, lengths, aborts and tiny pools, invariants every step."""
 
+from collections import deque
+
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +36,10 @@ configs = st.fixed_dictionaries(
         "groups": st.sampled_from(
             [None, None, None, (None, 3), (None, 8), (None, 1, 3), (None, 3, 3, 3), (3, 8)]
         ),
+        # Async scheduling: step N+1 is scheduled (and run) before step N's outputs are
+        # applied, as EngineCore does; the fake runner, like the device, already knows
+        # the tokens the scheduler counts as in flight.
+        "async": st.booleans(),
     }
 )
 
@@ -71,7 +77,13 @@ def test_random_workloads_keep_invariants_and_finish(cfg, plan):
     window = None if groups else cfg["window"]
     sched = Scheduler(
         SchedulerConfig(
-            budget, cfg["max_seqs"], cfg["max_len"], cfg["chunked"], cfg["threshold"], cfg["policy"]
+            budget,
+            cfg["max_seqs"],
+            cfg["max_len"],
+            cfg["chunked"],
+            cfg["threshold"],
+            cfg["policy"],
+            async_scheduling=cfg["async"],
         ),
         CacheConfig(
             block_size=bs,
@@ -87,17 +99,27 @@ def test_random_workloads_keep_invariants_and_finish(cfg, plan):
     kv = sched.kv_cache_manager
     cap = min(cfg["max_len"], kv.max_request_tokens)
     event(f"groups: {windows is not None}")
+    event(f"async: {cfg['async']}")
     specs, aborted, results = {}, set(), {}
+    in_flight = deque()
+
+    def unfinished():
+        return sched.has_unfinished_requests() or bool(in_flight)
 
     def do_step():
-        so = sched.schedule()
-        check_invariants(sched, so)
-        if not cfg["chunked"]:
-            for new in so.scheduled_new_reqs:
-                assert so.num_scheduled_tokens[new.req_id] + new.num_computed_tokens == len(
-                    new.prompt_token_ids
-                )
-        for out in sched.update_from_output(so, runner.execute(so)):
+        if sched.has_unfinished_requests():
+            so = sched.schedule()
+            check_invariants(sched, so)
+            if not cfg["chunked"]:
+                for new in so.scheduled_new_reqs:
+                    assert so.num_scheduled_tokens[new.req_id] + new.num_computed_tokens == len(
+                        new.prompt_token_ids
+                    )
+            in_flight.append((so, runner.execute(so)))
+            if cfg["async"] and len(in_flight) < 2 and so.total_num_scheduled_tokens:
+                return  # the next step is scheduled before this one's outputs are applied
+        so, runner_output = in_flight.popleft()
+        for out in sched.update_from_output(so, runner_output):
             toks, _, _ = results.get(out.request_id, ([], None, None))
             results[out.request_id] = (toks + out.new_token_ids, out.finish_reason, out.stop_reason)
         check_invariants(sched)
@@ -134,14 +156,14 @@ def test_random_workloads_keep_invariants_and_finish(cfg, plan):
                 rid = live[k % len(live)]
                 sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
                 aborted.add(rid)
-        if sched.has_unfinished_requests():
+        if unfinished():
             do_step()
 
     for _ in range(3000):
-        if not sched.has_unfinished_requests():
+        if not unfinished():
             break
         do_step()
-    assert not sched.has_unfinished_requests(), "a request never finished"
+    assert not unfinished(), "a request never finished"
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == cfg["num_blocks"] - 1
     stats = sched.make_stats()

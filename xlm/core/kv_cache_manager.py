@@ -199,7 +199,9 @@ class KVCacheManager:
         else:
             new_ids = []
         if self.enable_caching:
-            num_full = num_total // bs
+            # Only blocks of known tokens are hashed: with async scheduling the last
+            # scheduled token may still be in flight (hashed at the next allocation).
+            num_full = min(num_total, len(request.all_token_ids)) // bs
             num_cached = self.num_cached_block[request_id]
             if num_full > num_cached:
                 hashes = update_block_hashes(request, bs, num_full)

@@ -63,6 +63,8 @@ class Request:
         "ignore_eos",
         "stop_token_ids",
         "structured_output_request",
+        "num_output_placeholders",
+        "host_tokens_only",
     )
 
     def __init__(
@@ -104,6 +106,19 @@ class Request:
         self.skip_prefix_cache = getattr(sampling_params, "prompt_logprobs", None) is not None
         # The constraint's matcher state (xlm.structured_output.manager), set on admission.
         self.structured_output_request: Any = None
+        # Async scheduling: tokens sampled by steps in flight, not yet appended.
+        self.num_output_placeholders = 0
+        # Whether the next step's sampling inputs depend on the latest token's value (the
+        # penalties' counts, bad-word and min_tokens bans; a grammar, set on admission):
+        # such a request is not scheduled while a token of it is in flight.
+        p = sampling_params
+        self.host_tokens_only = bool(
+            getattr(p, "presence_penalty", 0)
+            or getattr(p, "frequency_penalty", 0)
+            or getattr(p, "repetition_penalty", 1.0) != 1.0
+            or getattr(p, "bad_words_token_ids", None)
+            or self.min_tokens
+        )
 
     @property
     def num_tokens(self) -> int:

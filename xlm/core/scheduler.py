@@ -56,6 +56,9 @@ class Scheduler:
             scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         )
         self.policy = scheduler_config.policy
+        # Async scheduling: a step is scheduled before the previous step's tokens are
+        # known; each sampling step leaves the request one placeholder token to compute.
+        self.async_scheduling = scheduler_config.async_scheduling
         self.kv_cache_manager = make_kv_cache_manager(
             cache_config.kv_cache_groups,
             num_blocks,
@@ -127,6 +130,7 @@ class Scheduler:
             request.structured_output_request = self.structured_output_manager.init_request(
                 constraint, request.prompt_token_ids
             )
+            request.host_tokens_only = True  # its bitmask needs the grammar's latest token
         request.status = _WAITING
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -180,7 +184,13 @@ class Scheduler:
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and (
+                request.host_tokens_only or self._finishes_with_placeholders(request)
+            ):
+                i += 1  # waits for its token in flight (or that token surely ends it)
+                continue
+            num_new = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > token_budget:
@@ -271,16 +281,20 @@ class Scheduler:
 
         # The K/V of scheduled tokens count as computed from here on.
         constrained: list[Request] = []
+        async_scheduling = self.async_scheduling
         for request in scheduled:
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+            # Whether it samples this step: its last token (known or in flight) is computed.
+            samples = (
+                request.num_computed_tokens
+                >= len(request.all_token_ids) + request.num_output_placeholders
+            )
+            if samples and async_scheduling:
+                request.num_output_placeholders += 1
             constraint = request.structured_output_request
-            # Only a request that samples this step (its last known token is computed) and
-            # is past any reasoning needs a bitmask row.
-            if (
-                constraint is not None
-                and constraint.is_constraining
-                and request.num_computed_tokens >= len(request.all_token_ids)
-            ):
+            # Only a request that samples this step and is past any reasoning needs a
+            # bitmask row (a constrained request has no placeholder when scheduled).
+            if samples and constraint is not None and constraint.is_constraining:
                 constrained.append(request)
         grammar_bitmask = None
         if constrained:
@@ -303,6 +317,15 @@ class Scheduler:
             preempted_req_ids=preempted_req_ids,
             structured_output_request_ids=[r.request_id for r in constrained],
             grammar_bitmask=grammar_bitmask,
+        )
+
+    def _finishes_with_placeholders(self, request: Request) -> bool:
+        """Whether the tokens in flight take the request to max_tokens or the length cap
+        (then it ends on their arrival: scheduling another token would be wasted)."""
+        n = request.num_output_placeholders
+        max_tokens = request.max_tokens
+        return (max_tokens is not None and len(request.output_token_ids) + n >= max_tokens) or (
+            len(request.all_token_ids) + n >= self.max_request_len
         )
 
     def _fail_request(self, request: Request, message: str) -> None:
@@ -345,8 +368,13 @@ class Scheduler:
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
         ):
             request = requests.get(req_id)
-            if request is None or request.status != _RUNNING:
+            if request is None or request.is_finished:
                 continue  # finished or aborted after this step was scheduled
+            if token_ids and request.num_output_placeholders:
+                request.num_output_placeholders -= len(token_ids)
+            # With async scheduling a request may be preempted while its step was in flight:
+            # its token still counts (the recompute after resuming includes it).
+            was_preempted = request.status == _PREEMPTED
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if not token_ids:
                 if new_prompt_logprobs is not None:
@@ -391,6 +419,8 @@ class Scheduler:
             new_logprobs = logprobs[idx] if logprobs is not None else None
             if stopped:
                 any_finished = True
+                if was_preempted:
+                    self.waiting.remove_requests([request])
                 self._free_request(request)
                 outputs.append(
                     EngineCoreOutput(

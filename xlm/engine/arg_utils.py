@@ -9,6 +9,7 @@ from typing import Any
 
 from xlm import envs
 from xlm.config import (
+    ASYNC_SCHEDULING_DEFAULT,
     CacheConfig,
     CompilationConfig,
     ModelConfig,
@@ -42,6 +43,8 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "long_prefill_token_threshold": "chunk prefills longer than this (0: off)",
     "scheduling_policy": "fcfs or priority",
+    "async_scheduling": "schedule step N+1 and process step N-1's outputs while step N "
+    "runs; the sampled tokens feed the next step on the device",
     "tensor_parallel_size": "devices to shard the model over (env XLM_TENSOR_PARALLEL_SIZE)",
     "distributed_executor_backend": "uni (this process, all local devices) or multihost "
     "(jax.distributed, one process per host) (env XLM_DISTRIBUTED_EXECUTOR_BACKEND)",
@@ -84,6 +87,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool = ASYNC_SCHEDULING_DEFAULT
     tensor_parallel_size: int = field(default_factory=lambda: envs.XLM_TENSOR_PARALLEL_SIZE or 1)
     distributed_executor_backend: str = field(
         default_factory=lambda: envs.XLM_DISTRIBUTED_EXECUTOR_BACKEND or "uni"
@@ -203,6 +207,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=self.create_parallel_config(),
             compilation_config=CompilationConfig(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from typing import Any
 
 from xlm.config import XlmConfig
-from xlm.core.outputs import SchedulerStats
+from xlm.core.outputs import SchedulerOutput, SchedulerStats
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
@@ -49,6 +50,11 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         self._first_step = True  # its time is logged: it is the first request's latency
+        # Async scheduling: steps dispatched and not yet collected, oldest first (at most
+        # two: step N runs while step N+1 is scheduled and dispatched behind it).
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._first_dispatch: float | None = None
         logger.info("Engine core ready in %.1f s.", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -69,26 +75,68 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule one step, run it, and return the new tokens and finished requests."""
+        """Schedule one step, run it, and return the new tokens and finished requests.
+
+        With async scheduling the step scheduled now is dispatched, and the outputs
+        returned are those of the step before it (its tokens were sampled while this one
+        was scheduled); a call may return no outputs while the first step runs.
+        """
+        if self.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.time())
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.num_scheduled_tokens and self.structured_output_manager.has_pending:
-            # Everything runnable waits for a grammar: idle until one compiles, not spin.
-            self.structured_output_manager.wait_for_any(timeout=0.05)
+        scheduler_output = self._schedule()
         if self._first_step:
             self._first_step = False
             start = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output)
-            logger.info(
-                "First step (%d tokens): %.0f ms.",
-                scheduler_output.total_num_scheduled_tokens,
-                1e3 * (time.perf_counter() - start),
-            )
+            self._log_first_step(scheduler_output, start)
         else:
             runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs, self._stats(), time.time())
+
+    def _step_async(self) -> EngineCoreOutputs:
+        in_flight = self._in_flight
+        dispatched = False
+        if self.scheduler.has_unfinished_requests() and len(in_flight) < 2:
+            # Requests whose token is in flight are scheduled with a placeholder for it.
+            scheduler_output = self._schedule(idle_ok=bool(in_flight))
+            if self._first_dispatch is None and scheduler_output.total_num_scheduled_tokens:
+                self._first_dispatch = time.perf_counter()
+            self.executor.dispatch(scheduler_output)
+            in_flight.append(scheduler_output)
+            dispatched = scheduler_output.total_num_scheduled_tokens > 0
+        # Wait for the older step when the device has the next one queued behind it (or
+        # nothing new could be scheduled).
+        if not in_flight or (dispatched and len(in_flight) < 2):
+            return EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.time())
+        scheduler_output = in_flight.popleft()
+        runner_output = self.executor.collect()
+        if self._first_step and scheduler_output.total_num_scheduled_tokens:
+            self._first_step = False
+            self._log_first_step(scheduler_output, self._first_dispatch)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self._stats(), time.time())
+
+    def _schedule(self, idle_ok: bool = False) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        if (
+            not scheduler_output.num_scheduled_tokens
+            and not idle_ok
+            and self.structured_output_manager.has_pending
+        ):
+            # Everything runnable waits for a grammar: idle until one compiles, not spin.
+            self.structured_output_manager.wait_for_any(timeout=0.05)
+        return scheduler_output
+
+    @staticmethod
+    def _log_first_step(scheduler_output: SchedulerOutput, start: float) -> None:
+        logger.info(
+            "First step (%d tokens): %.0f ms.",
+            scheduler_output.total_num_scheduled_tokens,
+            1e3 * (time.perf_counter() - start),
+        )
 
     def _stats(self) -> SchedulerStats | None:
         return self.make_stats() if self.log_stats else None
@@ -98,7 +146,8 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests waiting or running, or a step in flight whose outputs are owed."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def is_request_waiting(self, request_id: str) -> bool:
         """Whether the request is admitted and waits for its first (or next) schedule."""

@@ -31,6 +31,14 @@ class Executor(ABC):
         """Run one scheduled step and return the sampled tokens."""
 
     @abstractmethod
+    def dispatch(self, scheduler_output: SchedulerOutput) -> None:
+        """Launch one scheduled step without waiting for it (async scheduling)."""
+
+    @abstractmethod
+    def collect(self) -> ModelRunnerOutput:
+        """Wait for the oldest dispatched step and return its sampled tokens."""
+
+    @abstractmethod
     def get_num_compilations(self) -> int:
         """Step programs compiled so far (flat after warm-up)."""
 

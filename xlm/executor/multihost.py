@@ -134,6 +134,12 @@ class MultihostExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output)
 
+    def dispatch(self, scheduler_output: SchedulerOutput) -> None:
+        self._call("dispatch", scheduler_output)
+
+    def collect(self) -> ModelRunnerOutput:
+        return self._call("collect")
+
     def shutdown(self) -> None:
         channel, self.channel = getattr(self, "channel", None), None
         if channel is not None:

@@ -24,6 +24,12 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def dispatch(self, scheduler_output: SchedulerOutput) -> None:
+        self.worker.dispatch(scheduler_output)
+
+    def collect(self) -> ModelRunnerOutput:
+        return self.worker.collect()
+
     def get_num_compilations(self) -> int:
         return self.worker.model_runner.num_compilations
 

@@ -156,7 +156,10 @@ def engine_fingerprint(
             model.model,
             model.dtype,
             model.hf_config.to_json_string(),
-            config.scheduler_config,
+            # The step shapes (async scheduling, policy and chunking change no program).
+            config.scheduler_config.max_num_batched_tokens,
+            config.scheduler_config.max_num_seqs,
+            config.scheduler_config.max_model_len,
             config.cache_config.block_size,
             config.cache_config.kv_cache_groups,
             num_blocks,

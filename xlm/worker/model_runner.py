@@ -9,6 +9,9 @@ packed transfer, and the KV cache is donated to the step so XLA updates it in pl
 
 from __future__ import annotations
 
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -39,6 +42,17 @@ from xlm.worker.packing import pack, unpack
 from xlm.worker.prompt_logprobs import PROMPT_LOGPROB_ROWS
 
 logger = init_logger(__name__)
+
+
+@dataclass
+class _StepInFlight:
+    """A dispatched step whose results have not reached the host yet."""
+
+    req_ids: list[str]
+    samples: np.ndarray  # per request: whether it samples this step
+    sampled: sampler_lib.SamplerOutput  # device arrays
+    hidden: jax.Array | None  # kept only when prompt logprobs read it
+    prompt_plan: prompt_logprobs.PromptLogprobsPlan
 
 
 class ModelRunner:
@@ -76,9 +90,18 @@ class ModelRunner:
         self.kv_caches = model.make_kv_caches(num_blocks, self.block_size, kv_dtype, mesh=mesh)
         # Unseeded requests draw from the engine seed folded with the step count.
         self.step_count = config.model_config.seed << 20
-        self._model_fn = jax.jit(self._model_step, static_argnums=(3,), donate_argnums=(1,))
+        self._model_fn = jax.jit(self._model_step, static_argnums=(4,), donate_argnums=(1,))
         self._sample_fn = jax.jit(self._sample_step, static_argnums=(2,))
         self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs_step)
+        # Steps dispatched and not yet collected, oldest first (async scheduling keeps one
+        # in flight while the next is scheduled; execute_model collects at once).
+        self._in_flight: deque[_StepInFlight | None] = deque()
+        # The last dispatched step's sampled tokens (device, padded to the largest sampler
+        # bucket) and which row each sampling request had: a token the host does not know
+        # yet is read from there by the next step's program.
+        self._max_rows = self.buckets.sampler_buckets[-1]
+        self._prev_sampled = self._put(np.zeros(self._max_rows, np.int32))
+        self._prev_rows: dict[str, int] = {}
         self.compiler = Compiler(
             ExecutableCache(
                 executable_cache_dir(config),
@@ -97,12 +120,23 @@ class ModelRunner:
 
     # ---- the jitted programs ---------------------------------------------------------
     def _model_step(
-        self, state: nnx.State, kv_caches: list[jax.Array], packed: jax.Array, layout: Any
+        self,
+        state: nnx.State,
+        kv_caches: list[jax.Array],
+        packed: jax.Array,
+        prev_sampled: jax.Array,
+        layout: Any,
     ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
-        """Model forward over the ragged batch: caches, last-token logits, hidden states."""
+        """Model forward over the ragged batch: caches, last-token logits, hidden states.
+
+        Input tokens the host did not know when it built the step (async scheduling: the
+        previous step sampled them) are read from that step's sampled tokens on device.
+        """
         inputs = unpack(packed, layout)
+        src = inputs["prev_src"]
+        input_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], inputs["input_ids"])
         model = nnx.merge(self.graphdef, state)
-        hidden, kv_caches = model(inputs["input_ids"], kv_caches, inputs["attn"])
+        hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"])
         logits = model.compute_logits(hidden[inputs["logits_indices"]])
         # Pad (not compute) up to the sampler's row bucket, so its program fits every step.
         rows = self.buckets.sampler_bucket(logits.shape[0])
@@ -124,10 +158,11 @@ class ModelRunner:
         )
 
     def _sample_step(self, logits: jax.Array, packed: jax.Array, layout: Any) -> Any:
-        """Sample one token per row of logits [R, V] (R: the sampler's row bucket)."""
-        return self._replicate(
-            sampler_lib.sample(logits, unpack(packed, layout), self.sampler_config)
-        )
+        """Sample one token per row of logits [R, V] (R: the sampler's row bucket); the
+        token ids are padded to the largest bucket, the shape the next model step reads."""
+        out = sampler_lib.sample(logits, unpack(packed, layout), self.sampler_config)
+        ids = jnp.pad(out.sampled_token_ids, (0, self._max_rows - logits.shape[0]))
+        return self._replicate(dataclasses.replace(out, sampled_token_ids=ids))
 
     def _replicate(self, tree: Any) -> Any:
         """Outputs the host reads: a whole copy on every device (each process reads its own)."""
@@ -147,9 +182,9 @@ class ModelRunner:
     def _key(self, kind: ProgramKind, size: int) -> ProgramKey:
         return ProgramKey(kind, size, self.mesh)
 
-    def _model_spec(self, packed: Any, layout: Any) -> ProgramSpec:
+    def _model_spec(self, packed: Any, prev_sampled: Any, layout: Any) -> ProgramSpec:
         out_tree = jax.tree_util.tree_structure((list(self.kv_caches), 0, 0))
-        args = (self.state, self.kv_caches, packed)
+        args = (self.state, self.kv_caches, packed, prev_sampled)
         return ProgramSpec(self._model_fn, args, layout, out_tree, self.device_mesh)
 
     def _sampler_spec(self, logits: Any, packed: Any, layout: Any) -> ProgramSpec:
@@ -186,6 +221,13 @@ class ModelRunner:
         token_slots = slots[req_of_token]
         input_ids = np.zeros(num_tokens_padded, dtype=np.int32)
         input_ids[:total] = batch.token_ids[token_slots, positions[:total]]
+        # Tokens past what the host knows were sampled by the step in flight: the program
+        # reads them from its output row (-1: the host's token).
+        prev_src = np.full(num_tokens_padded, -1, dtype=np.int32)
+        unknown = np.flatnonzero(positions[:total] >= batch.num_tokens[token_slots])
+        if unknown.size:
+            prev_rows = self._prev_rows
+            prev_src[unknown] = [prev_rows[req_ids[r]] for r in req_of_token[unknown]]
         # With KV cache groups the tables carry a leading group axis ([G, ...]).
         tables = batch.block_table
         groups = tables.shape[:-2]
@@ -213,9 +255,14 @@ class ModelRunner:
                 for i, r in enumerate(so.structured_output_request_ids)
             }
         sampling = batch.sampling_metadata(slots, rows, self.step_count, grammar_rows)
+        if unknown.size:
+            # Those requests' sampling counts the token in flight too (a seeded row's
+            # random key folds in its output length).
+            sampling.output_lens[req_of_token[unknown]] += 1
         self.step_count += 1
         inputs = {
             "input_ids": input_ids,
+            "prev_src": prev_src,
             "attn": AttentionMetadata(
                 positions=positions,
                 slot_mapping=slot_mapping,
@@ -229,11 +276,13 @@ class ModelRunner:
         return inputs, sampling, samples
 
     def _run(self, num_tokens_padded: int, inputs: dict[str, Any], sampling: Any) -> Any:
+        """Launch the step's model and sampler programs; returns their device outputs
+        (the sampler's and the hidden states) without waiting for them."""
         packed, layout = pack(inputs)
-        model_args = (self.state, self.kv_caches, self._put(packed))
+        model_args = (self.state, self.kv_caches, self._put(packed), self._prev_sampled)
         program = self.compiler.get(
             self._key(ProgramKind.MODEL, num_tokens_padded),
-            lambda: self._model_spec(model_args[2], layout),
+            lambda: self._model_spec(*model_args[2:], layout),
             layout,
         )
         self.kv_caches, logits, hidden = program(*model_args)
@@ -244,7 +293,7 @@ class ModelRunner:
             lambda: self._sampler_spec(*sample_args, layout),
             layout,
         )
-        return fetch(program(*sample_args)), hidden
+        return program(*sample_args), hidden
 
     def _run_prompt_logprobs(self, hidden: np.ndarray, ids: np.ndarray) -> tuple:
         args = (self.state, self._put(hidden), self._put(ids))
@@ -256,35 +305,64 @@ class ModelRunner:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return the sampled tokens per request."""
+        self.dispatch(so)
+        return self.collect()
+
+    def dispatch(self, so: SchedulerOutput) -> None:
+        """Apply a SchedulerOutput and launch its step on the device, without waiting.
+
+        `collect` returns the results, oldest step first. A step dispatched before the
+        previous one is collected (async scheduling) reads that step's sampled tokens on
+        the device where its scheduler counted a token in flight.
+        """
         batch = self.input_batch
         batch.update(so)
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            self._prev_rows = {}
+            self._in_flight.append(None)
+            return
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
         num_tokens_padded = self.buckets.token_bucket(so.total_num_scheduled_tokens)
         inputs, sampling, samples = self._prepare_inputs(
             req_ids, num_scheduled, num_tokens_padded, so
         )
         sampled, hidden = self._run(num_tokens_padded, inputs, sampling)
-        prompt_lps = prompt_logprobs.compute(
-            prompt_logprobs.plan(batch, req_ids, num_scheduled), hidden, self._run_prompt_logprobs
-        )
+        plan = prompt_logprobs.plan(batch, req_ids, num_scheduled)
         batch.advance(req_ids, num_scheduled)
+        self._prev_sampled = sampled.sampled_token_ids
+        self._prev_rows = {r: i for i, r in enumerate(req_ids) if samples[i]}
+        self._in_flight.append(
+            _StepInFlight(req_ids, samples, sampled, hidden if plan.rows else None, plan)
+        )
+
+    def collect(self) -> ModelRunnerOutput:
+        """Wait for the oldest dispatched step; record and return its sampled tokens."""
+        step = self._in_flight.popleft()
+        if step is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        batch = self.input_batch
+        sampled = fetch(step.sampled)
+        prompt_lps = prompt_logprobs.compute(
+            step.prompt_plan, step.hidden, self._run_prompt_logprobs
+        )
         token_ids = np.asarray(sampled.sampled_token_ids)
         sampled_token_ids: list[list[int]] = []
         logprobs: list[LogprobsLists | None] = []
         any_logprobs = False
-        for i, req_id in enumerate(req_ids):
-            state = batch.requests[req_id]
-            if not samples[i]:
+        for i, req_id in enumerate(step.req_ids):
+            if not step.samples[i]:
                 sampled_token_ids.append([])
                 logprobs.append(None)
                 continue
             token = int(token_ids[i])
-            batch.append_sampled(state, token)
             sampled_token_ids.append([token])
-            num_logprobs = state.sampling_params.logprobs
+            state = batch.requests.get(req_id)
+            # Finished (forgotten) or preempted since the dispatch: the scheduler decides;
+            # a resumed request gets its outputs anew.
+            if state is not None and state.slot >= 0:
+                batch.append_sampled(state, token)
+            num_logprobs = state.sampling_params.logprobs if state is not None else None
             if num_logprobs is None:
                 logprobs.append(None)
                 continue
@@ -299,7 +377,7 @@ class ModelRunner:
                 )
             )
         return ModelRunnerOutput(
-            req_ids=req_ids,
+            req_ids=step.req_ids,
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs if any_logprobs else None,
             prompt_logprobs=prompt_lps,
@@ -313,7 +391,10 @@ class ModelRunner:
             inputs, sampling, _ = self._prepare_inputs([], [], bucket)
             packed, layout = pack(inputs)
             packed = self._abstract(packed.shape, packed.dtype)
-            specs[self._key(ProgramKind.MODEL, bucket)] = self._model_spec(packed, layout)
+            prev_sampled = self._abstract((self._max_rows,), jnp.int32)
+            specs[self._key(ProgramKind.MODEL, bucket)] = self._model_spec(
+                packed, prev_sampled, layout
+            )
             packed, layout = pack(sampling)
             packed = self._abstract(packed.shape, packed.dtype)
             rows = self.buckets.sampler_bucket(self.buckets.rows_for_tokens(bucket))

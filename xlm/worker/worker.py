@@ -137,3 +137,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def dispatch(self, scheduler_output: SchedulerOutput) -> None:
+        self.model_runner.dispatch(scheduler_output)
+
+    def collect(self) -> ModelRunnerOutput:
+        return self.model_runner.collect()
