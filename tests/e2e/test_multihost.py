@@ -184,7 +184,12 @@ def test_run_batch_survives_a_killed_follower_by_rerun(pods, model, expected, tm
         pytest.fail(f"leader still running after the follower died:\n{pod.log(0)[-3000:]}")
     assert time.monotonic() - killed < FAULT_S + 15
     assert pod.leader.returncode != 0
-    assert "follower process 1 stopped responding" in pod.log(0)
+    # The leader names the dead follower: its heartbeat went silent, or (async scheduling
+    # sends the next step while one is in flight) the step channel found it unreachable.
+    log = pod.log(0)
+    assert (
+        "follower process 1 stopped responding" in log or "follower process 1 is unreachable" in log
+    ), log[-3000:]
     time.sleep(2)
     assert not group_alive(pod.leader.pid), "the leader left processes behind"
     done_before = out.read_text().count("\n")
