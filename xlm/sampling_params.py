@@ -334,3 +334,18 @@ class SamplingParams:
         params._explicit_fields = explicit
         params._bad_words_token_ids = [list(ids) for ids in bad_ids]
         return params
+
+
+def uses_penalties(params: Any) -> bool:
+    """Whether presence, frequency or repetition penalties apply: sampling then reads the
+    counts of the request's output tokens (read by name: test doubles are duck-typed)."""
+    return bool(
+        getattr(params, "presence_penalty", 0)
+        or getattr(params, "frequency_penalty", 0)
+        or getattr(params, "repetition_penalty", 1.0) != 1.0
+    )
+
+
+def uses_output_bans(params: Any) -> bool:
+    """Whether min_tokens or bad words ban tokens depending on the latest output tokens."""
+    return bool(getattr(params, "min_tokens", 0) or getattr(params, "bad_words_token_ids", None))

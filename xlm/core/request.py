@@ -6,6 +6,8 @@ import enum
 import time
 from typing import Any
 
+from xlm.sampling_params import uses_output_bans, uses_penalties
+
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request; every status after PREEMPTED is a finished one."""
@@ -111,14 +113,7 @@ class Request:
         # Whether the next step's sampling inputs depend on the latest token's value (the
         # penalties' counts, bad-word and min_tokens bans; a grammar, set on admission):
         # such a request is not scheduled while a token of it is in flight.
-        p = sampling_params
-        self.host_tokens_only = bool(
-            getattr(p, "presence_penalty", 0)
-            or getattr(p, "frequency_penalty", 0)
-            or getattr(p, "repetition_penalty", 1.0) != 1.0
-            or getattr(p, "bad_words_token_ids", None)
-            or self.min_tokens
-        )
+        self.host_tokens_only = uses_penalties(sampling_params) or uses_output_bans(sampling_params)
 
     @property
     def num_tokens(self) -> int:

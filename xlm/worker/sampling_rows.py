@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from xlm.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams, SamplingType
+from xlm.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    SamplingParams,
+    SamplingType,
+    uses_output_bans,
+    uses_penalties,
+)
 from xlm.worker.sampler import SamplingMetadata
 
 _U32 = 0xFFFFFFFF
@@ -94,7 +100,7 @@ class SamplingRows:
         self.has_seed[row] = seeded
         self.seeds[row] = split_seed(p.seed) if seeded else (0, 0)
         self.output_lens[row] = len(output_ids)
-        penalties = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+        penalties = uses_penalties(p)
         self.has_penalties[row] = penalties
         self.presence_penalty[row] = p.presence_penalty if penalties else 0.0
         self.frequency_penalty[row] = p.frequency_penalty if penalties else 0.0
@@ -119,7 +125,7 @@ class SamplingRows:
             allowed[p.allowed_token_ids] = True
             self.allowed_mask[row] = np.packbits(allowed, bitorder="little")
         self.wants_logprobs[row] = p.logprobs is not None
-        if p.min_tokens > 0 or p.bad_words_token_ids:
+        if uses_output_bans(p):
             self._bans[row] = (p, output_ids)
         else:
             self._bans.pop(row, None)
