@@ -6,7 +6,8 @@ import dataclasses
 import numpy as np
 
 from xlm.sampling_params import SamplingParams
-from xlm.worker.compilation import Buckets, ProgramKey, ProgramKind
+from xlm.worker.buckets import Buckets
+from xlm.worker.compilation import ProgramKey, ProgramKind
 from xlm.worker.input_batch import CachedRequestState, InputBatch
 from xlm.worker.sampling_rows import build_sampling_metadata
 

@@ -26,8 +26,8 @@ from xlm.logger import init_logger
 from xlm.ops.paged_attention import AttentionMetadata
 from xlm.worker import prompt_logprobs
 from xlm.worker import sampler as sampler_lib
+from xlm.worker.buckets import Buckets
 from xlm.worker.compilation import (
-    Buckets,
     Compiler,
     MeshSpec,
     ProgramKey,

@@ -29,7 +29,6 @@ Tied logits at a top-k/top-p threshold are all kept.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -346,8 +345,3 @@ def sample(logits: jax.Array, md: SamplingMetadata, config: SamplerConfig) -> Sa
 
 
 sample_jit = jax.jit(sample, static_argnames=("config",))
-
-
-def metadata_to_device(md: SamplingMetadata, device: Any = None) -> SamplingMetadata:
-    """Move a host SamplingMetadata to the device in one ``device_put`` call."""
-    return jax.device_put(dataclasses.replace(md), device)
