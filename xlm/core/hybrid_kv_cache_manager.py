@@ -14,13 +14,14 @@ from xlm.core.block_pool import BlockPool, KVCacheBlock
 from xlm.core.kv_cache_groups import KVCacheGroupSpec, blocks_for_request
 from xlm.core.kv_cache_manager import KVCacheManager, num_evictable
 from xlm.core.kv_cache_utils import update_block_hashes
+from xlm.core.kv_manager import KVManager
 from xlm.core.request import Request
 
 # One sequence of block ids per group.
 GroupBlockIds = tuple[list[int] | tuple[int, ...], ...]
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(KVManager):
     """Block tables per KV cache group over one BlockPool, with prefix caching."""
 
     def __init__(
@@ -199,7 +200,7 @@ def make_kv_cache_manager(
     enable_caching: bool = True,
     sliding_window: int | None = None,
     max_num_batched_tokens: int | None = None,
-) -> KVCacheManager | HybridKVCacheManager:
+) -> KVManager:
     """One group (or none known): the single-table manager; several: the hybrid one."""
     if groups is not None and len(groups) > 1:
         return HybridKVCacheManager(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from xlm.core.block_pool import BlockPool, KVCacheBlock
 from xlm.core.kv_cache_utils import BlockHash, update_block_hashes
+from xlm.core.kv_manager import KVManager
 from xlm.core.request import Request
 
 
@@ -35,7 +36,7 @@ def num_evictable(blocks: list[KVCacheBlock]) -> int:
     return sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
 
 
-class KVCacheManager:
+class KVCacheManager(KVManager):
     """Maps requests to block tables over one BlockPool, with prefix caching."""
 
     def __init__(

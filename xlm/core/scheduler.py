@@ -9,6 +9,7 @@ from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
 from xlm.core.hybrid_kv_cache_manager import make_kv_cache_manager
+from xlm.core.kv_manager import KVManager
 from xlm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -59,7 +60,7 @@ class Scheduler:
         # Async scheduling: a step is scheduled before the previous step's tokens are
         # known; each sampling step leaves the request one placeholder token to compute.
         self.async_scheduling = scheduler_config.async_scheduling
-        self.kv_cache_manager = make_kv_cache_manager(
+        self.kv_cache_manager: KVManager = make_kv_cache_manager(
             cache_config.kv_cache_groups,
             num_blocks,
             self.block_size,
