@@ -1,7 +1,8 @@
 """The model runner: scheduler output -> padded ragged batch -> the step's programs -> tokens.
 
 The runner owns the model state, the KV cache and the jitted step functions. Per-request
-state lives in the InputBatch (updated from each SchedulerOutput); which programs exist
+state lives in the InputBatch (updated from each SchedulerOutput) and a step's padded
+arrays are built from it by xlm.worker.step_inputs; which programs exist
 and how they are compiled, saved and warmed up is xlm.worker.compilation's; prompt
 logprobs are xlm.worker.prompt_logprobs'. Every step's inputs travel to the device in one
 packed transfer, and the KV cache is donated to the step so XLA updates it in place.
@@ -23,7 +24,6 @@ from xlm.config import XlmConfig
 from xlm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.mesh import fetch, put_replicated, replicated
 from xlm.logger import init_logger
-from xlm.ops.paged_attention import AttentionMetadata
 from xlm.worker import prompt_logprobs
 from xlm.worker import sampler as sampler_lib
 from xlm.worker.buckets import Buckets
@@ -40,6 +40,7 @@ from xlm.worker.executable_cache import ExecutableCache
 from xlm.worker.input_batch import InputBatch
 from xlm.worker.packing import pack, unpack
 from xlm.worker.prompt_logprobs import PROMPT_LOGPROB_ROWS
+from xlm.worker.step_inputs import prepare_inputs
 
 logger = init_logger(__name__)
 
@@ -204,76 +205,20 @@ class ModelRunner:
         num_tokens_padded: int,
         so: SchedulerOutput | None = None,
     ) -> tuple[dict[str, Any], Any, np.ndarray]:
-        """Build the padded ragged batch; returns the arrays and which rows sample."""
-        batch = self.input_batch
-        num_reqs = len(req_ids)
-        num_reqs_padded = self.buckets.rows_for_tokens(num_tokens_padded)
-        slots = batch.slots(req_ids)
-        counts = np.asarray(num_scheduled, dtype=np.int32)
-        total = int(counts.sum())
-        cu = np.zeros(num_reqs_padded + 1, dtype=np.int32)
-        np.cumsum(counts, out=cu[1 : num_reqs + 1])
-        cu[num_reqs + 1 :] = total
-        computed = batch.num_computed_tokens[slots]
-        req_of_token = np.repeat(np.arange(num_reqs), counts)
-        positions = np.zeros(num_tokens_padded, dtype=np.int32)
-        positions[:total] = computed[req_of_token] + (np.arange(total) - cu[req_of_token])
-        token_slots = slots[req_of_token]
-        input_ids = np.zeros(num_tokens_padded, dtype=np.int32)
-        input_ids[:total] = batch.token_ids[token_slots, positions[:total]]
-        # Tokens past what the host knows were sampled by the step in flight: the program
-        # reads them from its output row (-1: the host's token).
-        prev_src = np.full(num_tokens_padded, -1, dtype=np.int32)
-        unknown = np.flatnonzero(positions[:total] >= batch.num_tokens[token_slots])
-        if unknown.size:
-            prev_rows = self._prev_rows
-            prev_src[unknown] = [prev_rows[req_ids[r]] for r in req_of_token[unknown]]
-        # With KV cache groups the tables carry a leading group axis ([G, ...]).
-        tables = batch.block_table
-        groups = tables.shape[:-2]
-        slot_mapping = np.zeros((*groups, num_tokens_padded), dtype=np.int32)  # pad: null block
-        pos = positions[:total]
-        slot_mapping[..., :total] = (
-            tables[..., token_slots, pos // self.block_size] * self.block_size
-            + pos % self.block_size
+        """Build the padded ragged batch (xlm.worker.step_inputs) and count the step."""
+        out = prepare_inputs(
+            self.input_batch,
+            self.buckets,
+            self.block_size,
+            self._prev_rows,
+            self.step_count,
+            req_ids,
+            num_scheduled,
+            num_tokens_padded,
+            so,
         )
-        seq_lens = np.zeros(num_reqs_padded, dtype=np.int32)
-        seq_lens[:num_reqs] = computed + counts
-        block_tables = np.zeros((*groups, num_reqs_padded, self.max_blocks_per_req), np.int32)
-        block_tables[..., :num_reqs, :] = tables[..., slots, :]
-        logits_indices = np.zeros(num_reqs_padded, dtype=np.int32)
-        logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
-        # A request samples when this step computes its last known token.
-        samples = seq_lens[:num_reqs] >= batch.num_tokens[slots]
-        rows = self.buckets.sampler_bucket(num_reqs_padded)
-        grammar_rows = None
-        if so is not None and so.structured_output_request_ids:
-            # Structured-output bitmask rows (from the scheduler) by position in this step.
-            row_of = {r: i for i, r in enumerate(req_ids)}
-            grammar_rows = {
-                row_of[r]: so.grammar_bitmask[i]
-                for i, r in enumerate(so.structured_output_request_ids)
-            }
-        sampling = batch.sampling_metadata(slots, rows, self.step_count, grammar_rows)
-        if unknown.size:
-            # Those requests' sampling counts the token in flight too (a seeded row's
-            # random key folds in its output length).
-            sampling.output_lens[req_of_token[unknown]] += 1
         self.step_count += 1
-        inputs = {
-            "input_ids": input_ids,
-            "prev_src": prev_src,
-            "attn": AttentionMetadata(
-                positions=positions,
-                slot_mapping=slot_mapping,
-                query_start_loc=cu,
-                seq_lens=seq_lens,
-                block_tables=block_tables,
-                num_seqs=np.array([num_reqs], dtype=np.int32),
-            ),
-            "logits_indices": logits_indices,
-        }
-        return inputs, sampling, samples
+        return out
 
     def _run(self, num_tokens_padded: int, inputs: dict[str, Any], sampling: Any) -> Any:
         """Launch the step's model and sampler programs; returns their device outputs
