@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
@@ -34,6 +35,29 @@ _ERROR = RequestStatus.FINISHED_ERROR
 
 def _priority_key(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one schedule() call has decided so far, passed between its phases."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    cached: CachedRequestData = field(default_factory=CachedRequestData)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    scheduled: list[Request] = field(default_factory=list)
+
+    def add_cached(
+        self, req_id: str, resumed: bool, block_ids: Any, num_computed: int, tokens: list[int]
+    ) -> None:
+        """Schedule a request the runner has seen (running, or resumed from preemption)."""
+        cached = self.cached
+        cached.req_ids.append(req_id)
+        cached.resumed_from_preemption.append(resumed)
+        cached.new_block_ids.append(block_ids)
+        cached.num_computed_tokens.append(num_computed)
+        cached.new_token_ids.append(tokens)
 
 
 class Scheduler:
@@ -164,23 +188,20 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocate their KV cache slots."""
-        kv = self.kv_cache_manager
-        allocate_slots = kv.allocate_slots
-        token_budget = self.max_num_batched_tokens
-        threshold = self.long_prefill_token_threshold
-        num_scheduled_tokens: dict[str, int] = {}
-        cached = CachedRequestData()
-        c_ids, c_resumed = cached.req_ids, cached.resumed_from_preemption
-        c_blocks, c_computed, c_tokens = (
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-            cached.new_token_ids,
-        )
-        new_reqs: list[NewRequestData] = []
-        preempted_req_ids: set[str] = set()
-        scheduled: list[Request] = []
+        step = _StepPlan(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        # Then waiting requests, unless this step had to preempt.
+        if not step.preempted_req_ids:
+            self._schedule_waiting(step)
+        return self._finish_schedule(step)
 
-        # Running requests first, in order; when blocks run out, preempt from the end.
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """Running requests first, in order; when blocks run out, preempt from the end."""
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        threshold = self.long_prefill_token_threshold
+        num_scheduled_tokens, scheduled = step.num_scheduled_tokens, step.scheduled
+        preempted_req_ids = step.preempted_req_ids
+        token_budget = step.token_budget
         running = self.running
         i = 0
         while i < len(running) and token_budget > 0:
@@ -212,78 +233,84 @@ class Scheduler:
             num_scheduled_tokens[req_id] = num_new
             token_budget -= num_new
             scheduled.append(request)
-            c_ids.append(req_id)
-            c_resumed.append(False)
-            c_blocks.append(new_block_ids)
-            c_computed.append(request.num_computed_tokens)
-            c_tokens.append([])
+            step.add_cached(req_id, False, new_block_ids, request.num_computed_tokens, [])
             i += 1
+        step.token_budget = token_budget
 
-        # Then waiting requests, unless this step had to preempt.
-        if not preempted_req_ids:
-            waiting = self.waiting
-            chunked = self.enable_chunked_prefill
-            # Requests whose grammar still compiles step aside; they keep their place.
-            skipped: list[Request] = []
-            while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
-                request = waiting.peek_request()
-                constraint = request.structured_output_request
-                if constraint is not None and not constraint.is_ready():
-                    skipped.append(waiting.pop_request())
-                    continue
-                if constraint is not None and constraint.error is not None:
-                    waiting.pop_request()
-                    self._fail_request(request, constraint.error)
-                    continue
-                hit_blocks, num_hit = kv.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit
-                if not chunked and num_new > token_budget:
-                    break  # scheduled whole or not at all; head of line waits
-                if threshold and num_new > threshold:
-                    num_new = threshold
-                if num_new > token_budget:
-                    num_new = token_budget
-                new_block_ids = allocate_slots(request, num_new, num_hit, hit_blocks)
-                if new_block_ids is None:
-                    break  # head of line waits for blocks
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        """Admit waiting requests while the budget, the row cap and the blocks allow."""
+        kv = self.kv_cache_manager
+        allocate_slots = kv.allocate_slots
+        threshold = self.long_prefill_token_threshold
+        num_scheduled_tokens, scheduled = step.num_scheduled_tokens, step.scheduled
+        new_reqs = step.new_reqs
+        token_budget = step.token_budget
+        running = self.running
+        waiting = self.waiting
+        chunked = self.enable_chunked_prefill
+        # Requests whose grammar still compiles step aside; they keep their place.
+        skipped: list[Request] = []
+        while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
+            request = waiting.peek_request()
+            constraint = request.structured_output_request
+            if constraint is not None and not constraint.is_ready():
+                skipped.append(waiting.pop_request())
+                continue
+            if constraint is not None and constraint.error is not None:
                 waiting.pop_request()
-                if self.policy == "priority":
-                    bisect.insort_right(running, request, key=_priority_key)
-                else:
-                    running.append(request)
-                request.num_computed_tokens = num_hit
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.time()
-                req_id = request.request_id
-                if request.status == _PREEMPTED:
-                    c_ids.append(req_id)
-                    c_resumed.append(True)
-                    c_blocks.append(kv.get_block_ids(req_id))
-                    c_computed.append(num_hit)
-                    c_tokens.append(list(request.output_token_ids))
-                else:
-                    new_reqs.append(
-                        NewRequestData(
-                            req_id,
-                            request.prompt_token_ids,
-                            request.sampling_params,
-                            kv.get_block_ids(req_id),
-                            num_hit,
-                        )
+                self._fail_request(request, constraint.error)
+                continue
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not chunked and num_new > token_budget:
+                break  # scheduled whole or not at all; head of line waits
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > token_budget:
+                num_new = token_budget
+            new_block_ids = allocate_slots(request, num_new, num_hit, hit_blocks)
+            if new_block_ids is None:
+                break  # head of line waits for blocks
+            waiting.pop_request()
+            if self.policy == "priority":
+                bisect.insort_right(running, request, key=_priority_key)
+            else:
+                running.append(request)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            req_id = request.request_id
+            if request.status == _PREEMPTED:
+                step.add_cached(
+                    req_id, True, kv.get_block_ids(req_id), num_hit, list(request.output_token_ids)
+                )
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        kv.get_block_ids(req_id),
+                        num_hit,
                     )
-                request.status = _RUNNING
-                num_scheduled_tokens[req_id] = num_new
-                token_budget -= num_new
-                scheduled.append(request)
-            for request in reversed(skipped):
-                waiting.prepend_request(request)
+                )
+            request.status = _RUNNING
+            num_scheduled_tokens[req_id] = num_new
+            token_budget -= num_new
+            scheduled.append(request)
+        for request in reversed(skipped):
+            waiting.prepend_request(request)
+        step.token_budget = token_budget
 
+    def _finish_schedule(self, step: _StepPlan) -> SchedulerOutput:
+        """Count the scheduled tokens as computed, build the grammar bitmask and the output."""
+        num_scheduled_tokens, token_budget = step.num_scheduled_tokens, step.token_budget
         # The K/V of scheduled tokens count as computed from here on.
         constrained: list[Request] = []
         async_scheduling = self.async_scheduling
-        for request in scheduled:
+        for request in step.scheduled:
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
             # Whether it samples this step: its last token (known or in flight) is computed.
             samples = (
@@ -310,12 +337,12 @@ class Scheduler:
         self.step_num_scheduled_tokens = total
         self.total_num_scheduled_tokens += total
         return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             finished_req_ids=finished_req_ids,
-            preempted_req_ids=preempted_req_ids,
+            preempted_req_ids=step.preempted_req_ids,
             structured_output_request_ids=[r.request_id for r in constrained],
             grammar_bitmask=grammar_bitmask,
         )
