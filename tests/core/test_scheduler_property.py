@@ -12,6 +12,7 @@ from tests.core.sim import (
     reference_generate,
 )
 from xlm.config import CacheConfig, SchedulerConfig
+from xlm.core.async_scheduler import AsyncScheduler
 from xlm.core.kv_cache_groups import KVCacheGroupSpec
 from xlm.core.request import RequestStatus
 from xlm.core.scheduler import Scheduler
@@ -75,7 +76,7 @@ def test_random_workloads_keep_invariants_and_finish(cfg, plan):
     windows = cfg["groups"]
     groups = None if windows is None else [KVCacheGroupSpec(w, (i,)) for i, w in enumerate(windows)]
     window = None if groups else cfg["window"]
-    sched = Scheduler(
+    sched = (AsyncScheduler if cfg["async"] else Scheduler)(
         SchedulerConfig(
             budget,
             cfg["max_seqs"],

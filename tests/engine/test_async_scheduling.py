@@ -13,6 +13,7 @@ import pytest
 
 import xlm
 from tests.engine.reference import SMOLLM2_ENGINE, num_preemptions
+from xlm.core.async_scheduler import AsyncScheduler
 from xlm.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -85,6 +86,9 @@ def count_overlapped_dispatches(llm) -> list[int]:
 def test_async_equals_sync_on_a_mixed_preempting_batch(smollm2_llm, sync_llm):
     assert smollm2_llm.llm_engine.engine_core.engine_core.async_scheduling
     assert not sync_llm.llm_engine.engine_core.engine_core.async_scheduling
+    # The engine core chose the scheduler class by the flag.
+    assert isinstance(smollm2_llm.llm_engine.engine_core.engine_core.scheduler, AsyncScheduler)
+    assert not isinstance(sync_llm.llm_engine.engine_core.engine_core.scheduler, AsyncScheduler)
     prompts = PROMPTS * 2
     params = mixed_params()
     overlapped = count_overlapped_dispatches(smollm2_llm)

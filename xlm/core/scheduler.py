@@ -81,9 +81,6 @@ class Scheduler:
             scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         )
         self.policy = scheduler_config.policy
-        # Async scheduling: a step is scheduled before the previous step's tokens are
-        # known; each sampling step leaves the request one placeholder token to compute.
-        self.async_scheduling = scheduler_config.async_scheduling
         self.kv_cache_manager: KVManager = make_kv_cache_manager(
             cache_config.kv_cache_groups,
             num_blocks,
@@ -207,10 +204,8 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             placeholders = request.num_output_placeholders
-            if placeholders and (
-                request.host_tokens_only or self._finishes_with_placeholders(request)
-            ):
-                i += 1  # waits for its token in flight (or that token surely ends it)
+            if placeholders and self._waits_for_tokens_in_flight(request):
+                i += 1
                 continue
             num_new = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             if threshold and num_new > threshold:
@@ -309,7 +304,6 @@ class Scheduler:
         num_scheduled_tokens, token_budget = step.num_scheduled_tokens, step.token_budget
         # The K/V of scheduled tokens count as computed from here on.
         constrained: list[Request] = []
-        async_scheduling = self.async_scheduling
         for request in step.scheduled:
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
             # Whether it samples this step: its last token (known or in flight) is computed.
@@ -317,8 +311,8 @@ class Scheduler:
                 request.num_computed_tokens
                 >= len(request.all_token_ids) + request.num_output_placeholders
             )
-            if samples and async_scheduling:
-                request.num_output_placeholders += 1
+            if samples:
+                self._on_sampling_scheduled(request)
             constraint = request.structured_output_request
             # Only a request that samples this step and is past any reasoning needs a
             # bitmask row (a constrained request has no placeholder when scheduled).
@@ -347,14 +341,13 @@ class Scheduler:
             grammar_bitmask=grammar_bitmask,
         )
 
-    def _finishes_with_placeholders(self, request: Request) -> bool:
-        """Whether the tokens in flight take the request to max_tokens or the length cap
-        (then it ends on their arrival: scheduling another token would be wasted)."""
-        n = request.num_output_placeholders
-        max_tokens = request.max_tokens
-        return (max_tokens is not None and len(request.output_token_ids) + n >= max_tokens) or (
-            len(request.all_token_ids) + n >= self.max_request_len
-        )
+    def _on_sampling_scheduled(self, request: Request) -> None:
+        """A request will sample in the step being scheduled (AsyncScheduler counts it)."""
+
+    def _waits_for_tokens_in_flight(self, request: Request) -> bool:
+        """Whether a request with tokens in flight sits this step out (never, here: the
+        synchronous scheduler has none; see AsyncScheduler)."""
+        return False
 
     def _fail_request(self, request: Request, message: str) -> None:
         """Finish a waiting request with an error (reported by the next update)."""

@@ -8,6 +8,7 @@ from collections import deque
 from typing import Any
 
 from xlm.config import XlmConfig
+from xlm.core.async_scheduler import AsyncScheduler
 from xlm.core.outputs import SchedulerOutput, SchedulerStats
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
@@ -39,7 +40,8 @@ class EngineCore:
         # None: the class ParallelConfig.executor_backend names (uni or multihost).
         self.executor = (executor_class or executor_class_for(config))(config)
         self.structured_output_manager = make_structured_output_manager(config)
-        self.scheduler = Scheduler(
+        async_scheduling = config.scheduler_config.async_scheduling
+        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
             config.scheduler_config,
             config.cache_config,
             self.executor.num_blocks,
