@@ -409,68 +409,63 @@ class Scheduler:
                         )
                     )
                 continue
-            new_token_ids = token_ids
-            if len(token_ids) == 1:
-                token_id = token_ids[0]
-                request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
-                stopped = self._check_stop(request, token_id, max_len)
-            else:
-                stopped = False
-                for n, token_id in enumerate(token_ids, 1):
-                    request.output_token_ids.append(token_id)
-                    request.all_token_ids.append(token_id)
-                    if self._check_stop(request, token_id, max_len):
-                        stopped = True
-                        new_token_ids = token_ids[:n]
-                        break
-            constraint = request.structured_output_request
-            if constraint is not None and not stopped and constraint.matcher is not None:
-                # The grammar is complete ("stop") or, should it ever happen, refused the
-                # token: that ends this request with an error, never the engine.
-                verdict = self.structured_output_manager.advance(constraint, new_token_ids)
-                if verdict == "stop":
-                    request.status = _STOPPED
-                    stopped = True
-                elif verdict is not None:
-                    logger.error("Request %s: %s", req_id, verdict)
-                    request.status = _ERROR
-                    request.stop_reason = verdict
-                    stopped = True
-            new_logprobs = logprobs[idx] if logprobs is not None else None
+            new_token_ids, stopped = self._append_tokens(request, token_ids, max_len)
+            if not stopped:
+                stopped = self._advance_grammar(request, new_token_ids)
             if stopped:
                 any_finished = True
                 if was_preempted:
                     self.waiting.remove_requests([request])
                 self._free_request(request)
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id,
-                        new_token_ids,
-                        request.get_finished_reason(),
-                        request.stop_reason,
-                        new_logprobs,
-                        new_prompt_logprobs,
-                        request.num_cached_tokens,
-                        request.first_scheduled_time,
-                    )
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    new_token_ids,
+                    request.get_finished_reason() if stopped else None,
+                    request.stop_reason if stopped else None,
+                    logprobs[idx] if logprobs is not None else None,
+                    new_prompt_logprobs,
+                    request.num_cached_tokens,
+                    request.first_scheduled_time,
                 )
-            else:
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id,
-                        new_token_ids,
-                        None,
-                        None,
-                        new_logprobs,
-                        new_prompt_logprobs,
-                        request.num_cached_tokens,
-                        request.first_scheduled_time,
-                    )
-                )
+            )
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def _append_tokens(
+        self, request: Request, token_ids: list[int], max_len: int
+    ) -> tuple[list[int], bool]:
+        """Append sampled tokens up to the first that stops the request: (kept, stopped)."""
+        if len(token_ids) == 1:
+            token_id = token_ids[0]
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            return token_ids, self._check_stop(request, token_id, max_len)
+        for n, token_id in enumerate(token_ids, 1):
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            if self._check_stop(request, token_id, max_len):
+                return token_ids[:n], True
+        return token_ids, False
+
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> bool:
+        """Advance a constrained request's matcher; whether its grammar ended it."""
+        constraint = request.structured_output_request
+        if constraint is None or constraint.matcher is None:
+            return False
+        # The grammar is complete ("stop") or, should it ever happen, refused the token:
+        # that ends this request with an error, never the engine.
+        verdict = self.structured_output_manager.advance(constraint, token_ids)
+        if verdict == "stop":
+            request.status = _STOPPED
+            return True
+        if verdict is not None:
+            logger.error("Request %s: %s", request.request_id, verdict)
+            request.status = _ERROR
+            request.stop_reason = verdict
+            return True
+        return False
 
     @staticmethod
     def _check_stop(request: Request, token_id: int, max_len: int) -> bool:
