@@ -63,7 +63,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "XLM_TARGET_PLATFORM": lambda: os.environ.get("XLM_TARGET_PLATFORM") or None,
     # Turn tqdm progress bars off everywhere.
     "XLM_DISABLE_PROGRESS_BARS": _get_bool("XLM_DISABLE_PROGRESS_BARS", False),
-    # Port range base / host used by the engine's ZeroMQ sockets (ipc by default).
+    # Directory holding the ipc:// socket files of the engine's ZeroMQ sockets.
     "XLM_RPC_BASE_PATH": lambda: os.environ.get("XLM_RPC_BASE_PATH", "/tmp"),
     # Seconds the engine-core client waits for the engine process to start.
     "XLM_ENGINE_READY_TIMEOUT_S": _get_float("XLM_ENGINE_READY_TIMEOUT_S", 600.0),

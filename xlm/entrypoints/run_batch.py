@@ -95,9 +95,10 @@ def done_ids(path: str) -> set[str]:
     return ids
 
 
-def _result(
+def batch_result(
     custom_id: str, status: int, body: dict[str, Any], request_id: str | None
 ) -> dict[str, Any]:
+    """One output line of the OpenAI batch format (also written by the Ray path)."""
     error = None
     if status != 200:
         err = body.get("error", {})
@@ -121,7 +122,7 @@ async def answer(state: Any, record: dict[str, Any]) -> dict[str, Any]:
     if "input_error" in record:
         message = record["input_error"]
         body = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
-        return _result(custom_id, 400, body, None)
+        return batch_result(custom_id, 400, body, None)
     url = record.get("url")
     method = record.get("method", "POST")
     body = dict(record["body"])
@@ -149,11 +150,11 @@ async def answer(state: Any, record: dict[str, Any]) -> dict[str, Any]:
                 param=str(first["loc"][0]) if first["loc"] else None,
             ) from e
         payload = response.model_dump(mode="json", exclude_none=True)
-        return _result(custom_id, 200, payload, payload.get("id"))
+        return batch_result(custom_id, 200, payload, payload.get("id"))
     except Exception as e:  # the request's error, never the batch's
         error = error_from_exception(e)
         body = error.to_response().model_dump(mode="json")
-        return _result(custom_id, int(error.status), body, None)
+        return batch_result(custom_id, int(error.status), body, None)
 
 
 # Output is flushed and fsynced at least this often (seconds), and at exit.
@@ -303,7 +304,7 @@ def _marker_ok(shard_path: str, digest: str) -> bool:
 
 
 async def run(args: argparse.Namespace) -> int:
-    from xlm.entrypoints.openai.api_server import ServerState, build_engine
+    from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
 
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency={args.max_concurrency} is invalid: must be >= 1")

@@ -144,18 +144,18 @@ def parse_batch(batch: Any) -> dict[str, list[Any]]:
 
 def _fatal_record(record: dict[str, Any]) -> dict[str, Any]:
     """The error result of a record during which a replica died (after Ray's retries)."""
-    from xlm.entrypoints.run_batch import _result
+    from xlm.entrypoints.run_batch import batch_result
     from xlm.ray.replica import FATAL_ROW_ERROR
 
     body = {"error": {"message": FATAL_ROW_ERROR, "type": "InternalServerError", "code": 500}}
-    return _result(record["custom_id"], 500, body, None)
+    return batch_result(record["custom_id"], 500, body, None)
 
 
 class BatchReplica:
     """One engine + the server's handlers per Ray actor; answers a batch of records."""
 
     def __init__(self, args: dict[str, Any], stats: Any = None) -> None:
-        from xlm.entrypoints.openai.api_server import ServerState, build_engine
+        from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
         from xlm.ray.replica import ReplicaContext
 
         self.context = ReplicaContext(stats)

@@ -157,13 +157,6 @@ def test_reasoning_split_whole_and_streamed(name):
     )
 
 
-def test_reasoning_end_in_prompt():
-    parser = get_reasoning_parser("deepseek_r1")
-    assert not parser.is_reasoning_end("<|user|>hi<|assistant|><think>\n")
-    assert parser.is_reasoning_end("<think>\n\n</think>\n\n")
-    assert not parser.is_reasoning_end("no tags")
-
-
 def test_streamed_tool_calls_match_whole_parse():
     text = 'Sure.<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
     parser = ChatOutputParser(None, "auto", get_tool_parser("hermes"))

@@ -16,7 +16,6 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any
@@ -32,11 +31,10 @@ import xlm
 from xlm import envs
 from xlm.entrypoints.openai.admission import (
     RETRY_AFTER_S,
-    AdmissionGate,
-    default_max_waiting,
     request_cost,
 )
-from xlm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, RequestLimits
+from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
+from xlm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
 from xlm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,10 +42,7 @@ from xlm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from xlm.entrypoints.openai.security import BodySizeLimit, api_key_ok, needs_api_key
-from xlm.entrypoints.openai.serving_chat import OpenAIServingChat
-from xlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from xlm.entrypoints.openai.serving_engine import OpenAIError, ServingContext, error_from_exception
-from xlm.entrypoints.openai.serving_models import OpenAIServingModels
+from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -124,64 +119,6 @@ async def _with_disconnect(raw_request: Request, work: Awaitable[Any]) -> Any:
         await asyncio.gather(task, return_exceptions=True)
         return None
     return task.result()
-
-
-class ServerState:
-    """Per-app state: the engine, the handlers, metrics, and whether we are draining."""
-
-    def __init__(self, args: argparse.Namespace, engine: Any, registry: Any) -> None:
-        self.args = args
-        self.engine = engine
-        self.registry = registry
-        tokenizer = engine.get_tokenizer()
-        names = list(args.served_model_name or [args.model])
-        ready = getattr(engine, "ready_info", None) or {}
-        vocab = ready.get("vocab_size") or len(tokenizer)
-        kv_cache_tokens = None
-        block_size = getattr(getattr(engine, "xlm_config", None), "cache_config", None)
-        if ready.get("kv_cache_tokens"):
-            kv_cache_tokens = int(ready["kv_cache_tokens"])
-        elif ready.get("num_blocks") and block_size is not None:
-            # Block 0 is the null block; the rest hold tokens.
-            kv_cache_tokens = (int(ready["num_blocks"]) - 1) * block_size.block_size
-        self.ctx = ServingContext(
-            engine=engine,
-            served_model_names=names,
-            max_model_len=engine.max_model_len,
-            max_logprobs=args.max_logprobs,
-            vocab_size=int(vocab),
-            enable_log_requests=args.enable_log_requests,
-            kv_cache_tokens=kv_cache_tokens,
-            limits=RequestLimits(max_n=getattr(args, "max_n", DEFAULT_MAX_N)),
-            trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
-            executor=ThreadPoolExecutor(max_workers=2, thread_name_prefix="xlm-tokenize"),
-        )
-        chat_template = _load_chat_template(args.chat_template)
-        self.completion = OpenAIServingCompletion(self.ctx)
-        self.chat = OpenAIServingChat(
-            self.ctx,
-            chat_template,
-            reasoning_parser=getattr(args, "reasoning_parser", None),
-            tool_call_parser=getattr(args, "tool_call_parser", None),
-            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-        )
-        self.models = OpenAIServingModels(self.ctx)
-        max_num_seqs = int(getattr(args, "max_num_seqs", None) or 64)
-        max_waiting = getattr(args, "max_waiting_requests", None)
-        if max_waiting is None:
-            max_waiting = default_max_waiting(max_num_seqs)
-        self.admission = AdmissionGate(max_num_seqs, max_waiting, registry)
-        self.draining = False
-
-
-def _load_chat_template(value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        with open(value) as f:
-            return f.read()
-    except OSError:
-        return value
 
 
 class _BodySchemas:
@@ -390,24 +327,6 @@ def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> Fa
         return JSONResponse(state.models.detokenize(request).model_dump())
 
     return app
-
-
-def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
-    """Start the engine process for the parsed flags; returns (AsyncLLM, metrics registry)."""
-    from prometheus_client import CollectorRegistry
-
-    from xlm.engine.async_llm import AsyncLLM
-    from xlm.entrypoints.openai.cli_args import create_engine_config
-    from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
-
-    config = create_engine_config(args)
-    registry = CollectorRegistry()
-    name = (args.served_model_name or [args.model])[0]
-    stat_loggers = [PrometheusStatLogger(name, registry)]
-    if not args.disable_log_stats:
-        stat_loggers.append(LoggingStatLogger())
-    engine = AsyncLLM.from_config(config, stat_loggers=stat_loggers, max_logprobs=args.max_logprobs)
-    return engine, registry
 
 
 async def serve_http(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
