@@ -12,6 +12,9 @@ from collections.abc import Callable
 import pytest
 
 os.environ.setdefault("XLM_DISABLE_PROGRESS_BARS", "1")
+# The suite runs on CPU devices; with libtpu installed (test extra) jax would otherwise try to
+# start a TPU backend. Deviceless TPU compiles use the topology API, which works under cpu.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite's caches (dequantized GGUF weights, converted tokenizers, compiled programs)
 # live in a fresh temporary root, set at import, before anything reads it, so engines in
 # subprocesses inherit it and nothing reads or writes the user's ~/.cache/xlm.

@@ -1,4 +1,5 @@
-"""Ragged paged attention: reference vs brute force, kernels (interpret) vs reference, lowering."""
+"""Ragged paged attention: reference vs brute force, kernels (interpret) vs reference,
+lowering for CUDA and compiling for TPU topologies without the hardware."""
 
 from __future__ import annotations
 
@@ -234,30 +235,62 @@ def test_gpu_kernel_lowers_for_cuda(splits, dtype):
     assert "ragged_paged_attention_gpu" in text
 
 
-@pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"])
+def _libtpu_installed() -> bool:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_libtpu = pytest.mark.skipif(
+    not _libtpu_installed(),
+    reason="libtpu not installed (pip install -e '.[test]' brings it): deviceless TPU compile",
+)
+
+
+@functools.cache
+def _tpu_topology_mesh(topology_name: str) -> jax.sharding.Mesh:
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=topology_name)
+    return jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology_name", ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("window,cap", [(None, None), (64, 30.0)])
 @pytest.mark.parametrize("num_tokens,num_reqs", [(8, 8), (256, 8)])  # decode and prefill knobs
-def test_tpu_kernel_lowers_for_tpu(device_kind, dtype, num_tokens, num_reqs):
-    # An abstract TPU device lets Pallas run its Mosaic lowering (block tiling checks included)
-    # on a CPU-only machine; Mosaic's own compile to TPU code still needs a TPU.
+def test_tpu_kernel_compiles_for_tpu(topology_name, dtype, window, cap, num_tokens, num_reqs):
+    # libtpu compiles for a TPU topology without a TPU attached: Mosaic's lowering (block
+    # tiling checks) and its compile to TPU code both run. Under the topology's mesh the
+    # kernel picks its tuning from the target's device kind, not from the CPU default device.
     s = jax.ShapeDtypeStruct
     t, r, hq, hkv, d, num_blocks, bs, max_blocks = num_tokens, num_reqs, 32, 8, 128, 64, 16, 16
-    args = (
-        s((t, hq, d), dtype),
-        s(kv_cache_shape_tpu(num_blocks, bs, hkv, d), dtype),
-        s((r, max_blocks), jnp.int32),
-        s((r,), jnp.int32),
-        s((r + 1,), jnp.int32),
-        s((1,), jnp.int32),
+    mesh = _tpu_topology_mesh(topology_name)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = tuple(
+        s(shape, dt, sharding=sharding)
+        for shape, dt in [
+            ((t, hq, d), dtype),
+            (kv_cache_shape_tpu(num_blocks, bs, hkv, d), dtype),
+            ((r, max_blocks), jnp.int32),
+            ((r,), jnp.int32),
+            ((r + 1,), jnp.int32),
+            ((1,), jnp.int32),
+        ]
     )
-    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     f = functools.partial(
-        ragged_paged_attention_tpu, sm_scale=0.1, sliding_window=64, soft_cap=30.0
+        ragged_paged_attention_tpu, sm_scale=0.1, sliding_window=window, soft_cap=cap
     )
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
-    assert "tpu_custom_call" in lowered.as_text()
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(f).trace(*args).lower().compile()
+    assert "tpu_custom_call" in compiled.as_text()
+    assert compiled.output_shardings.device_set == set(mesh.devices.flat)
+    memory = compiled.memory_analysis()
+    q_bytes = t * hq * d * jnp.dtype(dtype).itemsize
+    assert memory.output_size_in_bytes == q_bytes  # the output has the query's shape
 
 
 # ---------------------------------------------------------------- real hardware
