@@ -1,0 +1,71 @@
+"""Whether a checkpoint is a pooler, and how it pools, from its own files.
+
+A model runs as a pooler (`runner="pooling"`) when asked, or under `runner="auto"` when
+its checkpoint says so: a sentence-transformers layout (`modules.json` naming a Pooling
+module) or an architecture that has no language-model head (`Qwen3Model`, `LlamaModel`,
+`*ForSequenceClassification`...). Its default pooling comes from
+`1_Pooling/config.json` (last token, mean or CLS) and whether `modules.json` lists a
+Normalize module; without them decoder embedders pool the last token, normalized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from xlm.pooling_params import PoolingParams, PoolingType
+
+RUNNERS = ("auto", "generate", "pooling")
+_POOLING_SUFFIXES = ("Model", "ForSequenceClassification", "ForEmbedding")
+# sentence-transformers pooling flags -> our types, in the order they are preferred.
+_ST_MODES = (
+    ("pooling_mode_lasttoken", PoolingType.LAST),
+    ("pooling_mode_mean_tokens", PoolingType.MEAN),
+    ("pooling_mode_cls_token", PoolingType.CLS),
+)
+
+
+def _read_json(path: str) -> object | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _st_modules(model_dir: str) -> list[dict]:
+    modules = _read_json(os.path.join(model_dir, "modules.json"))
+    return modules if isinstance(modules, list) else []
+
+
+def _is_st_pooler(model_dir: str) -> bool:
+    return any(str(m.get("type", "")).endswith("Pooling") for m in _st_modules(model_dir))
+
+
+def resolve_runner(runner: str, model_dir: str, architectures: Sequence[str] | None) -> str:
+    """ "generate" or "pooling": `runner` itself, or under "auto" what the checkpoint says."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner={runner!r} is invalid: allowed {', '.join(RUNNERS)}")
+    if runner != "auto":
+        return runner
+    if os.path.isdir(model_dir) and _is_st_pooler(model_dir):
+        return "pooling"
+    arch = (architectures or [""])[0]
+    if arch.endswith(_POOLING_SUFFIXES) and not arch.endswith("PreTrainedModel"):
+        return "pooling"
+    return "generate"
+
+
+def default_pooling_params(model_dir: str) -> PoolingParams:
+    """The checkpoint's own pooling (sentence-transformers files), else last token + L2."""
+    pooling_type, normalize = PoolingType.LAST, True
+    if os.path.isdir(model_dir) and _is_st_pooler(model_dir):
+        pooling_dir = next(
+            m.get("path", "") for m in _st_modules(model_dir) if m["type"].endswith("Pooling")
+        )
+        config = _read_json(os.path.join(model_dir, pooling_dir, "config.json")) or {}
+        pooling_type = next((t for key, t in _ST_MODES if config.get(key)), pooling_type)
+        normalize = any(
+            str(m.get("type", "")).endswith("Normalize") for m in _st_modules(model_dir)
+        )
+    return PoolingParams(pooling_type=pooling_type, normalize=normalize)
