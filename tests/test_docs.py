@@ -35,3 +35,40 @@ def test_attention_tile_size_matches_the_code():
     text = (ROOT / "docs" / "engine.md").read_text()
     cited = [int(n) for n in re.findall(r"tiles of (\d+) tokens", text)]
     assert cited and all(n == _TILE_TOKENS for n in cited), (cited, _TILE_TOKENS)
+
+
+def _module_map_rows() -> list[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    return [line for line in table.splitlines() if line.startswith("| `")]
+
+
+def documented_modules() -> set[str]:
+    """Files the module map names: a full path sets the folder for the bare names after it."""
+    named = set()
+    for row in _module_map_rows():
+        folder = ""
+        for cited in re.findall(r"`([\w/.]+)`", row.split("|")[1]):
+            if cited.startswith(("xlm/", "pallas_kernels/")):
+                folder = cited if cited.endswith("/") else cited.rpartition("/")[0] + "/"
+                named.add(cited)
+            elif cited.endswith(".py") and folder:
+                named.add(folder + cited)
+    return named
+
+
+def test_module_map_matches_the_tree():
+    """Every module and folder of xlm/ is in docs/architecture.md's map, and nothing else."""
+    named = documented_modules()
+    tree = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "xlm").rglob("*.py")
+        if path.name != "__init__.py" or path.read_text().strip().count("\n") > 2
+    }
+    folders = {str(p.relative_to(ROOT)) + "/" for p in (ROOT / "xlm").rglob("*") if p.is_dir()}
+    folders = {f for f in folders if "__pycache__" not in f}
+    covered = {f for f in tree if f in named or f.replace("__init__.py", "") in named}
+    assert tree - covered == set(), f"modules missing from the map: {sorted(tree - covered)}"
+    assert folders - {f for f in folders if any(n.startswith(f) for n in named)} == set()
+    stale = {n for n in named if not (ROOT / n).exists()}
+    assert not stale, f"the map names files that do not exist: {sorted(stale)}"

@@ -1,30 +1,53 @@
-"""xlm's import graph: no cycles, and no lower layer importing the engine or entry points.
+"""xlm's import graph: no cycles, and every import goes down the documented layer order.
 
 The graph is read from the source with `ast`: imports at module level and inside
-functions count (a cycle through a function-level import is still a cycle), relative
-imports are resolved, and `if TYPE_CHECKING:` blocks are skipped (they never run).
+functions count (an upward import inside a function is still an upward import), relative
+imports are resolved, and `if TYPE_CHECKING:` blocks are skipped (they never run). The
+layer order is the one docs/architecture.md draws; there is no exceptions list.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "xlm"
 
-# Layers below the engine: none of them may import xlm.engine or xlm.entrypoints.
-LOWER_LAYERS = (
-    "xlm.worker",
-    "xlm.models",
-    "xlm.ops",
-    "xlm.core",
-    "xlm.platforms",
-    "xlm.executor",
+# Top to bottom. A module may import modules of its own layer and of the layers below it.
+# An entry names a package or a module; the longest entry that prefixes a module wins.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("xlm.entrypoints",),
+    ("xlm.engine",),
+    ("xlm.executor",),
+    ("xlm.worker",),
+    ("xlm.models", "xlm.ops", "xlm.distributed", "xlm.structured_output", "xlm.reasoning"),
+    ("xlm.core",),
+    ("xlm.tokenizer", "xlm.metrics", "xlm.platforms", "xlm.plugins"),
+    (
+        "xlm",
+        "xlm.config",
+        "xlm.envs",
+        "xlm.logger",
+        "xlm.sampling_params",
+        "xlm.structured_output.params",
+        "xlm.outputs",
+        "xlm.disk_cache",
+    ),
 )
-UPPER_LAYERS = ("xlm.engine", "xlm.entrypoints")
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest entry that is `module` or one of its parents."""
+    best, best_len = None, -1
+    for index, entries in enumerate(LAYERS):
+        for entry in entries:
+            parent = entry != "xlm" and module.startswith(entry + ".")  # the root is a facade
+            if (module == entry or parent) and len(entry) > best_len:
+                best, best_len = index, len(entry)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS and the doc"
+    return best
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -160,17 +183,31 @@ def test_no_import_cycles():
     )
 
 
-@pytest.mark.parametrize("layer", LOWER_LAYERS)
-def test_lower_layers_do_not_import_the_engine_or_entrypoints(layer):
+def test_every_module_has_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_imports_go_down_the_layers():
     graph = import_graph()
     upward = sorted(
-        f"{module} -> {target}"
+        f"{module} ({LAYERS[layer_of(module)][0]}) -> {target} ({LAYERS[layer_of(target)][0]})"
         for module, targets in graph.items()
-        if module == layer or module.startswith(layer + ".")
         for target in targets
-        if target.startswith(UPPER_LAYERS)
+        if layer_of(target) < layer_of(module)
     )
-    assert not upward, f"{layer} imports a higher layer:\n" + "\n".join(upward)
+    assert not upward, "imports that go up the layer order:\n" + "\n".join(upward)
+
+
+def test_the_doc_draws_the_same_layers():
+    """docs/architecture.md's layer block names the packages of LAYERS in the same order."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    drawn = [re.findall(r"[a-z_]+", line.split("  ")[0]) for line in block.strip().splitlines()]
+    expected = [
+        [e.removeprefix("xlm.") for e in entries if e.count(".") == 1] for entries in LAYERS
+    ]
+    assert [row for row in drawn if row] == [row for row in expected if row]
 
 
 def test_tests_do_not_importorskip_xlm_modules():
