@@ -44,11 +44,17 @@ def _module_map_rows() -> list[str]:
 
 
 def documented_modules() -> set[str]:
-    """Files the module map names: a full path sets the folder for the bare names after it."""
+    """Files the module map names: a full path sets the folder for the bare names after it.
+
+    A row whose first column is a folder (`xlm/ops/`) may name that folder's files in its
+    second column; other rows name files in the first column only.
+    """
     named = set()
     for row in _module_map_rows():
         folder = ""
-        for cited in re.findall(r"`([\w/.]+)`", row.split("|")[1]):
+        cells = row.split("|")
+        text = cells[1] + (cells[2] if cells[1].strip().endswith("/`") else "")
+        for cited in re.findall(r"`([\w/.]+)`", text):
             if cited.startswith(("xlm/", "pallas_kernels/")):
                 folder = cited if cited.endswith("/") else cited.rpartition("/")[0] + "/"
                 named.add(cited)

@@ -18,19 +18,20 @@ PACKAGE = ROOT / "xlm"
 # Top to bottom. A module may import modules of its own layer and of the layers below it.
 # An entry names a package or a module; the longest entry that prefixes a module wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("xlm.entrypoints",),
+    ("xlm.entrypoints", "xlm.ray"),
     ("xlm.engine",),
     ("xlm.executor",),
-    ("xlm.worker",),
+    ("xlm.worker", "xlm.tokenizer"),
     ("xlm.models", "xlm.ops", "xlm.distributed", "xlm.structured_output", "xlm.reasoning"),
     ("xlm.core",),
-    ("xlm.tokenizer", "xlm.metrics", "xlm.platforms", "xlm.plugins"),
+    ("xlm.metrics", "xlm.platforms", "xlm.plugins"),
     (
         "xlm",
         "xlm.config",
         "xlm.envs",
         "xlm.logger",
         "xlm.sampling_params",
+        "xlm.pooling_params",
         "xlm.structured_output.params",
         "xlm.outputs",
         "xlm.disk_cache",

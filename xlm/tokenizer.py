@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
 from xlm.logger import init_logger
+from xlm.models.builtin import resolve_model_name
 
 logger = init_logger(__name__)
 
@@ -22,7 +22,11 @@ def _load_tokenizer(source: str, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
     if _is_gguf(source):
-        tokenizer = _gguf_tokenizer(source)
+        # The GGUF reader lives in the models loader, which imports jax: only GGUF
+        # tokenizers pay for that, so the import stays here.
+        from xlm.models.loader.gguf_tokenizer import gguf_tokenizer
+
+        tokenizer = gguf_tokenizer(source)
     else:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if not getattr(tokenizer, "is_fast", False):
@@ -34,67 +38,8 @@ def _load_tokenizer(source: str, trust_remote_code: bool) -> Any:
     return tokenizer
 
 
-def _gguf_tokenizer(path: str) -> Any:
-    """The fast tokenizer a GGUF file describes, saved once under XLM_CACHE_ROOT.
-
-    transformers' own `gguf_file=` path reads the file with a reader that imports torch,
-    which xlm does not need; so the metadata comes from xlm's reader and transformers'
-    converter builds the tokenizer from it (vocabulary, merges, pre-tokenizer, special
-    tokens, chat template). Converting takes seconds; the saved copy loads in a fraction.
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING,
-        convert_gguf_tokenizer,
-    )
-
-    from xlm import envs
-    from xlm.models.loader.gguf_reader import GGUFFile
-
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    cache_dir = os.path.join(envs.XLM_CACHE_ROOT, "gguf_tokenizers", key)
-    if os.path.isfile(os.path.join(cache_dir, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cache_dir)
-    metadata = GGUFFile(path).metadata
-    grouped = {
-        group: {
-            name: metadata[f"tokenizer.{key}"]
-            for key, name in renames.items()
-            if f"tokenizer.{key}" in metadata
-        }
-        for group, renames in GGUF_TOKENIZER_MAPPING.items()
-    }
-    tokenizer_dict, config = grouped["tokenizer"], grouped["tokenizer_config"]
-    if tokenizer_dict.get("tokenizer_type") == "llama":
-        # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
-        config.setdefault("add_bos_token", True)
-    tokens = tokenizer_dict.get("tokens")
-    if not tokens:
-        raise ValueError(f"GGUF file {path} carries no tokenizer vocabulary")
-    for name, id_key in (
-        ("bos_token", "bos_token_id"),
-        ("eos_token", "eos_token_id"),
-        ("unk_token", "unknown_token_id"),
-        ("pad_token", "padding_token_id"),
-    ):
-        token_id = metadata.get(f"tokenizer.ggml.{id_key}")
-        config[name] = tokens[token_id] if token_id is not None else None
-    backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **{**config, **extra})
-    try:
-        tmp = f"{cache_dir}.tmp{os.getpid()}"
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, cache_dir)
-    except OSError as e:  # a read-only cache costs only the conversion next time
-        logger.warning("Could not save the converted GGUF tokenizer: %s", e)
-    return tokenizer
-
-
 def get_tokenizer(model: str, tokenizer: str | None = None, trust_remote_code: bool = False) -> Any:
     """A fast tokenizer for `model` (a directory, a .gguf file or a built-in name), cached."""
-    from xlm.models.builtin import resolve_model_name
-
     source = resolve_model_name(tokenizer if tokenizer is not None else model)
     return _load_tokenizer(os.path.abspath(os.path.expanduser(source)), trust_remote_code)
 

@@ -10,12 +10,16 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from tqdm.auto import tqdm
 
+from xlm import envs
 from xlm.logger import init_logger
 from xlm.models.loader.gguf_reader import GGUFFile
+from xlm.models.loader.gguf_tokenizer import gguf_tokenizer
 
 logger = init_logger(__name__)
 
@@ -384,8 +388,6 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _safetensors_dtype(dtype: str) -> tuple[str, Any]:
-    import ml_dtypes
-
     return {
         "float32": ("F32", np.float32),
         "float16": ("F16", np.float16),
@@ -395,9 +397,6 @@ def _safetensors_dtype(dtype: str) -> tuple[str, Any]:
 
 def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
     """Write a HF directory (config, model.safetensors, tokenizer) from a GGUF file; return it."""
-    from xlm import envs
-    from xlm.tokenizer import get_tokenizer
-
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {_DTYPES}")
     gguf_file = open_gguf(path)
@@ -425,8 +424,6 @@ def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
         offset += size
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)
-
-    from tqdm.auto import tqdm
 
     target = os.path.join(out_dir, "model.safetensors")
     progress = tqdm(
@@ -456,7 +453,7 @@ def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
 
         GenerationConfig(**generation).save_pretrained(out_dir)
     if gguf_file.get("tokenizer.ggml.tokens") is not None:
-        get_tokenizer(path).save_pretrained(out_dir)
+        gguf_tokenizer(path).save_pretrained(out_dir)
     else:
         logger.warning("%s has no tokenizer in its metadata; wrote no tokenizer files", path)
     logger.info("Converted %s to %s (%d tensors, %s)", path, out_dir, len(names), dtype)
