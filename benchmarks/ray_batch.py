@@ -56,7 +56,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 async def local_run(args: argparse.Namespace, n: int) -> dict[str, float]:
     """The local run-batch's path (same handlers), timed after the engine is up."""
-    from xlm.entrypoints.openai.api_server import ServerState, build_engine
+    from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
     from xlm.entrypoints.run_batch import read_records, run_records
 
     records = read_records(args.input_file)

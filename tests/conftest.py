@@ -247,3 +247,23 @@ def smollm2_llm(smollm2_gguf):
     from tests.engine.reference import SMOLLM2_ENGINE
 
     return xlm.LLM(model=smollm2_gguf, **SMOLLM2_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The built-in SmolLM2's tokenizer (a test module may define its own `tokenizer`)."""
+    from xlm.tokenizer import get_tokenizer
+
+    return get_tokenizer("smollm2-135m")
+
+
+@pytest.fixture
+def on_platform(monkeypatch):
+    """on_platform(PlatformClass): make it the current platform for this test."""
+    from xlm import platforms
+
+    def use(platform_cls):
+        monkeypatch.setattr(platforms, "_current_platform", platform_cls())
+
+    yield use
+    platforms._reset_current_platform()

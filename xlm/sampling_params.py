@@ -253,6 +253,10 @@ class SamplingParams:
         """Token-id spellings of ``bad_words`` (after ``update_from_tokenizer``)."""
         return self._bad_words_token_ids
 
+    def was_given(self, name: str) -> bool:
+        """Whether the caller set field `name` (defaults never override a given value)."""
+        return name in self._explicit_fields
+
     # -- engine-side updates ------------------------------------------------------------
 
     def update_from_generation_config(

@@ -1,6 +1,9 @@
-"""One real `xlm serve` process for the whole session, shared by the server tests."""
+"""Shared e2e fixtures: one real `xlm serve` process for the session, run-batch jobs."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 
@@ -13,16 +16,8 @@ SERVED_NAMES = [MODEL, "smol"]
 @pytest.fixture(scope="session")
 def server():
     """The shared server (API key required on /v1/*, two served names)."""
-    pytest.importorskip("openai")
-    try:
-        from xlm.models.builtin import resolve_model_name
-
-        resolve_model_name(MODEL)
-    except (ImportError, FileNotFoundError) as e:
-        pytest.skip(f"built-in model unavailable: {e}")
-    srv = RemoteServer(["--api-key", API_KEY, "--served-model-name", *SERVED_NAMES])
-    yield srv
-    srv.stop()
+    with RemoteServer(["--api-key", API_KEY, "--served-model-name", *SERVED_NAMES]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")
@@ -33,9 +28,17 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    """The served model's tokenizer."""
-    from xlm.tokenizer import get_tokenizer
+@pytest.fixture(scope="module")
+def batch_job(tiny_checkpoint, tmp_path_factory):
+    """make(name, records) -> (model, dir, input file, env): a run-batch job on the tiny Llama."""
 
-    return get_tokenizer(MODEL)
+    def make(name: str, records: list[dict]):
+        tmp = tmp_path_factory.mktemp(name)
+        infile = tmp / "in.jsonl"
+        infile.write_text("".join(json.dumps(r) + "\n" for r in records))
+        env = dict(
+            os.environ, XLM_COMPILATION_CACHE_DIR=str(tmp / "cc"), XLM_DISABLE_PROGRESS_BARS="1"
+        )
+        return tiny_checkpoint("llama"), tmp, infile, env
+
+    return make

@@ -66,6 +66,12 @@ class RemoteServer:
         )
         self._wait_healthy()
 
+    def __enter__(self) -> RemoteServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -20,6 +20,7 @@ import pytest
 
 import xlm
 from tests.e2e.server_utils import free_port
+from tests.engine_args import cli_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(
@@ -30,14 +31,7 @@ ENGINE = dict(
     token_buckets=[16],
     num_gpu_blocks_override=40,
 )
-FLAGS = [
-    "--max-model-len=64",
-    "--block-size=4",
-    "--max-num-seqs=4",
-    "--max-num-batched-tokens=16",
-    "--token-buckets=16",
-    "--num-gpu-blocks-override=40",
-]
+FLAGS = cli_flags(ENGINE)
 PROMPTS = [f"w{i} w{i + 7} w{i + 30} w{2 * i + 1}" for i in range(12)]
 MAX_TOKENS = 8
 FAULT_S = 30.0  # the bound on noticing a dead process

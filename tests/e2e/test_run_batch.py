@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -69,13 +68,8 @@ def batch_records() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_checkpoint, tmp_path_factory):
-    model = tiny_checkpoint("llama")
-    tmp = tmp_path_factory.mktemp("batch")
-    infile = tmp / "in.jsonl"
-    infile.write_text("".join(json.dumps(r) + "\n" for r in batch_records()))
-    env = dict(os.environ, XLM_COMPILATION_CACHE_DIR=str(tmp / "cc"), XLM_DISABLE_PROGRESS_BARS="1")
-    return model, tmp, infile, env
+def setup(batch_job):
+    return batch_job("batch", batch_records())
 
 
 def run_batch(model, infile, outfile, env, *extra, wait=True, rc=0):

@@ -39,13 +39,8 @@ def long_records() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_checkpoint, tmp_path_factory):
-    model = tiny_checkpoint("llama")
-    tmp = tmp_path_factory.mktemp("batch-safety")
-    infile = tmp / "in.jsonl"
-    infile.write_text("".join(json.dumps(r) + "\n" for r in long_records()))
-    env = dict(os.environ, XLM_COMPILATION_CACHE_DIR=str(tmp / "cc"), XLM_DISABLE_PROGRESS_BARS="1")
-    return model, tmp, infile, env
+def setup(batch_job):
+    return batch_job("batch-safety", long_records())
 
 
 def _engine_pid(parent: int) -> int | None:

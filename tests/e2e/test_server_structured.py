@@ -55,24 +55,16 @@ THINK_REGEX = r"<think>[a-z ]{5,30}</think>[A-Z][a-z ]{5,30}\."
 
 @pytest.fixture(scope="module")
 def server():
-    try:
-        from xlm.models.builtin import resolve_model_name
-
-        resolve_model_name(MODEL)
-    except (ImportError, FileNotFoundError) as e:
-        pytest.skip(f"built-in model unavailable: {e}")
-    srv = RemoteServer(
-        [
-            "--reasoning-parser",
-            "qwen3",
-            "--structured-outputs-enable-in-reasoning",
-            "--tool-call-parser",
-            "hermes",
-            "--enable-auto-tool-choice",
-        ]
-    )
-    yield srv
-    srv.stop()
+    flags = [
+        "--reasoning-parser",
+        "qwen3",
+        "--structured-outputs-enable-in-reasoning",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-auto-tool-choice",
+    ]
+    with RemoteServer(flags) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

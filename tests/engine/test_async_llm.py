@@ -17,16 +17,6 @@ from xlm.sampling_params import RequestOutputKind, SamplingParams
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from xlm.tokenizer import get_tokenizer
-
-    try:
-        return get_tokenizer("smollm2-135m")
-    except FileNotFoundError as e:
-        pytest.skip(f"built-in model unavailable: {e}")
-
-
 def _engine(tokenizer, step_sleep: float = 0.0) -> AsyncLLM:
     from xlm.engine.processor import Processor
 

@@ -36,15 +36,6 @@ def _round_trip(client, request_id: str) -> list[int]:
     return tokens
 
 
-@pytest.fixture
-def sync_client():
-    client = make_client(
-        {}, multiprocess=True, asyncio_mode=False, engine_core_proc_class=FakeEngineCoreProc
-    )
-    yield client
-    client.shutdown()
-
-
 def test_undecodable_messages_are_dropped_and_the_engine_serves_on(sync_client):
     socket = sync_client.engine.input_socket
     bad_class = msgpack.ExtType(3, msgpack.packb(["os:system", {"command": "true"}, 0]))
@@ -92,16 +83,6 @@ def test_async_timed_out_utility_call_leaves_no_pending_future():
             client.shutdown()
 
     asyncio.run(main())
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from xlm.tokenizer import get_tokenizer
-
-    try:
-        return get_tokenizer("smollm2-135m")
-    except FileNotFoundError as e:
-        pytest.skip(f"built-in model unavailable: {e}")
 
 
 def test_async_add_request_cleans_up_when_the_send_fails(tokenizer):

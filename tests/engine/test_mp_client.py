@@ -31,15 +31,6 @@ def _collect(client: SyncMPClient, ids: set[str], timeout: float = 30.0) -> dict
     return got
 
 
-@pytest.fixture
-def sync_client():
-    client = make_client(
-        {}, multiprocess=True, asyncio_mode=False, engine_core_proc_class=FakeEngineCoreProc
-    )
-    yield client
-    client.shutdown()
-
-
 def test_sync_client_round_trip(sync_client: SyncMPClient):
     assert sync_client.ready_info["max_model_len"] == 128
     assert sync_client.ready_info["engine_pid"] != os.getpid()

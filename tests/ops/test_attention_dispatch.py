@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import xlm.platforms as platforms
 from xlm.config import CompilationConfig, ModelConfig, XlmConfig, set_current_xlm_config
 from xlm.ops.paged_attention import AttentionMetadata, PagedAttention
 from xlm.platforms.cpu import CpuPlatform
@@ -13,15 +12,6 @@ from xlm.platforms.cuda import CudaPlatform
 from xlm.platforms.tpu import TpuPlatform
 
 HQ, HKV, D, BS, NB, T, R, B = 8, 2, 128, 16, 32, 24, 4, 8
-
-
-@pytest.fixture
-def on_platform(monkeypatch):
-    def use(platform_cls):
-        monkeypatch.setattr(platforms, "_current_platform", platform_cls())
-
-    yield use
-    platforms._reset_current_platform()
 
 
 def make_op(**kwargs):

@@ -2,7 +2,6 @@
 
 import pytest
 
-import xlm.platforms as platforms
 from xlm.config import CompilationConfig, ModelConfig, XlmConfig, set_current_xlm_config
 from xlm.ops import PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
 from xlm.ops.custom_op import CustomOp
@@ -85,15 +84,6 @@ class NativeOnly(CustomOp):
 
     def forward_native(self):
         return "native"
-
-
-@pytest.fixture
-def on_platform(monkeypatch):
-    def use(platform_cls):
-        monkeypatch.setattr(platforms, "_current_platform", platform_cls())
-
-    yield use
-    platforms._reset_current_platform()
 
 
 @pytest.mark.parametrize(

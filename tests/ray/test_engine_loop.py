@@ -7,15 +7,8 @@ import threading
 import pytest
 
 import xlm
+from tests.ray.tiny_engine import ENGINE
 from xlm.ray.engine_loop import EngineLoop
-
-ENGINE = dict(
-    max_model_len=128,
-    max_num_seqs=16,
-    max_num_batched_tokens=64,
-    token_buckets=[8, 64],
-    kv_cache_memory=0.02,
-)
 
 
 @pytest.fixture(scope="module")

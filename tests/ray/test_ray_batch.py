@@ -18,24 +18,10 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 import xlm  # noqa: E402
+from tests.ray.tiny_engine import ENGINE, ENGINE_FLAGS  # noqa: E402
 from xlm.ray import ProcessorConfig, build_llm_processor  # noqa: E402
 from xlm.ray.replica import FATAL_ROW_ERROR, LLMReplica  # noqa: E402
 
-ENGINE = dict(
-    max_model_len=128,
-    max_num_seqs=16,
-    max_num_batched_tokens=64,
-    token_buckets=[8, 64],
-    kv_cache_memory=0.02,
-)
-ENGINE_FLAGS = [
-    "--max-model-len=128",
-    "--max-num-seqs=16",
-    "--max-num-batched-tokens=64",
-    "--token-buckets=8,64",
-    "--kv-cache-memory=0.02",
-    "--disable-log-stats",
-]
 NUM_RECORDS = 500
 # Replicas take half a CPU each so Ray's read and split tasks still find one.
 REPLICA_CPUS = 0.5

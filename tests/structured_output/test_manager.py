@@ -6,7 +6,6 @@ errors; the scheduler waits for grammars and fails only the offending request.""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from xlm import SamplingParams, StructuredOutputsParams
 from xlm.config import CacheConfig, SchedulerConfig
@@ -21,13 +20,6 @@ SCHEMA = {
     "required": ["ok", "n"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from xlm.tokenizer import get_tokenizer
-
-    return get_tokenizer("smollm2-135m")
 
 
 def make_manager(tokenizer, **kwargs):

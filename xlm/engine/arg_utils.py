@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from xlm import envs
+from xlm import envs, platforms
 from xlm.config import (
     ASYNC_SCHEDULING_DEFAULT,
     CacheConfig,
@@ -18,6 +18,7 @@ from xlm.config import (
     StructuredOutputsConfig,
     XlmConfig,
 )
+from xlm.models.builtin import resolve_model_name
 
 _HELP = {
     "model": "model directory, .gguf file, built-in name (smollm2-135m) or Hugging Face "
@@ -162,9 +163,7 @@ class EngineArgs:
 
     def create_config(self) -> XlmConfig:
         """Validate, resolve the model, read its config and apply platform defaults."""
-        from xlm.models.builtin import resolve_model_name
         from xlm.models.loader import load_hf_config
-        from xlm.platforms import current_platform
 
         hub = dict(revision=self.revision, download_dir=self.download_dir)
         model_path = resolve_model_name(self.model, load_format=self.load_format, **hub)
@@ -222,7 +221,7 @@ class EngineArgs:
             ),
         )
         config.set_max_model_len(max_model_len)
-        current_platform.check_and_update_config(config)
+        platforms.current_platform.check_and_update_config(config)
         return config
 
 

@@ -20,6 +20,8 @@ from xlm.config import XlmConfig
 from xlm.engine.exceptions import EngineDeadError, RequestAbortedError
 from xlm.engine.messages import EngineCoreOutputs
 from xlm.engine.mp_client import AsyncMPClient
+from xlm.engine.output_processor import OutputProcessor
+from xlm.engine.processor import Processor
 from xlm.logger import init_logger
 from xlm.metrics import startup
 from xlm.metrics.loggers import StatLoggerBase
@@ -91,8 +93,6 @@ class AsyncLLM:
                 self.processor = processor or _make_processor(xlm_config, max_logprobs)
             self.tokenizer = tokenizer or getattr(self.processor, "tokenizer", None)
             if output_processor is None:
-                from xlm.engine.output_processor import OutputProcessor
-
                 output_processor = OutputProcessor(self.tokenizer)
             self.output_processor = output_processor
         except BaseException:
@@ -354,8 +354,6 @@ class AsyncLLM:
 
 def _make_processor(xlm_config: Any, max_logprobs: int) -> Any:
     """The Processor of the configured model, with the server's logprobs limit."""
-    from xlm.engine.processor import Processor
-
     processor = Processor.from_config(xlm_config)
     processor.max_logprobs = max_logprobs
     return processor

@@ -17,6 +17,7 @@ from xlm.executor import executor_class_for
 from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
 from xlm.structured_output.manager import StructuredOutputManager
+from xlm.tokenizer import get_eos_token_ids, get_tokenizer
 
 logger = init_logger(__name__)
 
@@ -179,8 +180,6 @@ class EngineCore:
 
 def make_structured_output_manager(config: XlmConfig) -> StructuredOutputManager:
     """The core's structured-output manager (loads the tokenizer on the first constraint)."""
-    from xlm.tokenizer import get_eos_token_ids, get_tokenizer
-
     model = config.model_config
 
     def tokenizer_factory() -> Any:

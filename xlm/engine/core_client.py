@@ -6,7 +6,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from xlm.config import XlmConfig
 from xlm.engine.core import EngineCore
+from xlm.engine.core_proc import EngineCoreProc
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
 
 if TYPE_CHECKING:
     from xlm.engine.core_proc import EngineCoreProc
@@ -73,8 +75,6 @@ def make_client(
     """The engine-core client for this use: in-process, or over ZeroMQ (sync or asyncio)."""
     if not multiprocess and not asyncio_mode:
         return InprocClient(config, log_stats=log_stats)
-    from xlm.engine.core_proc import EngineCoreProc
-    from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
 
     cls = AsyncMPClient if asyncio_mode else SyncMPClient
     return cls(config, log_stats, engine_core_proc_class or EngineCoreProc)

@@ -7,6 +7,7 @@ from typing import Any
 from xlm.config import XlmConfig
 from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.core_client import EngineCoreClient, InprocClient
+from xlm.engine.mp_client import SyncMPClient
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.processor import Processor
 from xlm.logger import init_logger
@@ -32,8 +33,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: EngineCoreClient
         if multiprocess:
-            from xlm.engine.mp_client import SyncMPClient
-
             with startup.phase("engine core process"):
                 self.engine_core = SyncMPClient(config, log_stats)
         else:

@@ -194,6 +194,50 @@ class _MPClientBase:
     def _frames(self, kind: bytes, payload: Any) -> list[Any]:
         return [kind, *self.encoder.encode(payload)]
 
+    # -- what the engine sends back, routed the same way by both clients ------------------
+
+    def _dispatch(self, frames: list[Any]) -> bool:
+        """Route one message from the engine; False once the engine has failed."""
+        kind, payload = frames[0].bytes, self.decoder.decode(frames[1:])
+        if kind == OutputType.OUTPUTS:
+            self._put_output(payload)
+        elif kind == OutputType.QUEUE_TIMES:
+            self._record_queue_times(payload)
+        elif kind == OutputType.UTILITY_RESULT:
+            call_id, ok, value = payload
+            future = self._take_pending(call_id)
+            if future is not None and not future.done():
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(RuntimeError(value))
+        elif kind in (OutputType.ENGINE_ERROR, OutputType.ENGINE_DEAD):
+            self._fail_all(payload)
+            return False
+        return True
+
+    def _fail_all(self, message: str | None) -> None:
+        """The engine is gone: fail every pending utility call and every output reader."""
+        if message and self.engine.dead_message is None:
+            self.engine.dead_message = message
+        error = EngineDeadError(self.engine.dead_message or "the engine core process is dead")
+        for future in self._take_all_pending():
+            if not future.done():
+                future.set_exception(error)
+        self._put_output(error)
+
+    def _put_output(self, item: Any) -> None:  # EngineCoreOutputs, or the error that ends them
+        raise NotImplementedError
+
+    def _record_queue_times(self, times: dict[str, float]) -> None:
+        """Queue times the engine reports (only the server's front end keeps them)."""
+
+    def _take_pending(self, call_id: int) -> Any:
+        raise NotImplementedError
+
+    def _take_all_pending(self) -> list[Any]:
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         """Stop the engine process."""
         self._finalizer()
@@ -215,37 +259,23 @@ class SyncMPClient(_MPClientBase):
     def _read_outputs(self) -> None:
         socket = self.engine.output_socket
         try:
-            while True:
-                frames = socket.recv_multipart(copy=False)
-                kind, payload = frames[0].bytes, self.decoder.decode(frames[1:])
-                if kind == OutputType.OUTPUTS:
-                    self.outputs_queue.put(payload)
-                elif kind == OutputType.UTILITY_RESULT:
-                    call_id, ok, value = payload
-                    with self._pending_lock:
-                        future = self._pending.pop(call_id, None)
-                    if future is not None and not future.done():
-                        if ok:
-                            future.set_result(value)
-                        else:
-                            future.set_exception(RuntimeError(value))
-                elif kind in (OutputType.ENGINE_ERROR, OutputType.ENGINE_DEAD):
-                    self._fail_all(payload)
-                    return
+            while self._dispatch(socket.recv_multipart(copy=False)):
+                pass
         except zmq.ZMQError:
             self._fail_all(None)
 
-    def _fail_all(self, message: str | None) -> None:
-        if message and self.engine.dead_message is None:
-            self.engine.dead_message = message
-        error = EngineDeadError(self.engine.dead_message or "the engine core process is dead")
+    def _put_output(self, item: Any) -> None:
+        self.outputs_queue.put(item)
+
+    def _take_pending(self, call_id: int) -> Future | None:
+        with self._pending_lock:
+            return self._pending.pop(call_id, None)
+
+    def _take_all_pending(self) -> list[Future]:
         with self._pending_lock:
             pending = list(self._pending.values())
             self._pending.clear()
-        for future in pending:
-            if not future.done():
-                future.set_exception(error)
-        self.outputs_queue.put(error)
+        return pending
 
     def _send(self, kind: bytes, payload: Any) -> None:
         self.check_health()
@@ -321,41 +351,28 @@ class AsyncMPClient(_MPClientBase):
         return self._outputs_queue
 
     async def _read_outputs(self) -> None:
-        assert self._outputs_queue is not None
         try:
-            while True:
-                frames = await self._output.recv_multipart(copy=False)
-                kind, payload = frames[0].bytes, self.decoder.decode(frames[1:])
-                if kind == OutputType.OUTPUTS:
-                    self._outputs_queue.put_nowait(payload)
-                elif kind == OutputType.QUEUE_TIMES:
-                    self.queue_times.extend(payload.values())
-                elif kind == OutputType.UTILITY_RESULT:
-                    call_id, ok, value = payload
-                    future = self._pending.pop(call_id, None)
-                    if future is not None and not future.done():
-                        if ok:
-                            future.set_result(value)
-                        else:
-                            future.set_exception(RuntimeError(value))
-                elif kind in (OutputType.ENGINE_ERROR, OutputType.ENGINE_DEAD):
-                    self._fail_all(payload)
-                    return
+            while self._dispatch(await self._output.recv_multipart(copy=False)):
+                pass
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._fail_all(f"engine output socket failed: {e}")
 
-    def _fail_all(self, message: str | None) -> None:
-        if message and self.engine.dead_message is None:
-            self.engine.dead_message = message
-        error = EngineDeadError(self.engine.dead_message or "the engine core process is dead")
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
-        self._pending.clear()
+    def _put_output(self, item: Any) -> None:
         assert self._outputs_queue is not None
-        self._outputs_queue.put_nowait(error)
+        self._outputs_queue.put_nowait(item)
+
+    def _record_queue_times(self, times: dict[str, float]) -> None:
+        self.queue_times.extend(times.values())
+
+    def _take_pending(self, call_id: int) -> asyncio.Future | None:
+        return self._pending.pop(call_id, None)
+
+    def _take_all_pending(self) -> list[asyncio.Future]:
+        pending = list(self._pending.values())
+        self._pending.clear()
+        return pending
 
     async def _send(self, kind: bytes, payload: Any) -> None:
         self._ensure_reader()

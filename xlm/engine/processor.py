@@ -8,10 +8,15 @@ import time
 from typing import Any
 
 from xlm.config import ModelConfig, XlmConfig
+from xlm.engine.exceptions import RequestValidationError
 from xlm.engine.messages import EngineCoreRequest
 from xlm.sampling_params import SamplingParams
+from xlm.structured_output.backend import validate as validate_structured_outputs
+from xlm.tokenizer import get_eos_token_ids, get_tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
+
+_CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
 
 
 class Processor:
@@ -43,8 +48,6 @@ class Processor:
     @classmethod
     def from_config(cls, config: XlmConfig) -> Processor:
         """The processor of a configured model: its tokenizer, length, EOS and defaults."""
-        from xlm.tokenizer import get_eos_token_ids, get_tokenizer
-
         model_config = config.model_config
         tokenizer = get_tokenizer(
             model_config.model,
@@ -82,56 +85,80 @@ class Processor:
             "a dict with 'prompt' or 'prompt_token_ids'"
         )
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """The one check of a prompt and its parameters against this model.
+
+        Returns the parameters the engine will run (a copy: generation_config defaults
+        applied, max_tokens capped to the context left when the caller did not set it);
+        raises RequestValidationError naming the parameter. LLM and the server both go
+        through here, so a rule and its message live once.
+        """
+        self._check_prompt(token_ids)
+        return self._check_params(params, len(token_ids))
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
-            raise ValueError("The prompt is empty: give at least one token")
+            raise RequestValidationError("The prompt is empty: give at least one token", "prompt")
         for token_id in token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int):
-                raise ValueError(f"prompt token id {token_id!r} is not an integer")
+                raise RequestValidationError(
+                    f"prompt token id {token_id!r} is not an integer", "prompt"
+                )
             if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
+                raise RequestValidationError(
                     f"prompt token id {token_id} is out of vocabulary: allowed [0, "
-                    f"{self.vocab_size})"
+                    f"{self.vocab_size})",
+                    "prompt",
                 )
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise RequestValidationError(
                 f"The prompt (length {len(token_ids)}) is too long for the maximum model "
                 f"length of {self.max_model_len}: it must be shorter, to leave room for at "
-                "least one generated token"
+                "least one generated token",
+                "prompt",
+                _CONTEXT_LENGTH_EXCEEDED,
             )
 
-    def _validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _check_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         params = params.clone()
-        params.update_from_generation_config(self.generation_config, self.eos_token_ids)
+        try:
+            params.update_from_generation_config(self.generation_config, self.eos_token_ids)
+        except ValueError as e:
+            raise RequestValidationError.from_value_error(e) from None
         remaining = self.max_model_len - prompt_len
-        if params.max_tokens is None:
-            params.max_tokens = remaining
-        elif params.max_tokens > remaining and "max_tokens" not in params._explicit_fields:
-            params.max_tokens = remaining  # the default 16 (or generation_config's) is clamped
+        if params.max_tokens is None or (
+            params.max_tokens > remaining and not params.was_given("max_tokens")
+        ):
+            params.max_tokens = remaining  # the default 16 (or generation_config's) is capped
         elif params.max_tokens > remaining:
-            raise ValueError(
+            raise RequestValidationError(
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum "
                 f"context length is {self.max_model_len} tokens and your request has "
                 f"{prompt_len} input tokens ({params.max_tokens} > {self.max_model_len} - "
-                f"{prompt_len})"
+                f"{prompt_len})",
+                "max_tokens",
+                _CONTEXT_LENGTH_EXCEEDED,
             )
         if params.min_tokens > params.max_tokens:
-            raise ValueError(
+            raise RequestValidationError(
                 f"SamplingParams.min_tokens={params.min_tokens} is invalid: allowed <= "
-                f"max_tokens ({params.max_tokens})"
+                f"max_tokens ({params.max_tokens})",
+                "min_tokens",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
-                raise ValueError(
+                raise RequestValidationError(
                     f"SamplingParams.{name}={value} is invalid: allowed at most "
-                    f"max_logprobs={self.max_logprobs}"
+                    f"max_logprobs={self.max_logprobs}",
+                    name,
                 )
-        params.verify_vocab(self.vocab_size)
+        try:
+            params.verify_vocab(self.vocab_size)
+        except ValueError as e:
+            raise RequestValidationError.from_value_error(e) from None
         if params.structured_outputs is not None:
-            from xlm.structured_output.backend import validate
-
-            validate(params.structured_outputs)
+            validate_structured_outputs(params.structured_outputs)
         if params.bad_words and self.tokenizer is not None:
             params.update_from_tokenizer(self.tokenizer)
         return params
@@ -147,8 +174,7 @@ class Processor:
     ) -> EngineCoreRequest:
         """Tokenize and validate one prompt; the request keeps its own copy of ``params``."""
         text, token_ids = self._tokenize(prompt)
-        self._validate_prompt(token_ids)
-        params = self._validate_params(params, len(token_ids))
+        params = self.check_request(token_ids, params)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,

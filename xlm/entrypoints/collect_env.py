@@ -9,6 +9,10 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from xlm import platforms
+from xlm.config import ParallelConfig
+from xlm.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
+
 PACKAGES = (
     "xlm",
     "jax",
@@ -35,8 +39,6 @@ def _version(dist: str) -> str | None:
 
 def collect_env(tensor_parallel_size: int | None = None) -> dict[str, Any]:
     """Gather the environment report as a dict (the mesh: over tp or all devices)."""
-    from xlm.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
-
     info: dict[str, Any] = {
         "python": sys.version.split()[0],
         "os": py_platform.platform(),
@@ -50,15 +52,12 @@ def collect_env(tensor_parallel_size: int | None = None) -> dict[str, Any]:
         ]
     info["plugins"] = plugins
     try:
-        from xlm.platforms import current_platform
-
-        info["platform"] = type(current_platform).__name__
+        info["platform"] = type(platforms.current_platform).__name__
         info["devices"] = [
-            f"{d.platform}:{d.id} {d.device_kind}" for d in current_platform.devices()
+            f"{d.platform}:{d.id} {d.device_kind}" for d in platforms.current_platform.devices()
         ]
         import jax
 
-        from xlm.config import ParallelConfig
         from xlm.distributed.mesh import describe_mesh, make_mesh
 
         tp = tensor_parallel_size or len(jax.devices())

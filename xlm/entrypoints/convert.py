@@ -6,9 +6,10 @@ import argparse
 import sys
 from typing import Any
 
+from xlm.models.builtin import resolve_model_name
+
 
 def _run(args: argparse.Namespace) -> int:
-    from xlm.models.builtin import resolve_model_name
     from xlm.models.loader.gguf import gguf_to_safetensors
 
     try:

@@ -6,6 +6,10 @@ import argparse
 import sys
 from typing import Any
 
+from xlm.engine.arg_utils import EngineArgs
+from xlm.entrypoints.llm import LLM
+from xlm.sampling_params import RequestOutputKind, SamplingParams
+
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
@@ -28,8 +32,6 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(args: argparse.Namespace):
-    from xlm.sampling_params import SamplingParams
-
     kwargs: dict[str, Any] = {
         "max_tokens": args.max_tokens,
         "n": args.n,
@@ -44,9 +46,6 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def _make_llm(args: argparse.Namespace):
-    from xlm.engine.arg_utils import EngineArgs
-    from xlm.entrypoints.llm import LLM
-
     return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
@@ -65,8 +64,6 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    from xlm.sampling_params import RequestOutputKind
-
     params = _sampling_params(args)
     llm = _make_llm(args)
     messages: list[dict[str, str]] = []
@@ -89,8 +86,6 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any, name: str, help_text: str) -> None:
-    from xlm.engine.arg_utils import EngineArgs
-
     parser = subparsers.add_parser(name, help=help_text)
     if name == "generate":
         parser.add_argument(

@@ -12,8 +12,10 @@ from tqdm import tqdm
 from xlm import envs
 from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.llm_engine import LLMEngine
+from xlm.executor.multihost import follow_if_follower
 from xlm.outputs import RequestOutput
 from xlm.sampling_params import RequestOutputKind, SamplingParams
+from xlm.tokenizer import apply_chat_template
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -67,7 +69,6 @@ class LLM:
     def _init_engine(self, engine_args: EngineArgs, multiprocess: bool) -> None:
         # Under multihost, processes other than 0 follow process 0's engine here and
         # exit when it shuts down: the same script runs on every host.
-        from xlm.executor.multihost import follow_if_follower
 
         follow_if_follower(engine_args.create_parallel_config())
         self.llm_engine = LLMEngine.from_engine_args(engine_args, multiprocess=multiprocess)
@@ -99,8 +100,6 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, formatted with the model's chat template."""
-        from xlm.tokenizer import apply_chat_template
-
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {

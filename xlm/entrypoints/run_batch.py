@@ -29,7 +29,11 @@ from typing import Any
 from tqdm import tqdm
 
 from xlm import envs
+from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
+from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception
 from xlm.logger import init_logger
+from xlm.sampling_params import MAX_DEVICE_LOGPROBS
 
 logger = init_logger(__name__)
 
@@ -114,9 +118,6 @@ def batch_result(
 async def answer(state: Any, record: dict[str, Any]) -> dict[str, Any]:
     """One batch request through the server's handlers; errors become error results."""
     from pydantic import ValidationError
-
-    from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-    from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception
 
     custom_id = record["custom_id"]
     if "input_error" in record:
@@ -304,11 +305,8 @@ def _marker_ok(shard_path: str, digest: str) -> bool:
 
 
 async def run(args: argparse.Namespace) -> int:
-    from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
-
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency={args.max_concurrency} is invalid: must be >= 1")
-    from xlm.sampling_params import MAX_DEVICE_LOGPROBS
 
     if not 0 <= args.max_logprobs <= MAX_DEVICE_LOGPROBS:
         raise ValueError(

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from typing import Any
 
 from xlm.entrypoints import run_batch
+from xlm.entrypoints.openai.cli_args import add_engine_args, add_serving_args
 from xlm.entrypoints.run_batch import run
 
 
 def add_parser(subparsers: Any, name: str, help_text: str) -> None:
-    from xlm.entrypoints.openai.cli_args import add_engine_args, add_serving_args
-
     parser = subparsers.add_parser(
         name,
         help=help_text,
@@ -61,9 +59,3 @@ def _run_local_or_ray(args: argparse.Namespace) -> int:
         run_batch_on_ray(args)
         return 0
     return asyncio.run(run(args))
-
-
-def main() -> int:
-    from xlm.entrypoints.cli import main as cli_main
-
-    return cli_main(["run-batch", *sys.argv[1:]])

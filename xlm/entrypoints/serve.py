@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from xlm.entrypoints.openai import api_server
 from xlm.entrypoints.openai.cli_args import expand_config_file, make_arg_parser, settle_args
 
 
@@ -28,6 +29,5 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentP
 def _run(args: argparse.Namespace) -> int:
     # `xlm` expanded --config FILE before parsing (see xlm.entrypoints.cli.main).
     args = settle_args(args._parser, args)
-    from xlm.entrypoints.openai.api_server import run_server
 
-    return run_server(args)
+    return api_server.run_server(args)

@@ -20,7 +20,7 @@ from xlm.config import ParallelConfig, XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.coordination import barrier
 from xlm.executor.abstract import Executor
-from xlm.executor.step_channel import HEARTBEAT_INTERVAL_S
+from xlm.executor.step_channel import HEARTBEAT_INTERVAL_S, FollowerChannel, LeaderChannel
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -87,8 +87,6 @@ class MultihostExecutor(Executor):
     def __init__(self, config: XlmConfig) -> None:
         import jax
 
-        from xlm.executor.step_channel import LeaderChannel
-
         super().__init__(config)
         initialize_distributed(config.parallel_config)
         if jax.process_index() != 0:
@@ -150,8 +148,6 @@ class MultihostExecutor(Executor):
 def run_follower(parallel_config: ParallelConfig) -> None:
     """A follower process: join the leader, then mirror its worker calls until shutdown."""
     import jax
-
-    from xlm.executor.step_channel import FollowerChannel
 
     initialize_distributed(parallel_config)
     process_id = jax.process_index()

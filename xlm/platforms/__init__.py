@@ -12,7 +12,7 @@ import pkgutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from xlm import envs
+from xlm import envs, plugins
 from xlm.logger import init_logger
 from xlm.platforms.interface import Platform, PlatformEnum, UnspecifiedPlatform
 
@@ -104,8 +104,6 @@ _UNSPECIFIED = "xlm.platforms.interface.UnspecifiedPlatform"
 
 def resolve_current_platform_cls_qualname() -> str:
     """Apply the resolution rules and return the chosen Platform class's qualified name."""
-    from xlm.plugins import PLATFORM_PLUGINS_GROUP, load_plugins_by_group
-
     forced = envs.XLM_TARGET_PLATFORM
     if forced is not None:
         if forced not in BUILTIN_PLATFORMS:
@@ -116,7 +114,7 @@ def resolve_current_platform_cls_qualname() -> str:
         return BUILTIN_PLATFORMS[forced]
 
     activated_oot: dict[str, str] = {}
-    for name, detector in load_plugins_by_group(PLATFORM_PLUGINS_GROUP).items():
+    for name, detector in plugins.load_plugins_by_group(plugins.PLATFORM_PLUGINS_GROUP).items():
         try:
             qualname = detector()
         except Exception:

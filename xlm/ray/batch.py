@@ -18,8 +18,21 @@ import time
 from typing import Any
 
 from xlm import envs
+from xlm.engine.exceptions import EngineDeadError
+from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
+from xlm.entrypoints.run_batch import answer, batch_result, done_ids
 from xlm.logger import init_logger
 from xlm.ray.config import ProcessorConfig
+from xlm.ray.processor import configure_retries, map_replicas, start_job_stats
+from xlm.ray.replica import (
+    FATAL_ROW_ERROR,
+    ReplicaContext,
+    _drop_nulls,
+    batch_key,
+    die_for_restart,
+    run_batch_rows,
+)
+from xlm.ray.stats import format_summary, summarize
 
 logger = init_logger(__name__)
 
@@ -73,8 +86,6 @@ def _ray_path(path: str) -> str:
 
 def processor_config(args: argparse.Namespace) -> ProcessorConfig:
     """The ProcessorConfig the run-batch flags describe."""
-    from xlm.engine.exceptions import EngineDeadError
-
     return ProcessorConfig(
         model=args.model,
         replicas=args.replicas,
@@ -103,8 +114,6 @@ def _record_from_line(line: str) -> dict[str, Any]:
 
 
 def _record_from_row(row: dict[str, Any]) -> dict[str, Any]:
-    from xlm.ray.replica import _drop_nulls
-
     record = {k: v for k, v in row.items() if v is not None}
     if isinstance(record.get("body"), str):
         try:
@@ -144,9 +153,6 @@ def parse_batch(batch: Any) -> dict[str, list[Any]]:
 
 def _fatal_record(record: dict[str, Any]) -> dict[str, Any]:
     """The error result of a record during which a replica died (after Ray's retries)."""
-    from xlm.entrypoints.run_batch import batch_result
-    from xlm.ray.replica import FATAL_ROW_ERROR
-
     body = {"error": {"message": FATAL_ROW_ERROR, "type": "InternalServerError", "code": 500}}
     return batch_result(record["custom_id"], 500, body, None)
 
@@ -155,9 +161,6 @@ class BatchReplica:
     """One engine + the server's handlers per Ray actor; answers a batch of records."""
 
     def __init__(self, args: dict[str, Any], stats: Any = None) -> None:
-        from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
-        from xlm.ray.replica import ReplicaContext
-
         self.context = ReplicaContext(stats)
         namespace = argparse.Namespace(**args)
         self.engine, registry = build_engine(namespace)
@@ -166,9 +169,6 @@ class BatchReplica:
         self._gate: asyncio.Semaphore | None = None
 
     async def __call__(self, batch: Any) -> dict[str, list[Any]]:
-        from xlm.entrypoints.run_batch import answer
-        from xlm.ray.replica import batch_key, die_for_restart, run_batch_rows
-
         if self._gate is None:  # made on Ray's event loop, where the calls run
             self._gate = asyncio.Semaphore(self.max_concurrency)
         records = [json.loads(r) for r in batch.column("record").to_pylist()]
@@ -289,10 +289,6 @@ def run_batch_on_ray(args: argparse.Namespace) -> dict[str, Any]:
     """Run the batch on the Ray cluster (joined or started); the job's closing figures."""
     import ray
     import ray.data
-
-    from xlm.entrypoints.run_batch import done_ids
-    from xlm.ray.processor import configure_retries, map_replicas, start_job_stats
-    from xlm.ray.stats import format_summary, summarize
 
     if args.num_shards != 1:
         raise ValueError("--num-shards is the hand-sharded path: with --ray, use --replicas")

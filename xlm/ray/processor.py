@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from xlm.ray.config import ProcessorConfig
-from xlm.ray.stats import summarize
+from xlm.ray.replica import LLMReplica
+from xlm.ray.stats import JobStats, summarize
 
 Row = dict[str, Any]
 
@@ -32,8 +33,6 @@ def configure_retries(config: ProcessorConfig) -> None:
 def start_job_stats() -> Any:
     """The JobStats actor replicas report to (no CPU of its own; it lives with the driver)."""
     import ray
-
-    from xlm.ray.stats import JobStats
 
     return ray.remote(num_cpus=0)(JobStats).remote()
 
@@ -84,8 +83,6 @@ class Processor:
 
     def __call__(self, dataset: Any) -> Any:
         """The lazy Dataset of outputs (Ray runs it when it is consumed or written)."""
-        from xlm.ray.replica import LLMReplica
-
         config = self.config
         configure_retries(config)
         if self.job_stats is None:

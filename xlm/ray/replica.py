@@ -20,7 +20,11 @@ import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from xlm.entrypoints.llm import LLM
 from xlm.logger import init_logger
+from xlm.ray.engine_loop import EngineLoop
+from xlm.sampling_params import SamplingParams
+from xlm.tokenizer import apply_chat_template
 
 logger = init_logger(__name__)
 
@@ -197,17 +201,12 @@ class LLMReplica:
         default_sampling_params: dict[str, Any] | None = None,
         stats: Any = None,
     ) -> None:
-        from xlm.entrypoints.llm import LLM
-        from xlm.ray.engine_loop import EngineLoop
-
         self.context = ReplicaContext(stats)
         self.llm = LLM(model=model, **engine_kwargs)
         self.loop = EngineLoop(self.llm.llm_engine)
         self.default_sampling_params = dict(default_sampling_params or {})
 
     def _prompt(self, row: dict[str, Any]) -> Any:
-        from xlm.tokenizer import apply_chat_template
-
         given = [k for k in ("prompt", "messages", "prompt_token_ids") if row.get(k) is not None]
         if len(given) != 1:
             raise ValueError(
@@ -221,8 +220,6 @@ class LLMReplica:
         return {"prompt_token_ids": apply_chat_template(self.llm.get_tokenizer(), messages)}
 
     def _params(self, row: dict[str, Any]) -> Any:
-        from xlm.sampling_params import SamplingParams
-
         fields = {**self.default_sampling_params, **_drop_nulls(row.get("sampling_params") or {})}
         params = SamplingParams(**fields)
         if params.n != 1:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from xlm.logger import init_logger
+from xlm.reasoning import get_reasoning_parser
 from xlm.structured_output.backend import GrammarCompiler, make_ll_tokenizer
 from xlm.structured_output.params import StructuredOutputsParams
 
@@ -85,8 +86,6 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="xlm-grammar")
         self.reasoner = None
         if reasoning_parser and not enable_in_reasoning:
-            from xlm.reasoning import get_reasoning_parser
-
             self.reasoner = get_reasoning_parser(reasoning_parser)
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()

@@ -12,6 +12,7 @@ from xlm.distributed.coordination import agree_min
 from xlm.distributed.mesh import describe_mesh, make_mesh
 from xlm.logger import init_logger
 from xlm.metrics import startup
+from xlm.models.loader import get_model, resolve_dtype
 from xlm.platforms import current_platform
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
 from xlm.worker.model_runner import ModelRunner
@@ -50,7 +51,6 @@ class Worker:
 
     def __init__(self, config: XlmConfig) -> None:
         self.config = config
-        from xlm.models.loader import get_model, resolve_dtype
 
         parallel = config.parallel_config
         # One device in one process needs no mesh; anything else runs on the global mesh.

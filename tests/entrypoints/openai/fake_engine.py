@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from xlm.engine.processor import Processor
 from xlm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -14,6 +15,7 @@ class FakeAsyncEngine:
     def __init__(self, tokenizer: Any, max_model_len: int = 64) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.processor = Processor(tokenizer, max_model_len)  # the real request checks
         self.errored = False
         self.dead_error = None
         self.ready_info: dict[str, Any] = {}

@@ -23,16 +23,6 @@ KEY = "sekrit"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from xlm.tokenizer import get_tokenizer
-
-    try:
-        return get_tokenizer("smollm2-135m")
-    except FileNotFoundError as e:
-        pytest.skip(f"built-in model unavailable: {e}")
-
-
 def make_client(tokenizer, *flags: str, engine=None) -> TestClient:
     args = finish_args(make_arg_parser(argparse.ArgumentParser()), [MODEL, *flags])
     engine = engine or FakeAsyncEngine(tokenizer, max_model_len=64)

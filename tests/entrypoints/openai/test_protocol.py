@@ -20,16 +20,6 @@ MODEL = "test-model"
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from xlm.tokenizer import get_tokenizer
-
-    try:
-        return get_tokenizer("smollm2-135m")
-    except FileNotFoundError as e:
-        pytest.skip(f"built-in model unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
 def engine(tokenizer):
     return FakeAsyncEngine(tokenizer, max_model_len=64)
 
@@ -53,7 +43,7 @@ def test_sampling_params_from_request():
     assert params.temperature == 0.5 and params.top_k == 3 and params.stop == ["x"]
     assert params.logit_bias == {7: 2.0} and params.max_tokens == 16
     assert params.output_kind == RequestOutputKind.DELTA  # accumulated by the handler
-    assert "top_p" not in params._explicit_fields  # model defaults may apply
+    assert not params.was_given("top_p")  # model defaults may apply
     stream = CompletionRequest(prompt="hi", stream=True, max_tokens=None)
     assert stream.to_sampling_params(10, 5).output_kind == RequestOutputKind.DELTA
     assert stream.to_sampling_params(10, 5).max_tokens == 10
@@ -195,3 +185,31 @@ def test_prompt_larger_than_the_kv_cache_is_a_400(tokenizer):
         assert (
             c.post("/v1/completions", json={"prompt": [5] * 30, "max_tokens": 2}).status_code == 200
         )
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": 60}, "max_tokens"),  # prompt + 60 > max_model_len 64
+        ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"logit_bias": {"1000000": 1}}, "logit_bias"),
+        ({"min_tokens": 63, "max_tokens": None}, "min_tokens"),
+    ],
+)
+def test_llm_and_server_give_one_error_for_one_bad_parameter(client, engine, body, param):
+    """One rule, one message: the server's 400 is the Processor's own error, which LLM raises."""
+    prompt = "The capital of France is"
+    ids = engine.tokenizer.encode(prompt)
+    request = CompletionRequest(model=MODEL, prompt=prompt, **body)
+    with pytest.raises(RequestValidationError) as raised:
+        engine.processor.process_inputs("r", ids, request.to_sampling_params(None, 5))
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"] == str(raised.value) and error["param"] == param
+    assert raised.value.param == param
+    for stream in (True, False):  # a streamed request gets its 400 before any event
+        r = client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "stream": stream, **body}
+        )
+        assert r.status_code == 400 and r.json()["error"]["message"] == str(raised.value)

@@ -17,6 +17,7 @@ from xlm.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
 )
+from xlm.entrypoints.openai.structured import named_tool, tool_choice_mode
 from xlm.entrypoints.openai.tool_parsers import ParsedToolCall, StreamingToolCalls, ToolParser
 from xlm.reasoning import ReasoningParser
 
@@ -154,8 +155,6 @@ def make_chat_output_parser(
     request: Any, reasoning_parser: ReasoningParser | None, tool_parser: ToolParser | None
 ) -> ChatOutputParser:
     """The parser for one choice of a chat request."""
-    from xlm.entrypoints.openai.structured import named_tool, tool_choice_mode
-
     mode = tool_choice_mode(request)
     name = named_tool(request.tool_choice) if mode == "named" else None
     return ChatOutputParser(reasoning_parser, mode, tool_parser, name)

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from xlm import envs
+from xlm.engine.arg_utils import EngineArgs
 from xlm.entrypoints.openai.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_N,
@@ -120,15 +121,11 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags: EngineArgs' own (--served-model-name is the server's, with aliases)."""
-    from xlm.engine.arg_utils import EngineArgs
-
     EngineArgs.add_cli_args(parser, skip=("served_model_name",))
 
 
 def create_engine_config(args: argparse.Namespace) -> Any:
     """The XlmConfig for parsed arguments."""
-    from xlm.engine.arg_utils import EngineArgs
-
     engine_args = EngineArgs.from_cli_args(args)
     if args.served_model_name:
         engine_args.served_model_name = args.served_model_name[0]

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from xlm.engine.exceptions import RequestValidationError
 from xlm.sampling_params import MAX_LOGIT_BIAS_TOKENS
 
 INT32_MAX = 2**31 - 1
@@ -44,17 +45,6 @@ class RequestLimits:
     """The caps a request is checked against before any tokenization."""
 
     max_n: int = DEFAULT_MAX_N
-
-
-class RequestValidationError(ValueError):
-    """A request that parses but asks for something invalid (HTTP 400).
-
-    Defined here, under the caps that raise it, and re-exported by protocol.py.
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _error(message: str, param: str) -> RequestValidationError:

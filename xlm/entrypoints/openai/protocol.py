@@ -14,6 +14,7 @@ from xlm.entrypoints.openai.limits import (  # noqa: F401  (RequestValidationErr
     RequestValidationError,
     Seed,
 )
+from xlm.entrypoints.openai.structured import constraint_of_chat_request, constraint_of_request
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -156,7 +157,7 @@ class _SamplingRequest(OpenAIBaseModel):
         self,
         max_tokens: int | None,
         logprobs: int | None,
-        default_max_tokens: int,
+        default_max_tokens: int | None,
         structured_outputs: Any = None,
     ) -> SamplingParams:
         """SamplingParams from the fields the client set (unset ones keep the model's defaults)."""
@@ -205,18 +206,7 @@ class _SamplingRequest(OpenAIBaseModel):
                 **kwargs,
             )
         except ValueError as e:
-            raise RequestValidationError(str(e), _param_of(str(e))) from None
-
-
-def _param_of(message: str) -> str | None:
-    """The parameter a SamplingParams error names ("SamplingParams.top_p=... is invalid")."""
-    prefix = "SamplingParams."
-    if message.startswith(prefix):
-        rest = message[len(prefix) :]
-        for sep in ("=", " ", "["):
-            rest = rest.split(sep, 1)[0]
-        return rest
-    return None
+            raise RequestValidationError.from_value_error(e) from None
 
 
 # ---- completions --------------------------------------------------------------------------
@@ -233,7 +223,9 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     add_special_tokens: bool = True
 
-    def to_sampling_params(self, default_max_tokens: int, max_logprobs: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int | None, max_logprobs: int
+    ) -> SamplingParams:
         """Validated SamplingParams (RequestValidationError -> 400)."""
         if self.suffix is not None:
             raise RequestValidationError("suffix is not supported", "suffix")
@@ -244,7 +236,6 @@ class CompletionRequest(_SamplingRequest):
             )
         _check_logprobs("logprobs", self.logprobs, max_logprobs)
         _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
-        from xlm.entrypoints.openai.structured import constraint_of_request
 
         return self._sampling_params(
             self.max_tokens, self.logprobs, default_max_tokens, constraint_of_request(self)
@@ -334,10 +325,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int, max_logprobs: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int | None, max_logprobs: int
+    ) -> SamplingParams:
         """Validated SamplingParams (RequestValidationError -> 400)."""
-        from xlm.entrypoints.openai.structured import constraint_of_chat_request
-
         constraint = constraint_of_chat_request(self)
         logprobs = None
         if self.logprobs:

@@ -23,17 +23,20 @@ from xlm.entrypoints.openai.protocol import (
     random_uuid,
 )
 from xlm.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     OpenAIError,
     ServingContext,
     engine_prompt,
-    error_from_exception,
     make_usage,
-    sse,
+    raise_if_failed,
+    sse_stream,
     token_text,
     top_entries,
+    usage_options,
 )
+from xlm.entrypoints.openai.tool_parsers import get_tool_parser
 from xlm.logger import init_logger
+from xlm.reasoning import get_reasoning_parser
+from xlm.tokenizer import apply_chat_template
 
 logger = init_logger(__name__)
 
@@ -113,9 +116,6 @@ class OpenAIServingChat:
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
     ) -> None:
-        from xlm.entrypoints.openai.tool_parsers import get_tool_parser
-        from xlm.reasoning import get_reasoning_parser
-
         self.ctx = ctx
         self.chat_template = chat_template
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
@@ -131,8 +131,6 @@ class OpenAIServingChat:
 
     def render(self, request: ChatCompletionRequest) -> list[int]:
         """Token ids of the templated conversation."""
-        from xlm.tokenizer import apply_chat_template
-
         messages = normalize_messages(request.messages)
         try:
             return apply_chat_template(
@@ -171,10 +169,7 @@ class OpenAIServingChat:
         prompt_ids = await ctx.run_blocking(self.render, request)
         if not prompt_ids:
             raise OpenAIError("the rendered chat prompt is empty", param="messages")
-        requested = request.max_completion_tokens or request.max_tokens
-        max_tokens = ctx.max_tokens_for(len(prompt_ids), requested)
-        params = request.to_sampling_params(max_tokens, ctx.max_logprobs)
-        ctx.check_sampling_vocab(params)
+        params = ctx.check_request(prompt_ids, request.to_sampling_params(None, ctx.max_logprobs))
         request_id = f"chatcmpl-{request.request_id or random_uuid()}"
         if ctx.enable_log_requests:
             logger.info(
@@ -297,110 +292,89 @@ class _ChatRun:
             usage=usage,
         )
 
-    def _chunk(self, choices: list[ChatCompletionResponseStreamChoice]) -> str:
-        return sse(
-            ChatCompletionStreamResponse(
-                id=self.request_id,
-                created=self.created,
-                model=self.ctx.model_name,
-                choices=choices,
-            )
+    def _chunk(
+        self, choices: list[ChatCompletionResponseStreamChoice], usage: Any = None
+    ) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=usage,
         )
 
-    async def stream(self) -> AsyncIterator[str]:
+    def stream(self) -> AsyncIterator[str]:
         """Server-sent events: the role first, then content deltas, usage, [DONE]."""
         n = self.request.n
-        options = self.request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
+        include_usage, continuous = usage_options(self.request)
         num_tokens = [0] * n
         finished = [False] * n
-        try:
-            for i in range(n):
-                first = DeltaMessage(role="assistant", content=self.echo)
-                yield self._chunk(
+
+        def usage() -> ChatCompletionStreamResponse:
+            return self._chunk(
+                [], usage=make_usage(self.num_prompt_tokens, sum(num_tokens), self.num_cached)
+            )
+
+        def aborted() -> list[ChatCompletionStreamResponse]:
+            return [
+                self._chunk(
                     [
                         ChatCompletionResponseStreamChoice(
-                            index=i,
-                            delta=first,
-                            logprobs=None,
-                            finish_reason=None,
+                            index=i, delta=DeltaMessage(), logprobs=None, finish_reason="abort"
                         )
                     ]
                 )
-            async for output in self.generator:
-                self.num_cached = output.num_cached_tokens or self.num_cached
-                for c in output.outputs:
-                    num_tokens[c.index] += len(c.token_ids)
-                    if c.finish_reason == "error":
-                        raise OpenAIError(
-                            f"The engine failed the request: {c.stop_reason}",
-                            status=500,
-                            err_type="server_error",
-                        )
-                    final = c.finish_reason is not None
-                    parser = self.parsers[c.index]
-                    reasoning, content, tool_calls = parser.add(c.text, final)
-                    if not (reasoning or content or tool_calls) and not final:
-                        continue
-                    finished[c.index] = final
-                    delta = DeltaMessage(
-                        reasoning_content=reasoning, content=content, tool_calls=tool_calls or None
+                for i in range(n)
+                if not finished[i]
+            ]
+
+        return sse_stream(
+            self._stream_chunks(num_tokens, finished, include_usage and continuous),
+            usage if include_usage else None,
+            aborted,
+            cleanup=self.generator.aclose,
+        )
+
+    async def _stream_chunks(
+        self, num_tokens: list[int], finished: list[bool], continuous_usage: bool
+    ) -> AsyncIterator[ChatCompletionStreamResponse]:
+        for i in range(self.request.n):
+            first = DeltaMessage(role="assistant", content=self.echo)
+            yield self._chunk(
+                [
+                    ChatCompletionResponseStreamChoice(
+                        index=i, delta=first, logprobs=None, finish_reason=None
                     )
-                    logprobs = (
-                        self._logprobs(c.token_ids, c.logprobs or [])
-                        if self.request.logprobs
-                        else None
-                    )
-                    chunk = ChatCompletionStreamResponse(
-                        id=self.request_id,
-                        created=self.created,
-                        model=self.ctx.model_name,
-                        choices=[
-                            ChatCompletionResponseStreamChoice(
-                                index=c.index,
-                                delta=delta,
-                                logprobs=logprobs,
-                                finish_reason=_finish_reason(
-                                    c.finish_reason, parser.has_tool_calls
-                                ),
-                                stop_reason=c.stop_reason,
-                            )
-                        ],
-                    )
-                    if include_usage and continuous:
-                        chunk.usage = make_usage(
-                            self.num_prompt_tokens, sum(num_tokens), self.num_cached
-                        )
-                    yield sse(chunk)
-            if include_usage:
-                yield sse(
-                    ChatCompletionStreamResponse(
-                        id=self.request_id,
-                        created=self.created,
-                        model=self.ctx.model_name,
-                        choices=[],
-                        usage=make_usage(self.num_prompt_tokens, sum(num_tokens), self.num_cached),
-                    )
+                ]
+            )
+        async for output in self.generator:
+            self.num_cached = output.num_cached_tokens or self.num_cached
+            for c in output.outputs:
+                num_tokens[c.index] += len(c.token_ids)
+                raise_if_failed(c)
+                final = c.finish_reason is not None
+                parser = self.parsers[c.index]
+                reasoning, content, tool_calls = parser.add(c.text, final)
+                if not (reasoning or content or tool_calls) and not final:
+                    continue
+                finished[c.index] = final
+                delta = DeltaMessage(
+                    reasoning_content=reasoning, content=content, tool_calls=tool_calls or None
                 )
-        except RequestAbortedError:
-            for i in range(n):
-                if not finished[i]:
-                    yield self._chunk(
-                        [
-                            ChatCompletionResponseStreamChoice(
-                                index=i,
-                                delta=DeltaMessage(),
-                                logprobs=None,
-                                finish_reason="abort",
-                            )
-                        ]
-                    )
-        except Exception as e:
-            yield sse(error_from_exception(e).to_response())
-        finally:
-            await self.generator.aclose()
-        yield SSE_DONE
+                logprobs = (
+                    self._logprobs(c.token_ids, c.logprobs or []) if self.request.logprobs else None
+                )
+                choice = ChatCompletionResponseStreamChoice(
+                    index=c.index,
+                    delta=delta,
+                    logprobs=logprobs,
+                    finish_reason=_finish_reason(c.finish_reason, parser.has_tool_calls),
+                    stop_reason=c.stop_reason,
+                )
+                usage = None
+                if continuous_usage:
+                    usage = make_usage(self.num_prompt_tokens, sum(num_tokens), self.num_cached)
+                yield self._chunk([choice], usage=usage)
 
 
 def _finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:

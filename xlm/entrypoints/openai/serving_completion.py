@@ -18,16 +18,16 @@ from xlm.entrypoints.openai.protocol import (
     random_uuid,
 )
 from xlm.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     OpenAIError,
     ServingContext,
     engine_prompt,
-    error_from_exception,
     make_usage,
     merge_async_iterators,
-    sse,
+    raise_if_failed,
+    sse_stream,
     token_text,
     top_entries,
+    usage_options,
 )
 from xlm.logger import init_logger
 
@@ -71,12 +71,10 @@ class OpenAIServingCompletion:
             texts = list(request.prompt)
         params_list = []
         for ids in prompts:
-            max_tokens = ctx.max_tokens_for(len(ids), request.max_tokens)
-            params = request.to_sampling_params(max_tokens, ctx.max_logprobs)
-            ctx.check_sampling_vocab(params)
+            params = request.to_sampling_params(None, ctx.max_logprobs)
             if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
                 params.prompt_logprobs = request.logprobs
-            params_list.append(params)
+            params_list.append(ctx.check_request(ids, params))
         request_id = f"cmpl-{request.request_id or random_uuid()}"
         if ctx.enable_log_requests:
             logger.info(
@@ -239,85 +237,72 @@ class _Run:
             choice.finish_reason = completion.finish_reason
             choice.stop_reason = completion.stop_reason
 
-    async def stream(self) -> AsyncIterator[str]:
+    def stream(self) -> AsyncIterator[str]:
         """Server-sent events: one chunk per new text, usage if asked, then [DONE]."""
         choices = {i: _Choice() for i in range(len(self.prompts) * self.n)}
-        options = self.request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
-        echoed: set[int] = set()
-        try:
-            async for prompt_idx, output in merge_async_iterators(*self.generators):
-                for completion in output.outputs:
-                    idx = prompt_idx * self.n + completion.index
-                    choice = choices[idx]
-                    offset = len(choice.text)
-                    text = completion.text
-                    choice.text += text
-                    choice.token_ids.extend(completion.token_ids)
-                    choice.finish_reason = completion.finish_reason
-                    if completion.finish_reason == "error":
-                        raise OpenAIError(
-                            f"The engine failed the request: {completion.stop_reason}",
-                            status=500,
-                            err_type="server_error",
+        include_usage, continuous = usage_options(self.request)
+
+        def usage() -> CompletionStreamResponse:
+            return self._stream_response([], usage=self._usage(choices))
+
+        def aborted() -> list[CompletionStreamResponse]:
+            return [
+                self._stream_response(
+                    [
+                        CompletionResponseStreamChoice(
+                            index=idx, text="", logprobs=None, finish_reason="abort"
                         )
-                    if self.request.echo and idx not in echoed:
-                        echoed.add(idx)
-                        text = self.echo_texts[prompt_idx] + text
-                    if not text and completion.finish_reason is None:
-                        continue
-                    logprobs = None
-                    if self.request.logprobs is not None:
-                        logprobs = self._logprobs(
-                            choice, completion.token_ids, completion.logprobs or [], offset
-                        )
-                    chunk = CompletionStreamResponse(
-                        id=self.request_id,
-                        created=self.created,
-                        model=self.ctx.model_name,
-                        choices=[
-                            CompletionResponseStreamChoice(
-                                index=idx,
-                                text=text,
-                                logprobs=logprobs,
-                                finish_reason=completion.finish_reason,
-                                stop_reason=completion.stop_reason,
-                            )
-                        ],
-                    )
-                    if include_usage and continuous:
-                        chunk.usage = self._usage(choices)
-                    yield sse(chunk)
-            if include_usage:
-                yield sse(
-                    CompletionStreamResponse(
-                        id=self.request_id,
-                        created=self.created,
-                        model=self.ctx.model_name,
-                        choices=[],
-                        usage=self._usage(choices),
-                    )
+                    ]
                 )
-        except RequestAbortedError:
-            for idx, choice in choices.items():
-                if choice.finish_reason is None:
-                    yield sse(
-                        CompletionStreamResponse(
-                            id=self.request_id,
-                            created=self.created,
-                            model=self.ctx.model_name,
-                            choices=[
-                                CompletionResponseStreamChoice(
-                                    index=idx,
-                                    text="",
-                                    logprobs=None,
-                                    finish_reason="abort",
-                                    stop_reason=None,
-                                )
-                            ],
-                        )
+                for idx, choice in choices.items()
+                if choice.finish_reason is None
+            ]
+
+        return sse_stream(
+            self._stream_chunks(choices, include_usage and continuous),
+            usage if include_usage else None,
+            aborted,
+        )
+
+    def _stream_response(self, choices: list[Any], usage: Any = None) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=usage,
+        )
+
+    async def _stream_chunks(
+        self, choices: dict[int, _Choice], continuous_usage: bool
+    ) -> AsyncIterator[CompletionStreamResponse]:
+        echoed: set[int] = set()
+        async for prompt_idx, output in merge_async_iterators(*self.generators):
+            for completion in output.outputs:
+                idx = prompt_idx * self.n + completion.index
+                choice = choices[idx]
+                offset = len(choice.text)
+                text = completion.text
+                choice.text += text
+                choice.token_ids.extend(completion.token_ids)
+                choice.finish_reason = completion.finish_reason
+                raise_if_failed(completion)
+                if self.request.echo and idx not in echoed:
+                    echoed.add(idx)
+                    text = self.echo_texts[prompt_idx] + text
+                if not text and completion.finish_reason is None:
+                    continue
+                logprobs = None
+                if self.request.logprobs is not None:
+                    logprobs = self._logprobs(
+                        choice, completion.token_ids, completion.logprobs or [], offset
                     )
-        except Exception as e:
-            yield sse(error_from_exception(e).to_response())
-        yield SSE_DONE
+                stream_choice = CompletionResponseStreamChoice(
+                    index=idx,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+                usage = self._usage(choices) if continuous_usage else None
+                yield self._stream_response([stream_choice], usage=usage)

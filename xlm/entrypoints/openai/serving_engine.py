@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from xlm.engine.exceptions import EngineDeadError
+from xlm.engine.exceptions import EngineDeadError, RequestAbortedError
 from xlm.entrypoints.openai.limits import RequestLimits, check_request_limits
 from xlm.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -21,6 +21,7 @@ from xlm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from xlm.logger import init_logger
+from xlm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
@@ -57,7 +58,7 @@ def error_from_exception(e: BaseException) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, RequestValidationError):
-        return OpenAIError(str(e), param=e.param)
+        return OpenAIError(str(e), param=e.param, code=e.code)
     if isinstance(e, ValueError | TypeError | OverflowError):
         return OpenAIError(str(e))
     # A server-side failure: its text (tracebacks, paths) goes to the log under an id; the
@@ -87,6 +88,50 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage_options(request: Any) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of a streaming request's stream_options."""
+    options = request.stream_options
+    return bool(options and options.include_usage), bool(options and options.continuous_usage_stats)
+
+
+def raise_if_failed(completion: Any) -> None:
+    """A 500 for an output the engine failed (finish_reason "error")."""
+    if completion.finish_reason == "error":
+        raise OpenAIError(
+            f"The engine failed the request: {completion.stop_reason}",
+            status=500,
+            err_type="server_error",
+        )
+
+
+async def sse_stream(
+    chunks: AsyncIterator[Any],
+    final_chunk: Callable[[], Any] | None,
+    abort_chunks: Callable[[], Iterable[Any]],
+    cleanup: Callable[[], Awaitable[None]] | None = None,
+) -> AsyncIterator[str]:
+    """The SSE envelope the streaming endpoints share.
+
+    Each of `chunks` as an event, then `final_chunk()` (the usage chunk) if given; on an
+    abort, `abort_chunks()` (finish_reason "abort" for the unfinished choices); on any
+    other error, one OpenAI error event; `cleanup()` in every case; `[DONE]` last.
+    """
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+        if final_chunk is not None:
+            yield sse(final_chunk())
+    except RequestAbortedError:
+        for chunk in abort_chunks():
+            yield sse(chunk)
+    except Exception as e:
+        yield sse(error_from_exception(e).to_response())
+    finally:
+        if cleanup is not None:
+            await cleanup()
+    yield SSE_DONE
 
 
 @dataclass
@@ -169,42 +214,21 @@ class ServingContext:
                     param="prompt",
                 )
 
-    def max_tokens_for(self, num_prompt_tokens: int, requested: int | None) -> int:
-        """Check prompt + max_tokens against max_model_len; returns the max_tokens to use."""
-        limit = self.max_model_len
-        if self.kv_cache_tokens is not None and num_prompt_tokens > self.kv_cache_tokens:
-            raise OpenAIError(
-                f"The prompt has {num_prompt_tokens} tokens but the server's KV cache holds only "
-                f"{self.kv_cache_tokens} tokens, so it can never run. Please shorten the prompt.",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        if num_prompt_tokens >= limit:
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"prompt has {num_prompt_tokens} tokens, which leaves no room for a completion. "
-                "Please reduce the length of the prompt.",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        if requested is not None and num_prompt_tokens + requested > limit:
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
-                f"prompt, {requested} in the completion). Please reduce the length of the "
-                "prompt or of max_tokens.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return requested if requested is not None else limit - num_prompt_tokens
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """400 for a prompt or parameters the model cannot serve; the parameters to run.
 
-    def check_sampling_vocab(self, params: Any) -> None:
-        """400 for stop_token_ids / logit_bias / allowed_token_ids outside the vocabulary."""
-        try:
-            params.verify_vocab(self.vocab_size)
-        except ValueError as e:
-            name = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
-            raise OpenAIError(str(e), param=name) from None
+        The rules are the engine's own (`Processor.check_request`, which LLM uses too),
+        checked here before any output is sent, so a streamed request gets its 400 too.
+        """
+        if self.kv_cache_tokens is not None and len(prompt_ids) > self.kv_cache_tokens:
+            raise OpenAIError(
+                f"The prompt has {len(prompt_ids)} tokens but the server's KV cache holds "
+                f"only {self.kv_cache_tokens} tokens, so it can never run. Please shorten "
+                "the prompt.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        return self.engine.processor.check_request(prompt_ids, params)
 
 
 def engine_prompt(token_ids: list[int], text: str | None = None) -> dict[str, Any]:

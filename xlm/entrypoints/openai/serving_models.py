@@ -13,6 +13,7 @@ from xlm.entrypoints.openai.protocol import (
 )
 from xlm.entrypoints.openai.serving_chat import normalize_messages
 from xlm.entrypoints.openai.serving_engine import OpenAIError, ServingContext
+from xlm.tokenizer import apply_chat_template
 
 
 class OpenAIServingModels:
@@ -40,8 +41,6 @@ class OpenAIServingModels:
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt or of templated chat messages."""
-        from xlm.tokenizer import apply_chat_template
-
         self.ctx.check_model(request.model)
         tokenizer = self.ctx.engine.get_tokenizer()
         if request.messages is not None:

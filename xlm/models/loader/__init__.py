@@ -21,12 +21,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from xlm import envs
+from xlm import envs, platforms
 from xlm.config import XlmConfig, set_current_xlm_config
 from xlm.distributed.tensor_parallel import logical_shape, to_physical
 from xlm.logger import init_logger
 from xlm.metrics import startup
 from xlm.models.loader.dummy_format import dummy_value
+from xlm.models.loader.gguf import iter_gguf_tensors, load_gguf_config
 from xlm.models.loader.safetensors_format import (
     count_safetensors_tensors,
     iter_safetensors_tensors,
@@ -51,7 +52,6 @@ def load_hf_config(model: str, load_format: str = "auto") -> Any:
     if resolve_load_format(model, load_format) == "gguf":
         if not os.path.isfile(model):
             raise FileNotFoundError(f"GGUF file {model!r} does not exist")
-        from xlm.models.loader.gguf import load_gguf_config
 
         return load_gguf_config(model)
     if not os.path.isdir(model):
@@ -70,9 +70,8 @@ def resolve_dtype(dtype: str, hf_config: Any) -> Any:
     """The parameter dtype: explicit names as given; "auto" from platform and checkpoint."""
     if dtype != "auto":
         return _DTYPES[dtype]
-    from xlm.platforms import current_platform
 
-    if not current_platform.supports_fast_bf16:
+    if not platforms.current_platform.supports_fast_bf16:
         return jnp.float32
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     ckpt = str(ckpt).removeprefix("torch.") if ckpt is not None else "float32"
@@ -87,7 +86,6 @@ def _tensor_source(model: str, load_format: str) -> tuple[Iterator[tuple[str, np
         cached = _dequantized_gguf_dir(model)
         if cached is not None:
             return iter_safetensors_tensors(cached), count_safetensors_tensors(cached)
-        from xlm.models.loader.gguf import iter_gguf_tensors
 
         return iter_gguf_tensors(model), None
     raise ValueError(f"load_format={load_format!r} has no tensor source")

@@ -1,0 +1,12 @@
+"""The tiny engine every Ray test runs: LLM(...) keywords and the same as CLI flags."""
+
+from tests.engine_args import cli_flags
+
+ENGINE = dict(
+    max_model_len=128,
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    token_buckets=[8, 64],
+    kv_cache_memory=0.02,
+)
+ENGINE_FLAGS = [*cli_flags(ENGINE), "--disable-log-stats"]
