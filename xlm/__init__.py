@@ -12,13 +12,22 @@ _LAZY = {
     "StructuredOutputsParams": "xlm.structured_output.params",
     "RequestOutput": "xlm.outputs",
     "CompletionOutput": "xlm.outputs",
+    "PoolingParams": "xlm.pooling_params",
+    "PoolingRequestOutput": "xlm.outputs",
+    "EmbeddingRequestOutput": "xlm.outputs",
     "platforms": "xlm.platforms",
 }
 
 if TYPE_CHECKING:
     from xlm import platforms
     from xlm.entrypoints.llm import LLM
-    from xlm.outputs import CompletionOutput, RequestOutput
+    from xlm.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+    )
+    from xlm.pooling_params import PoolingParams
     from xlm.sampling_params import SamplingParams
     from xlm.structured_output.params import StructuredOutputsParams
 
@@ -38,6 +47,9 @@ __all__ = [
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
     "platforms",
     "__version__",
 ]

@@ -44,8 +44,12 @@ class ModelConfig:
     # "auto": use the model's generation_config.json defaults; "xlm": ignore them;
     # any other value is a directory holding a generation_config.json.
     generation_config: str = "auto"
+    # "generate" (a language model) or "pooling" (an embedder: one vector per prompt).
+    runner: str = "generate"
     # Set by the loader once the checkpoint's config has been read.
     hf_config: Any = field(default=None, repr=False, compare=False)
+    # The pooling a pooling runner applies when a request does not say (set with runner).
+    default_pooling: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         owner = "ModelConfig"
@@ -66,12 +70,24 @@ class ModelConfig:
         )
         _positive_int(owner, "max_model_len", self.max_model_len, optional=True)
         _require(
+            self.runner in ("generate", "pooling"),
+            owner,
+            "runner",
+            self.runner,
+            "'generate' or 'pooling'",
+        )
+        _require(
             isinstance(self.seed, int) and self.seed >= 0,
             owner,
             "seed",
             self.seed,
             "an integer >= 0",
         )
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the model runs as a pooler (embeddings) rather than a generator."""
+        return self.runner == "pooling"
 
     @property
     def name(self) -> str:

@@ -1,8 +1,10 @@
-"""What the engine returns to callers: RequestOutput, CompletionOutput, Logprob."""
+"""What the engine returns to callers: RequestOutput, CompletionOutput, Logprob, and a
+pooling model's PoolingRequestOutput."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -70,3 +72,32 @@ class RequestOutput:
             f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, "
             f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens})"
         )
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """One prompt's vector (float32 numpy)."""
+
+    data: Any
+
+    @property
+    def embedding(self) -> list[float]:
+        """The vector as a list of floats (vLLM's EmbeddingOutput field)."""
+        return self.data.tolist()
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """The output of one pooling request: its prompt and its vector."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None
+
+
+# vLLM's name for what LLM.embed returns.
+EmbeddingRequestOutput = PoolingRequestOutput

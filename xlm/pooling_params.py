@@ -54,6 +54,11 @@ class PoolingParams:
                 f"integer >= 1"
             )
 
+    @property
+    def uses_last_token_only(self) -> bool:
+        """Whether the vector reads only the last prompt token (a cached prefix is fine)."""
+        return self.pooling_type == PoolingType.LAST
+
     def verify(self, hidden_size: int) -> None:
         """Check the request fits the model: dimensions at most its hidden size."""
         if self.dimensions is not None and self.dimensions > hidden_size:

@@ -6,23 +6,23 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import openai.types
 import openai.types.chat
 import pytest
 
-ENGINE_FLAGS = [
-    "--max-model-len",
-    "128",
-    "--max-num-seqs",
-    "8",
-    "--max-num-batched-tokens",
-    "64",
-    "--token-buckets",
-    "8,64",
-    "--kv-cache-memory",
-    "0.02",
-    "--disable-log-stats",
-]
+import xlm
+from tests.engine_args import cli_flags
+
+# One engine for the whole module: the CLI's flags and an in-process LLM's keywords.
+EMBED_ENGINE = dict(
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    token_buckets=[8, 64],
+    kv_cache_memory=0.02,
+)
+ENGINE_FLAGS = [*cli_flags(EMBED_ENGINE), "--disable-log-stats"]
 
 
 def batch_records() -> list[dict]:
@@ -60,7 +60,7 @@ def batch_records() -> list[dict]:
         {
             "custom_id": "bad-url",
             "method": "POST",
-            "url": "/v1/embeddings",
+            "url": "/v1/audio/transcriptions",
             "body": {"input": "hello"},
         }
     )
@@ -132,7 +132,7 @@ def test_results_in_order_with_openai_shapes_and_errors(setup):
     assert "temperature" in bad_temp["response"]["body"]["error"]["message"]
     assert bad_temp["error"]["message"]
     assert bad_url["response"]["status_code"] == 400
-    assert "/v1/embeddings" in bad_url["response"]["body"]["error"]["message"]
+    assert "/v1/audio/transcriptions" in bad_url["response"]["body"]["error"]["message"]
 
 
 def test_rerun_resumes_after_a_crash(setup):
@@ -194,3 +194,54 @@ def test_bad_input_file_is_a_clear_error(setup, tmp_path):
     assert proc.returncode == 2
     assert "broken.jsonl:2: not valid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def embedding_records(n: int) -> list[dict]:
+    """n /v1/embeddings lines: one text, two texts, or token ids per line."""
+    records = []
+    for i in range(n):
+        text = " ".join(f"w{(i * 7 + k * 13) % 240}" for k in range(1 + i % 6))
+        body_input: object = [text, f"w{i % 200} w{(i + 3) % 200}"] if i % 3 == 1 else text
+        if i % 3 == 2:
+            body_input = [(i + k) % 250 + 1 for k in range(1 + i % 9)]
+        records.append(
+            {
+                "custom_id": f"e{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "m", "input": body_input},
+            }
+        )
+    return records
+
+
+def embedding_inputs(record: dict) -> list:
+    """A record's inputs as LLM.embed prompts (text, or token ids)."""
+    value = record["body"]["input"]
+    if isinstance(value, str):
+        return [value]
+    if all(isinstance(t, int) for t in value):
+        return [{"prompt_token_ids": value}]
+    return list(value)
+
+
+def check_embedding_results(results: list[dict], records: list[dict], llm) -> None:
+    """Every line once, in input order, with LLM.embed's vectors."""
+    assert [r["custom_id"] for r in results] == [r["custom_id"] for r in records]
+    for record, result in zip(records, results):
+        assert result["error"] is None, result
+        body = result["response"]["body"]
+        want = [o.outputs.data for o in llm.embed(embedding_inputs(record), use_tqdm=False)]
+        got = [d["embedding"] for d in sorted(body["data"], key=lambda d: d["index"])]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_embedding_lines_equal_llm_embed(batch_job):
+    model, tmp, infile, env = batch_job("batch-embed", embedding_records(200))
+    outfile = tmp / "out.jsonl"
+    run_batch(model, infile, outfile, env, "--runner", "pooling", "--served-model-name", "m")
+    llm = xlm.LLM(model=model, runner="pooling", **EMBED_ENGINE)
+    check_embedding_results(read(outfile), embedding_records(200), llm)

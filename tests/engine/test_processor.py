@@ -85,3 +85,20 @@ def test_engine_core_request_msgpack_roundtrip(processor):
     )
     back = EngineCoreRequest.from_dict(msgpack.unpackb(msgpack.packb(req.to_dict())))
     assert back == req
+
+
+def test_a_pooled_input_must_fit_one_step(tokenizer):
+    from xlm.engine.exceptions import RequestValidationError
+    from xlm.engine.processor import PoolingModel
+    from xlm.pooling_params import PoolingParams
+
+    processor = Processor(tokenizer, max_model_len=10)
+    processor.pooling = PoolingModel(PoolingParams(pooling_type="mean"), 8, max_tokens=4)
+    req = processor.process_inputs("r", [3, 4, 5, 6], None, pooling=True)
+    assert req.pooling_params.pooling_type == PoolingParams(pooling_type="mean").pooling_type
+    assert req.sampling_params.max_tokens == 1  # a placeholder: nothing is sampled
+    with pytest.raises(RequestValidationError, match="5 tokens, more than the 4") as e:
+        processor.process_inputs("r", [3, 4, 5, 6, 7], None, pooling=True)
+    assert e.value.param == "input" and e.value.code == "context_length_exceeded"
+    with pytest.raises(RequestValidationError, match="embedding model"):
+        processor.process_inputs("r", [3], SamplingParams())

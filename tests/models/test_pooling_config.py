@@ -44,6 +44,8 @@ def write_st(path, mode: str, normalize: bool) -> str:
         ("Qwen3Model", "pooling"),
         ("Qwen3ForSequenceClassification", "pooling"),
         ("MistralModel", "pooling"),
+        ("GPT2LMHeadModel", "generate"),  # a head, though its name ends in "Model"
+        ("GPT2PreTrainedModel", "generate"),
     ],
 )
 def test_auto_from_architecture(tmp_path, arch, runner):

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -311,3 +312,33 @@ def test_row_that_kills_its_replica_ends_as_error_record(ray_cluster, model, loc
             assert by_idx[i]["generated_text"] == reference[i].outputs[0].text
     # It died once with its batch, once alone on the retry; then it was answered.
     assert processor.stats(len(out), 1.0)["replica_restarts"] >= 2
+
+
+@pytest.mark.slow
+def test_run_batch_ray_embeddings_to_parquet_lists(ray_cluster, model, tmp_path):
+    """200 /v1/embeddings lines over two replicas: every line once, LLM.embed's vectors,
+    and the Parquet result keeps them as a list column."""
+    from tests.e2e.test_run_batch import check_embedding_results, embedding_records
+    from xlm.ray.batch import run_batch_on_ray
+
+    records = embedding_records(200)
+    infile = tmp_path / "in.jsonl"
+    infile.write_text("".join(json.dumps(r) + "\n" for r in records))
+    outfile = tmp_path / "out.parquet"
+    extra = ("--runner", "pooling", "--served-model-name", "m")
+    summary = run_batch_on_ray(run_batch_args(model, infile, outfile, *extra))
+    assert summary["records"] == 200 and summary["failed"] == 0
+
+    rows = pq.read_table(outfile).to_pylist()
+    results = [
+        {"custom_id": r["custom_id"], "response": json.loads(r["response"]), "error": None}
+        for r in rows
+    ]
+    llm = xlm.LLM(model=model, runner="pooling", **ENGINE)
+    check_embedding_results(results, records, llm)
+    for row, result in zip(rows, results):
+        listed = row["embedding"]
+        data = sorted(result["response"]["body"]["data"], key=lambda d: d["index"])
+        assert len(listed) == len(data)
+        for column, d in zip(listed, data):
+            np.testing.assert_allclose(column, d["embedding"], rtol=1e-6)

@@ -17,6 +17,8 @@ class NewRequestData:
     block_ids: list[int] | tuple[list[int], ...]
     # Prefix-cache hit: tokens whose K/V already sit in the first blocks.
     num_computed_tokens: int
+    # A pooling request: its prompt is pooled into one vector instead of sampled.
+    pooling_params: Any = None
 
 
 @dataclass(slots=True)
@@ -94,6 +96,8 @@ class ModelRunnerOutput:
     # Aligned with req_ids when logprobs were requested.
     logprobs: list[LogprobsLists | None] | None = None
     prompt_logprobs: dict[str, LogprobsLists] | None = None
+    # Pooling runner: per request, its vector (float32 numpy) once its prompt is computed.
+    pooler_output: list[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -109,6 +113,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # When the scheduler first picked the request (time.time()); None if unknown.
     first_scheduled_time: float | None = None
+    # A pooling request's vector (float32 numpy), sent with its one and last output.
+    pooled: Any = None
 
     @property
     def finished(self) -> bool:

@@ -67,6 +67,7 @@ class Request:
         "structured_output_request",
         "num_output_placeholders",
         "host_tokens_only",
+        "pooling_params",
     )
 
     def __init__(
@@ -78,6 +79,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -104,8 +106,13 @@ class Request:
         self.min_tokens: int = sampling_params.min_tokens or 0
         self.ignore_eos: bool = bool(sampling_params.ignore_eos)
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids or ())
-        # Prompt logprobs need logits at every prompt position: no cached prefix.
+        # A pooling request: prefilled whole in one step, pooled, finished (never sampled).
+        self.pooling_params = pooling_params
+        # Prompt logprobs need logits at every prompt position, and mean or first-token
+        # pooling the hidden state of every prompt token: no cached prefix for those.
         self.skip_prefix_cache = getattr(sampling_params, "prompt_logprobs", None) is not None
+        if pooling_params is not None and not pooling_params.uses_last_token_only:
+            self.skip_prefix_cache = True
         # The constraint's matcher state (xlm.structured_output.manager), set on admission.
         self.structured_output_request: Any = None
         # Async scheduling: tokens sampled by steps in flight, not yet appended.

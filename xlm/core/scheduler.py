@@ -257,9 +257,11 @@ class Scheduler:
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
-            if not chunked and num_new > token_budget:
+            # A pooling request is pooled from one step's hidden states: never chunked.
+            whole = not chunked or request.pooling_params is not None
+            if whole and num_new > token_budget:
                 break  # scheduled whole or not at all; head of line waits
-            if threshold and num_new > threshold:
+            if threshold and num_new > threshold and request.pooling_params is None:
                 num_new = threshold
             if num_new > token_budget:
                 num_new = token_budget
@@ -289,6 +291,7 @@ class Scheduler:
                         request.sampling_params,
                         kv.get_block_ids(req_id),
                         num_hit,
+                        request.pooling_params,
                     )
                 )
             request.status = _RUNNING
@@ -381,6 +384,7 @@ class Scheduler:
         requests = self.requests
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
+        pooler_output = model_runner_output.pooler_output
         max_len = self.max_request_len
         outputs: list[EngineCoreOutput] = self._early_outputs
         self._early_outputs = []
@@ -396,6 +400,11 @@ class Scheduler:
             # With async scheduling a request may be preempted while its step was in flight:
             # its token still counts (the recompute after resuming includes it).
             was_preempted = request.status == _PREEMPTED
+            pooled = pooler_output[idx] if pooler_output else None
+            if pooled is not None:
+                outputs.append(self._finish_pooled(request, pooled))
+                any_finished = True
+                continue
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if not token_ids:
                 if new_prompt_logprobs is not None:
@@ -432,6 +441,19 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: Any) -> EngineCoreOutput:
+        """A pooling request's prompt is computed: it ends with its vector, blocks freed."""
+        request.status = _STOPPED
+        self._free_request(request)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            request.get_finished_reason(),
+            num_cached_tokens=request.num_cached_tokens,
+            first_scheduled_time=request.first_scheduled_time,
+            pooled=pooled,
+        )
 
     def _append_tokens(
         self, request: Request, token_ids: list[int], max_len: int

@@ -18,7 +18,11 @@ from xlm.config import (
     StructuredOutputsConfig,
     XlmConfig,
 )
+from xlm.logger import init_logger
 from xlm.models.builtin import resolve_model_name
+from xlm.models.pooling_config import default_pooling_params, resolve_runner
+
+logger = init_logger(__name__)
 
 _HELP = {
     "model": "model directory, .gguf file, built-in name (smollm2-135m) or Hugging Face "
@@ -34,6 +38,9 @@ _HELP = {
     "Hugging Face name only these files are fetched (auto: safetensors)",
     "served_model_name": "model name in the API (default: the model argument)",
     "generation_config": "'auto' (use generation_config.json defaults), 'xlm' or a directory",
+    "runner": "generate (text), pooling (embeddings: one vector per input), or auto (pooling "
+    "when the checkpoint is an embedder: sentence-transformers files or a *Model "
+    "architecture)",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "KV cache size in GiB on CPU (default: XLM_CPU_KVCACHE_SPACE or 1)",
     "memory_utilization": "fraction of accelerator memory xlm may use",
@@ -78,6 +85,7 @@ class EngineArgs:
     download_dir: str | None = None
     served_model_name: str | None = None
     generation_config: str = "auto"
+    runner: str = "auto"
     block_size: int = 16
     kv_cache_memory: float | None = None
     memory_utilization: float = 0.9
@@ -181,6 +189,15 @@ class EngineArgs:
             generation_config=self.generation_config,
         )
         model_config.hf_config = load_hf_config(model_path, self.load_format)
+        architectures = getattr(model_config.hf_config, "architectures", None)
+        model_config.runner = resolve_runner(self.runner, model_path, architectures)
+        async_scheduling = self.async_scheduling
+        if model_config.is_pooling:
+            model_config.default_pooling = default_pooling_params(model_path)
+            if async_scheduling:
+                # A pooled request finishes in its one prefill step: nothing to overlap.
+                logger.info("Pooling runner: async scheduling off (prefill-only steps).")
+                async_scheduling = False
         model_max = _model_max_len(model_config.hf_config)
         max_model_len = self.max_model_len or model_max
         if max_model_len > model_max:
@@ -206,7 +223,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=async_scheduling,
             ),
             parallel_config=self.create_parallel_config(),
             compilation_config=CompilationConfig(

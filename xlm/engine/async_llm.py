@@ -26,7 +26,8 @@ from xlm.logger import init_logger
 from xlm.metrics import startup
 from xlm.metrics.loggers import StatLoggerBase
 from xlm.metrics.stats import RequestStatsTracker
-from xlm.outputs import RequestOutput
+from xlm.outputs import PoolingRequestOutput, RequestOutput
+from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -150,14 +151,40 @@ class AsyncLLM:
                 self.collectors.pop(request_id, None)
                 self.core_ids.pop(request_id, None)
 
+    async def encode(
+        self,
+        prompt: Any,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        priority: int = 0,
+    ) -> PoolingRequestOutput:
+        """Embed one prompt with a pooling model (None: the model's default pooling)."""
+        collector = await self.add_request(
+            request_id, prompt, None, priority=priority, pooling_params=pooling_params, pooling=True
+        )
+        finished = False
+        try:
+            output = await collector.get()
+            finished = True
+            return output
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                self._abort_nowait([request_id])
+            raise
+        finally:
+            self.collectors.pop(request_id, None)
+            self.core_ids.pop(request_id, None)
+
     async def add_request(
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | None,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
+        pooling: bool = False,
     ) -> RequestOutputCollector:
         """Process the prompt, register the request and send it to the core."""
         if self.dead_error is not None:
@@ -167,7 +194,14 @@ class AsyncLLM:
         self._ensure_output_handler()
         arrival = time.time() if arrival_time is None else arrival_time
         request = self.processor.process_inputs(
-            request_id, prompt, params, arrival, priority, cache_salt
+            request_id,
+            prompt,
+            params,
+            arrival,
+            priority,
+            cache_salt,
+            pooling_params=pooling_params,
+            pooling=pooling,
         )
         collector = RequestOutputCollector()
         self.collectors[request_id] = collector
@@ -284,7 +318,9 @@ class AsyncLLM:
         collector.put(request_output)
         if request_output.finished:
             self.core_ids.pop(request_output.request_id, None)
-            if any(o.finish_reason == "error" for o in request_output.outputs):
+            if isinstance(request_output, RequestOutput) and any(
+                o.finish_reason == "error" for o in request_output.outputs
+            ):
                 logger.warning("Request %s failed in the engine", request_output.request_id)
 
     def _propagate_error(self, error: EngineDeadError) -> None:

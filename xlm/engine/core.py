@@ -71,6 +71,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                pooling_params=request.pooling_params,
             )
         )
 

@@ -25,14 +25,15 @@ class RequestValidationError(ValueError):
 
 
 def param_of(message: str) -> str | None:
-    """The parameter a SamplingParams error names ("SamplingParams.top_p=... is invalid")."""
-    prefix = "SamplingParams."
-    if not message.startswith(prefix):
-        return None
-    rest = message[len(prefix) :]
-    for sep in ("=", " ", "["):
-        rest = rest.split(sep, 1)[0]
-    return rest
+    """The parameter a SamplingParams or PoolingParams error names
+    ("SamplingParams.top_p=... is invalid" -> "top_p")."""
+    for prefix in ("SamplingParams.", "PoolingParams."):
+        if message.startswith(prefix):
+            rest = message[len(prefix) :]
+            for sep in ("=", " ", "["):
+                rest = rest.split(sep, 1)[0]
+            return rest
+    return None
 
 
 class EngineDeadError(RuntimeError):

@@ -14,6 +14,7 @@ from xlm.logger import init_logger
 from xlm.metrics import startup
 from xlm.outputs import RequestOutput
 from xlm.plugins import load_general_plugins
+from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -52,10 +53,22 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
+        pooling: bool = False,
     ) -> None:
-        """Validate and tokenize a prompt, then hand it (or its n samples) to the core."""
+        """Validate and tokenize a prompt, then hand it (or its n samples) to the core.
+
+        With `pooling` the prompt is embedded by a pooling model (`params` unused).
+        """
         request = self.processor.process_inputs(
-            request_id, prompt, params, arrival_time, priority=priority, cache_salt=cache_salt
+            request_id,
+            prompt,
+            params,
+            arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            pooling_params=pooling_params,
+            pooling=pooling,
         )
         sent: list[str] = []
         try:

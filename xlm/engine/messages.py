@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
+from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import SamplingParams
 
 __all__ = [
@@ -70,6 +71,9 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     # The prompt text when the user gave text (for RequestOutput.prompt); not used by the core.
     prompt: str | None = None
+    # Set for a request to a pooling model: the request is prefilled once and pooled into
+    # one vector (its sampling_params are a placeholder that samples nothing).
+    pooling_params: PoolingParams | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for msgpack."""
@@ -82,6 +86,7 @@ class EngineCoreRequest:
             "priority": self.priority,
             "cache_salt": self.cache_salt,
             "prompt": self.prompt,
+            "pooling_params": self.pooling_params,
         }
 
     @classmethod

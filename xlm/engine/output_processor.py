@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from xlm.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
 from xlm.engine.messages import EngineCoreRequest
 from xlm.engine.parallel_sampling import ParentRequest, fan_out
@@ -12,6 +14,8 @@ from xlm.logger import init_logger
 from xlm.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -206,6 +210,9 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
+            if out.pooled is not None:  # a pooling request: its vector is its one output
+                self._finish_pooled(result, state, out, timestamp)
+                continue
             new_ids = list(out.new_token_ids)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             metrics = state.metrics
@@ -281,6 +288,23 @@ class OutputProcessor:
         if finished is not None:
             total.finished_time = finished
 
+    def _finish_pooled(
+        self, result: OutputProcessorResult, state: RequestState, out: Any, timestamp: float
+    ) -> None:
+        del self.request_states[state.request_id]
+        metrics = state.metrics
+        metrics.first_scheduled_time = out.first_scheduled_time
+        metrics.first_token_time = metrics.finished_time = timestamp
+        output = PoolingRequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=PoolingOutput(np.asarray(out.pooled, dtype=np.float32)),
+            metrics=metrics,
+            num_cached_tokens=out.num_cached_tokens,
+        )
+        self._deliver(result, state, output)
+
     def _emit(
         self,
         result: OutputProcessorResult,
@@ -300,6 +324,11 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=state.num_cached_tokens,
         )
+        self._deliver(result, state, output)
+
+    @staticmethod
+    def _deliver(result: OutputProcessorResult, state: RequestState, output: Any) -> None:
+        """To the request's queue (AsyncLLM), else into this step's result (LLMEngine)."""
         if state.queue is None:
             result.request_outputs.append(output)
         elif hasattr(state.queue, "put_nowait"):

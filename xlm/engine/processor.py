@@ -5,18 +5,29 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from xlm.config import ModelConfig, XlmConfig
 from xlm.engine.exceptions import RequestValidationError
 from xlm.engine.messages import EngineCoreRequest
-from xlm.sampling_params import SamplingParams
+from xlm.pooling_params import PoolingParams
+from xlm.sampling_params import RequestOutputKind, SamplingParams
 from xlm.structured_output.backend import validate as validate_structured_outputs
 from xlm.tokenizer import get_eos_token_ids, get_tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
 
 _CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
+
+
+@dataclass(frozen=True)
+class PoolingModel:
+    """What the processor checks a pooling request against."""
+
+    defaults: PoolingParams
+    hidden_size: int
+    max_tokens: int  # per input: the step's token budget
 
 
 class Processor:
@@ -44,6 +55,9 @@ class Processor:
         self.eos_token_ids = eos_ids
         self.generation_config = dict(generation_config or {})
         self.max_logprobs = max_logprobs
+        # Set for a pooling model (from_config): its pooling defaults and the step budget
+        # a pooled prompt must fit in (it is prefilled in one step).
+        self.pooling: PoolingModel | None = None
 
     @classmethod
     def from_config(cls, config: XlmConfig) -> Processor:
@@ -56,13 +70,20 @@ class Processor:
         )
         generation_config = load_generation_config(model_config)
         eos_ids = get_eos_token_ids(tokenizer, model_config.hf_config, generation_config)
-        return cls(
+        processor = cls(
             tokenizer,
             model_config.max_model_len,
             vocab_size=model_config.hf_config.vocab_size,
             eos_token_id=sorted(eos_ids),
             generation_config=generation_config,
         )
+        if model_config.is_pooling:
+            processor.pooling = PoolingModel(
+                model_config.default_pooling or PoolingParams(),
+                model_config.hf_config.hidden_size,
+                config.scheduler_config.max_num_batched_tokens,
+            )
+        return processor
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -85,6 +106,37 @@ class Processor:
             "a dict with 'prompt' or 'prompt_token_ids'"
         )
 
+    def check_pooling_request(
+        self, token_ids: list[int], params: PoolingParams | None
+    ) -> tuple[SamplingParams, PoolingParams]:
+        """Check a prompt to embed; the placeholder sampling and the pooling to run.
+
+        A pooled prompt is prefilled in one step, so it must fit the step's token budget.
+        """
+        pooling = self.pooling
+        if pooling is None:
+            raise RequestValidationError(
+                "This model generates text (runner 'generate'): it does not pool "
+                "embeddings; start it with --runner pooling to serve embeddings",
+                "model",
+            )
+        params = params if params is not None else pooling.defaults
+        try:
+            params.verify(pooling.hidden_size)
+        except ValueError as e:
+            raise RequestValidationError.from_value_error(e) from None
+        self._check_prompt(token_ids, generates=False)
+        if len(token_ids) > pooling.max_tokens:
+            raise RequestValidationError(
+                f"The input has {len(token_ids)} tokens, more than the {pooling.max_tokens} "
+                "an input may have (the step budget, --max-num-batched-tokens: an input is "
+                "embedded in one step)",
+                "input",
+                _CONTEXT_LENGTH_EXCEEDED,
+            )
+        sampling = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        return sampling, params
+
     def check_request(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """The one check of a prompt and its parameters against this model.
 
@@ -93,10 +145,16 @@ class Processor:
         raises RequestValidationError naming the parameter. LLM and the server both go
         through here, so a rule and its message live once.
         """
+        if self.pooling is not None:
+            raise RequestValidationError(
+                "This model is an embedding model (runner 'pooling'): it does not generate "
+                "text; use LLM.embed or /v1/embeddings",
+                "model",
+            )
         self._check_prompt(token_ids)
         return self._check_params(params, len(token_ids))
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
+    def _check_prompt(self, token_ids: list[int], generates: bool = True) -> None:
         if not token_ids:
             raise RequestValidationError("The prompt is empty: give at least one token", "prompt")
         for token_id in token_ids:
@@ -110,7 +168,14 @@ class Processor:
                     f"{self.vocab_size})",
                     "prompt",
                 )
-        if len(token_ids) >= self.max_model_len:
+        if not generates and len(token_ids) > self.max_model_len:
+            raise RequestValidationError(
+                f"The input has {len(token_ids)} tokens, more than the maximum model length "
+                f"of {self.max_model_len}",
+                "input",
+                _CONTEXT_LENGTH_EXCEEDED,
+            )
+        if generates and len(token_ids) >= self.max_model_len:
             raise RequestValidationError(
                 f"The prompt (length {len(token_ids)}) is too long for the maximum model "
                 f"length of {self.max_model_len}: it must be shorter, to leave room for at "
@@ -171,10 +236,19 @@ class Processor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
+        pooling: bool = False,
     ) -> EngineCoreRequest:
-        """Tokenize and validate one prompt; the request keeps its own copy of ``params``."""
+        """Tokenize and validate one prompt; the request keeps its own copy of ``params``.
+
+        With `pooling` the prompt is embedded (`pooling_params`, else the model's default
+        pooling) and `params` is ignored; a pooling model takes only such requests.
+        """
         text, token_ids = self._tokenize(prompt)
-        params = self.check_request(token_ids, params)
+        if pooling:
+            params, pooling_params = self.check_pooling_request(token_ids, pooling_params)
+        else:
+            params = self.check_request(token_ids, params)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -184,6 +258,7 @@ class Processor:
             priority=priority,
             cache_salt=cache_salt,
             prompt=text,
+            pooling_params=pooling_params,
         )
 
 

@@ -48,6 +48,8 @@ WIRE_CLASSES: tuple[tuple[str, str], ...] = (
     ("xlm.sampling_params", "SamplingParams"),
     ("xlm.sampling_params", "RequestOutputKind"),
     ("xlm.sampling_params", "SamplingType"),
+    ("xlm.pooling_params", "PoolingParams"),
+    ("xlm.pooling_params", "PoolingType"),
     ("xlm.structured_output.params", "StructuredOutputsParams"),
     ("xlm.core.outputs", "EngineCoreOutput"),
     ("xlm.core.outputs", "LogprobsLists"),

@@ -13,7 +13,8 @@ from xlm import envs
 from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.llm_engine import LLMEngine
 from xlm.executor.multihost import follow_if_follower
-from xlm.outputs import RequestOutput
+from xlm.outputs import PoolingRequestOutput, RequestOutput
+from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 from xlm.tokenizer import apply_chat_template
 
@@ -116,25 +117,60 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One vector per prompt (`outputs.data`, float32 numpy; `outputs.embedding`, a
+        list) from a pooling model (`runner="pooling"`); None pools the model's default way."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"pooling_params has {len(params_list)} entries but there are "
+                    f"{len(prompt_list)} prompts: give one PoolingParams or one per prompt"
+                )
+
+        def add(request_id: str, prompt: PromptType, params: PoolingParams | None) -> None:
+            self.llm_engine.add_request(
+                request_id, prompt, None, pooling_params=params, pooling=True
+            )
+
+        return self._run_requests(prompt_list, params_list, add, use_tqdm)
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
     def _run(
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
+        def add(request_id: str, prompt: PromptType, p: SamplingParams) -> None:
+            p = p.clone()
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            self.llm_engine.add_request(request_id, prompt, p)
+
+        return self._run_requests(prompts, params, add, use_tqdm)
+
+    def _run_requests(
+        self, prompts: list[PromptType], params: list[Any], add: Any, use_tqdm: bool
+    ) -> list[Any]:
+        """Add every request (`add(request_id, prompt, params)`), step until all finish."""
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                p = p.clone()
-                p.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, p)
+                add(request_id, prompt, p)
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)  # nothing half-added stays in the engine
             raise
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         bar = tqdm(
             total=len(request_ids),
             desc="Processed prompts",
@@ -146,7 +182,8 @@ class LLM:
             for output in engine.step():
                 if output.finished:
                     finished[output.request_id] = output
-                    num_generated += sum(len(c.token_ids) for c in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        num_generated += sum(len(c.token_ids) for c in output.outputs)
                     bar.update(1)
                     bar.set_postfix_str(f"{num_generated} tokens out", refresh=False)
         bar.close()

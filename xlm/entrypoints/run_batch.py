@@ -1,7 +1,7 @@
 """`xlm run-batch -i in.jsonl -o out.jsonl`: OpenAI batch files through the engine.
 
 Each input line is an OpenAI batch request (`custom_id`, `method`, `url`, `body`) for
-`/v1/completions` or `/v1/chat/completions`; each output line is the batch result
+`/v1/completions`, `/v1/chat/completions` or `/v1/embeddings`; each output line is the batch result
 (`id`, `custom_id`, `response: {status_code, request_id, body}`, `error`), written in
 input order. The requests go through the server's own handlers, so a result's body is
 exactly what `xlm serve` would have answered. A rerun skips custom_ids already in the
@@ -29,15 +29,25 @@ from typing import Any
 from tqdm import tqdm
 
 from xlm import envs
+from xlm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
 from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception
+from xlm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    error_from_exception,
+    error_from_validation,
+)
 from xlm.logger import init_logger
 from xlm.sampling_params import MAX_DEVICE_LOGPROBS
 
 logger = init_logger(__name__)
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# url -> (its request model, the ServerState handler and method that answer it)
+ENDPOINTS: dict[str, tuple[type, str, str]] = {
+    "/v1/completions": (CompletionRequest, "completion", "create_completion"),
+    "/v1/chat/completions": (ChatCompletionRequest, "chat", "create_chat_completion"),
+    "/v1/embeddings": (EmbeddingRequest, "embedding", "create_embedding"),
+}
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
@@ -134,22 +144,14 @@ async def answer(state: Any, record: dict[str, Any]) -> dict[str, Any]:
                 f"POST {', '.join(ENDPOINTS)}",
                 param="url",
             )
-        body["stream"] = False  # batch results are whole responses
+        model, owner, method = ENDPOINTS[url]
+        if "stream" in model.model_fields:
+            body["stream"] = False  # batch results are whole responses
         try:
-            if url == "/v1/completions":
-                response = await state.completion.create_completion(
-                    CompletionRequest.model_validate(body)
-                )
-            else:
-                response = await state.chat.create_chat_completion(
-                    ChatCompletionRequest.model_validate(body)
-                )
+            request = model.model_validate(body)
+            response = await getattr(getattr(state, owner), method)(request)
         except ValidationError as e:
-            first = e.errors()[0]
-            raise OpenAIError(
-                f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
-                param=str(first["loc"][0]) if first["loc"] else None,
-            ) from e
+            raise error_from_validation(e.errors()) from e
         payload = response.model_dump(mode="json", exclude_none=True)
         return batch_result(custom_id, 200, payload, payload.get("id"))
     except Exception as e:  # the request's error, never the batch's

@@ -14,10 +14,12 @@ import json
 import os
 from collections.abc import Sequence
 
+from xlm.models.registry import base_model_lm
 from xlm.pooling_params import PoolingParams, PoolingType
 
 RUNNERS = ("auto", "generate", "pooling")
-_POOLING_SUFFIXES = ("Model", "ForSequenceClassification", "ForEmbedding")
+# Heads that pool; a headless `*Model` pools too (models.registry.base_model_lm).
+_POOLING_SUFFIXES = ("ForSequenceClassification", "ForEmbedding")
 # sentence-transformers pooling flags -> our types, in the order they are preferred.
 _ST_MODES = (
     ("pooling_mode_lasttoken", PoolingType.LAST),
@@ -51,7 +53,7 @@ def resolve_runner(runner: str, model_dir: str, architectures: Sequence[str] | N
     if os.path.isdir(model_dir) and _is_st_pooler(model_dir):
         return "pooling"
     arch = (architectures or [""])[0]
-    if arch.endswith(_POOLING_SUFFIXES) and not arch.endswith("PreTrainedModel"):
+    if base_model_lm(arch) is not None or arch.endswith(_POOLING_SUFFIXES):
         return "pooling"
     return "generate"
 

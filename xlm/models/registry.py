@@ -67,6 +67,10 @@ class _ModelRegistry:
         for arch in archs:
             if arch in self.models:
                 return self.load_model_cls(arch), arch
+        for arch in archs:  # a headless base model (an embedder): its family's LM class
+            lm = base_model_lm(arch)
+            if lm is not None and lm in self.models:
+                return self.load_model_cls(lm), arch
         raise ValueError(
             f"Model architectures {archs} are not supported by xlm. Supported architectures: "
             f"{', '.join(self.get_supported_archs())}. A plugin can add one with "
@@ -75,6 +79,16 @@ class _ModelRegistry:
 
 
 ModelRegistry = _ModelRegistry()
+
+
+def base_model_lm(architecture: str) -> str | None:
+    """`Qwen3Model` -> `Qwen3ForCausalLM`: a headless checkpoint (embedders such as
+    e5-mistral) runs on its family's class as a pooler; None for other names."""
+    if architecture.endswith("Model") and not architecture.endswith(
+        ("LMHeadModel", "PreTrainedModel")
+    ):
+        return architecture[: -len("Model")] + "ForCausalLM"
+    return None
 
 
 def register_model(architecture: str, model_cls: type | str) -> None:

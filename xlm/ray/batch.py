@@ -252,6 +252,7 @@ class _Writer:
                 "status_code": [r["response"]["status_code"] for r in results],
                 "response": [json.dumps(r["response"]) for r in results],
                 "error": [json.dumps(r["error"]) if r["error"] else None for r in results],
+                "embedding": [_embeddings(r) for r in results],
             },
             schema=RESULT_SCHEMA(),
         )
@@ -276,8 +277,19 @@ def RESULT_SCHEMA() -> Any:  # noqa: N802 - a constant built lazily (pyarrow is 
             ("status_code", pa.int64()),
             ("response", pa.string()),
             ("error", pa.string()),
+            # /v1/embeddings rows: each input's vector (float encoding), else null.
+            ("embedding", pa.list_(pa.list_(pa.float32()))),
         ]
     )
+
+
+def _embeddings(result: dict[str, Any]) -> list[list[float]] | None:
+    """The vectors of an embeddings result (in input order), for Parquet's list column."""
+    body = result["response"]["body"]
+    data = body.get("data") if isinstance(body, dict) and body.get("object") == "list" else None
+    if not data or not all(isinstance(d.get("embedding"), list) for d in data):
+        return None
+    return [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]
 
 
 def replica_args(args: argparse.Namespace) -> dict[str, Any]:

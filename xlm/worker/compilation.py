@@ -34,6 +34,7 @@ class ProgramKind(enum.Enum):
     MODEL = "model"  # forward over the ragged batch: KV caches, padded logits, hidden
     SAMPLER = "sampler"  # one token (and logprobs) per row of logits
     PROMPT_LOGPROBS = "prompt_logprobs"  # logprobs of prompt tokens from hidden states
+    POOLER = "pooler"  # one vector per request from the hidden states (pooling runner)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ class CachedRequestState:
     slot: int = -1
     # Prompt positions whose logprobs were already emitted (a recompute skips them).
     num_prompt_logprobs_done: int = 0
+    # A pooling request's PoolingParams (its vector replaces sampling).
+    pooling_params: Any = None
 
 
 class InputBatch:
@@ -69,7 +71,12 @@ class InputBatch:
         for req_id in so.preempted_req_ids:
             self.release(req_id, forget=False)
         for new in so.scheduled_new_reqs:
-            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), new.sampling_params)
+            state = CachedRequestState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                new.sampling_params,
+                pooling_params=new.pooling_params,
+            )
             self.add(state, new.block_ids, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

@@ -10,6 +10,7 @@ packed transfer, and the KV cache is donated to the step so XLA updates it in pl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from xlm.config import XlmConfig
 from xlm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.mesh import fetch, put_replicated, replicated
 from xlm.logger import init_logger
-from xlm.worker import prompt_logprobs
+from xlm.worker import pooler, prompt_logprobs
 from xlm.worker import sampler as sampler_lib
 from xlm.worker.buckets import Buckets
 from xlm.worker.compilation import (
@@ -50,10 +51,11 @@ class _StepInFlight:
     """A dispatched step whose results have not reached the host yet."""
 
     req_ids: list[str]
-    samples: np.ndarray  # per request: whether it samples this step
-    sampled: sampler_lib.SamplerOutput  # device arrays
+    samples: np.ndarray  # per request: whether it samples (or is pooled) this step
+    sampled: sampler_lib.SamplerOutput | None  # device arrays (None: pooling runner)
     hidden: jax.Array | None  # kept only when prompt logprobs read it
-    prompt_plan: prompt_logprobs.PromptLogprobsPlan
+    prompt_plan: prompt_logprobs.PromptLogprobsPlan | None
+    pooled: jax.Array | None = None  # pooling runner: [rows, hidden] vectors (device)
 
 
 class ModelRunner:
@@ -78,6 +80,9 @@ class ModelRunner:
         self.device_mesh = mesh
         self.mesh = MeshSpec.of(mesh)
         self.vocab_size = config.model_config.hf_config.vocab_size
+        self.hidden_size = config.model_config.hf_config.hidden_size
+        # A pooling runner's programs are the model (no logits) and the pooler, per bucket.
+        self.pooling = config.model_config.is_pooling
         self.sampler_config = sampler_lib.SamplerConfig()
         self.input_batch = InputBatch(
             self.max_num_seqs,
@@ -94,6 +99,7 @@ class ModelRunner:
         self._model_fn = jax.jit(self._model_step, static_argnums=(4,), donate_argnums=(1,))
         self._sample_fn = jax.jit(self._sample_step, static_argnums=(2,))
         self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs_step)
+        self._pool_fn = jax.jit(self._pool_step, static_argnums=(2,))
         # Steps dispatched and not yet collected, oldest first (async scheduling keeps one
         # in flight while the next is scheduled; execute_model collects at once).
         self._in_flight: deque[_StepInFlight | None] = deque()
@@ -138,6 +144,8 @@ class ModelRunner:
         input_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], inputs["input_ids"])
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"])
+        if self.pooling:  # no language-model head: the pooler reads the hidden states
+            return kv_caches, None, self._replicate(hidden)
         logits = model.compute_logits(hidden[inputs["logits_indices"]])
         # Pad (not compute) up to the sampler's row bucket, so its program fits every step.
         rows = self.buckets.sampler_bucket(logits.shape[0])
@@ -165,6 +173,19 @@ class ModelRunner:
         ids = jnp.pad(out.sampled_token_ids, (0, self._max_rows - logits.shape[0]))
         return self._replicate(dataclasses.replace(out, sampled_token_ids=ids))
 
+    def _pool_step(self, hidden: jax.Array, packed: jax.Array, layout: Any) -> jax.Array:
+        """One vector per request row from the step's hidden states (xlm.worker.pooler)."""
+        rows = unpack(packed, layout)
+        return self._replicate(
+            pooler.pool(
+                hidden,
+                rows["query_start_loc"],
+                rows["pooling_type"],
+                rows["normalize"],
+                rows["dimensions"],
+            )
+        )
+
     def _replicate(self, tree: Any) -> Any:
         """Outputs the host reads: a whole copy on every device (each process reads its own)."""
         if self.device_mesh is None:
@@ -184,13 +205,38 @@ class ModelRunner:
         return ProgramKey(kind, size, self.mesh)
 
     def _model_spec(self, packed: Any, prev_sampled: Any, layout: Any) -> ProgramSpec:
-        out_tree = jax.tree_util.tree_structure((list(self.kv_caches), 0, 0))
+        logits = None if self.pooling else 0
+        out_tree = jax.tree_util.tree_structure((list(self.kv_caches), logits, 0))
         args = (self.state, self.kv_caches, packed, prev_sampled)
         return ProgramSpec(self._model_fn, args, layout, out_tree, self.device_mesh)
 
     def _sampler_spec(self, logits: Any, packed: Any, layout: Any) -> ProgramSpec:
         out_tree = jax.tree_util.tree_structure(sampler_lib.SamplerOutput(0, 0, 0, 0, 0))
         return ProgramSpec(self._sample_fn, (logits, packed), layout, out_tree, self.device_mesh)
+
+    def _abstract_pooler_spec(self, model_spec: ProgramSpec, query_start_loc: Any) -> ProgramSpec:
+        """The pooler program of a bucket, over the hidden states its model program makes."""
+        with contextlib.ExitStack() as stack:
+            if self.device_mesh is not None:  # sharded ops trace under their mesh
+                stack.enter_context(jax.set_mesh(self.device_mesh))
+            _, _, hidden = jax.eval_shape(self._model_fn, *model_spec.args, model_spec.static)
+        rows = self._pooling_rows([], query_start_loc)
+        packed, layout = pack(rows)
+        hidden = self._abstract(hidden.shape, hidden.dtype)
+        return self._pooler_spec(hidden, self._abstract(packed.shape, packed.dtype), layout)
+
+    def _pooler_spec(self, hidden: Any, packed: Any, layout: Any) -> ProgramSpec:
+        out_tree = jax.tree_util.tree_structure(0)
+        return ProgramSpec(self._pool_fn, (hidden, packed), layout, out_tree, self.device_mesh)
+
+    def _pooling_rows(
+        self, req_ids: list[str], query_start_loc: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """The pooler's per-row inputs: the step's spans and each request's pooling."""
+        states = self.input_batch.requests
+        params = [states[r].pooling_params for r in req_ids]
+        rows = pooler.pooling_metadata(params, len(query_start_loc) - 1, self.hidden_size)
+        return {"query_start_loc": query_start_loc, **rows}
 
     def _prompt_logprobs_spec(self, hidden: Any, ids: Any) -> ProgramSpec:
         out_tree = jax.tree_util.tree_structure((0, 0, 0, 0))
@@ -220,9 +266,8 @@ class ModelRunner:
         self.step_count += 1
         return out
 
-    def _run(self, num_tokens_padded: int, inputs: dict[str, Any], sampling: Any) -> Any:
-        """Launch the step's model and sampler programs; returns their device outputs
-        (the sampler's and the hidden states) without waiting for them."""
+    def _run_model(self, num_tokens_padded: int, inputs: dict[str, Any]) -> tuple[Any, Any]:
+        """Launch the step's model program; its logits (None when pooling) and hidden."""
         packed, layout = pack(inputs)
         model_args = (self.state, self.kv_caches, self._put(packed), self._prev_sampled)
         program = self.compiler.get(
@@ -231,6 +276,23 @@ class ModelRunner:
             layout,
         )
         self.kv_caches, logits, hidden = program(*model_args)
+        return logits, hidden
+
+    def _run_pooler(self, num_tokens_padded: int, hidden: Any, rows: dict[str, Any]) -> Any:
+        """Launch the pooler program over the step's hidden states (device vectors)."""
+        packed, layout = pack(rows)
+        args = (hidden, self._put(packed))
+        program = self.compiler.get(
+            self._key(ProgramKind.POOLER, num_tokens_padded),
+            lambda: self._pooler_spec(*args, layout),
+            layout,
+        )
+        return program(*args)
+
+    def _run(self, num_tokens_padded: int, inputs: dict[str, Any], sampling: Any) -> Any:
+        """Launch the step's model and sampler programs; returns their device outputs
+        (the sampler's and the hidden states) without waiting for them."""
+        logits, hidden = self._run_model(num_tokens_padded, inputs)
         packed, layout = pack(sampling)
         sample_args = (logits, self._put(packed))
         program = self.compiler.get(
@@ -272,6 +334,14 @@ class ModelRunner:
         inputs, sampling, samples = self._prepare_inputs(
             req_ids, num_scheduled, num_tokens_padded, so
         )
+        if self.pooling:
+            _, hidden = self._run_model(num_tokens_padded, inputs)
+            rows = self._pooling_rows(req_ids, inputs["attn"].query_start_loc)
+            pooled = self._run_pooler(num_tokens_padded, hidden, rows)
+            batch.advance(req_ids, num_scheduled)
+            self._prev_rows = {}
+            self._in_flight.append(_StepInFlight(req_ids, samples, None, None, None, pooled))
+            return
         sampled, hidden = self._run(num_tokens_padded, inputs, sampling)
         plan = prompt_logprobs.plan(batch, req_ids, num_scheduled)
         batch.advance(req_ids, num_scheduled)
@@ -286,6 +356,8 @@ class ModelRunner:
         step = self._in_flight.popleft()
         if step is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if step.pooled is not None:
+            return self._collect_pooled(step)
         batch = self.input_batch
         sampled = fetch(step.sampled)
         prompt_lps = prompt_logprobs.compute(
@@ -328,6 +400,23 @@ class ModelRunner:
             prompt_logprobs=prompt_lps,
         )
 
+    def _collect_pooled(self, step: _StepInFlight) -> ModelRunnerOutput:
+        """The vectors of the requests whose prompts this step completed."""
+        vectors = np.asarray(fetch(step.pooled))
+        states = self.input_batch.requests
+        pooled: list[Any] = []
+        for i, req_id in enumerate(step.req_ids):
+            state = states.get(req_id)
+            if not step.samples[i] or state is None:
+                pooled.append(None)
+                continue
+            pooled.append(pooler.finish_vector(vectors[i].copy(), state.pooling_params))
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            sampled_token_ids=[[] for _ in step.req_ids],
+            pooler_output=pooled,
+        )
+
     def program_specs(self) -> dict[ProgramKey, ProgramSpec]:
         """Every program serving may need: one model and one sampler program per token
         bucket (the sampler's rows follow the bucket), and the prompt-logprobs program."""
@@ -337,15 +426,21 @@ class ModelRunner:
             packed, layout = pack(inputs)
             packed = self._abstract(packed.shape, packed.dtype)
             prev_sampled = self._abstract((self._max_rows,), jnp.int32)
-            specs[self._key(ProgramKind.MODEL, bucket)] = self._model_spec(
-                packed, prev_sampled, layout
-            )
+            model_spec = self._model_spec(packed, prev_sampled, layout)
+            specs[self._key(ProgramKind.MODEL, bucket)] = model_spec
+            if self.pooling:
+                specs[self._key(ProgramKind.POOLER, bucket)] = self._abstract_pooler_spec(
+                    model_spec, inputs["attn"].query_start_loc
+                )
+                continue
             packed, layout = pack(sampling)
             packed = self._abstract(packed.shape, packed.dtype)
             rows = self.buckets.sampler_bucket(self.buckets.rows_for_tokens(bucket))
             logits = self._abstract((rows, self.vocab_size), jnp.float32)
             specs[self._key(ProgramKind.SAMPLER, rows)] = self._sampler_spec(logits, packed, layout)
-        hidden_size = self.config.model_config.hf_config.hidden_size
+        if self.pooling:  # no sampler, no prompt logprobs: the pooler replaces them
+            return specs
+        hidden_size = self.hidden_size
         dtype = jax.tree_util.tree_leaves(self.state)[0].dtype
         specs[self._key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS)] = (
             self._prompt_logprobs_spec(

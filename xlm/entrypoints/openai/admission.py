@@ -26,7 +26,7 @@ def default_max_waiting(max_num_seqs: int) -> int:
 def request_cost(request: Any) -> int:
     """Sequences a parsed request puts into the engine: n per prompt."""
     n = max(1, int(getattr(request, "n", 1) or 1))
-    prompt = getattr(request, "prompt", None)
+    prompt = getattr(request, "prompt", getattr(request, "input", None))
     prompts = 1
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompts = len(prompt)

@@ -37,10 +37,13 @@ from xlm.entrypoints.openai.routes.common import (
     error_response,
     install_body_schemas,
     status_type,
-    validation_message,
 )
 from xlm.entrypoints.openai.security import BodySizeLimit, api_key_ok, needs_api_key
-from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_exception
+from xlm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    error_from_exception,
+    error_from_validation,
+)
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -138,8 +141,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(FastAPIValidationError)
     async def on_validation_error(request: Request, exc: FastAPIValidationError) -> JSONResponse:
-        message, param = validation_message(list(exc.errors()))
-        return error_response(OpenAIError(message, param=param))
+        return error_response(error_from_validation(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

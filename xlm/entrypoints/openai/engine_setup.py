@@ -19,6 +19,7 @@ from xlm.entrypoints.openai.cli_args import create_engine_config
 from xlm.entrypoints.openai.limits import DEFAULT_MAX_N, RequestLimits
 from xlm.entrypoints.openai.serving_chat import OpenAIServingChat
 from xlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from xlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from xlm.entrypoints.openai.serving_engine import ServingContext
 from xlm.entrypoints.openai.serving_models import OpenAIServingModels
 from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -76,6 +77,7 @@ class ServerState:
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         )
         self.models = OpenAIServingModels(self.ctx)
+        self.embedding = OpenAIServingEmbedding(self.ctx)
         max_num_seqs = int(getattr(args, "max_num_seqs", None) or 64)
         max_waiting = getattr(args, "max_waiting_requests", None)
         if max_waiting is None:

@@ -53,6 +53,23 @@ class OpenAIError(Exception):
         )
 
 
+def error_from_validation(errors: Sequence[Any]) -> OpenAIError:
+    """A 400 from pydantic's errors: a validator's own RequestValidationError as it is (its
+    parameter and message), else the first errors' places and messages."""
+    for err in errors:
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, RequestValidationError):
+            return OpenAIError(str(cause), param=cause.param, code=cause.code)
+    parts, param = [], None
+    for err in list(errors)[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+        where = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        msg = err.get("msg", "invalid")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return OpenAIError("; ".join(parts) or "invalid request", param=param)
+
+
 def error_from_exception(e: BaseException) -> OpenAIError:
     """Map an exception from validation or the engine to an OpenAIError."""
     if isinstance(e, OpenAIError):

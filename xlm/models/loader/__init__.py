@@ -32,7 +32,7 @@ from xlm.models.loader.safetensors_format import (
     count_safetensors_tensors,
     iter_safetensors_tensors,
 )
-from xlm.models.registry import ModelRegistry
+from xlm.models.registry import ModelRegistry, base_model_lm
 from xlm.plugins import load_general_plugins
 
 logger = init_logger(__name__)
@@ -187,6 +187,10 @@ class _WeightPlacer:
             value.shape, sharding, lambda index: np.array(value[index], self.np_dtype)
         )
 
+    def place_zeros(self, path: str) -> None:
+        """A parameter the checkpoint does not have, as zeros."""
+        self._put(path, np.zeros(self.shapes[path], self.np_dtype))
+
     def place(
         self, name: str, path: str, index: Any, value: np.ndarray, transposed: bool = False
     ) -> None:
@@ -235,8 +239,13 @@ def load_weights(
     dtype: Any,
     mesh: Mesh | None = None,
     total: int | None = None,
+    headless: bool = False,
 ) -> nnx.Module:
-    """Fill an abstract model from (hf_name, array) pairs; raise on missing or unused tensors."""
+    """Fill an abstract model from (hf_name, array) pairs; raise on missing or unused tensors.
+
+    `headless`: a base-model checkpoint, which has no language-model head; the head's
+    parameters are zeros (a pooling runner never computes logits).
+    """
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     variables = {".".join(map(str, path)): var for path, var in flat}
@@ -253,6 +262,10 @@ def load_weights(
             value = np.swapaxes(array, -1, -2) if target.transpose else array
             placer.place(name, target.param, target.index, value, target.transpose)
     missing = sorted(set(variables) - set(placer.placed))
+    if headless:
+        for path in [m for m in missing if m.startswith("lm_head.")]:
+            placer.place_zeros(path)
+            missing.remove(path)
     if missing or unused:
         raise ValueError(
             "Checkpoint does not match the model: "
@@ -309,4 +322,7 @@ def get_model(xlm_config: XlmConfig, mesh: Mesh | None = None) -> nnx.Module:
     if load_format == "dummy":
         return load_dummy_weights(model, dtype=dtype, seed=model_config.seed, mesh=mesh)
     tensors, total = _tensor_source(model_config.model, load_format)
-    return load_weights(model, tensors, dtype=dtype, mesh=mesh, total=total)
+    headless = base_model_lm(arch) is not None
+    if headless:  # a base model's tensors are named without the "model." prefix
+        tensors = ((n if n.startswith("model.") else f"model.{n}", t) for n, t in tensors)
+    return load_weights(model, tensors, dtype=dtype, mesh=mesh, total=total, headless=headless)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from xlm.entrypoints.openai.engine_setup import ServerState
-from xlm.entrypoints.openai.serving_engine import OpenAIError
+from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_validation
 
 _SCHEMA_REF = "#/components/schemas/{model}"
 _SCHEMA_DEFS: dict[str, Any] = {}
@@ -48,17 +48,6 @@ def status_type(status: int) -> str:
     }.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
-def validation_message(errors: list[Any]) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
-        where = ".".join(loc)
-        param = param or (loc[0] if loc else None)
-        msg = err.get("msg", "invalid")
-        parts.append(f"{where}: {msg}" if where else msg)
-    return "; ".join(parts) or "invalid request", param
-
-
 async def parse_body(raw_request: Request, model: type[BaseModel]) -> Any:
     """Parse a JSON body into a protocol model; OpenAIError (400/415) for anything else."""
     content_type = raw_request.headers.get("content-type", "")
@@ -77,8 +66,7 @@ async def parse_body(raw_request: Request, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        message, param = validation_message(e.errors())
-        raise OpenAIError(message, param=param) from None
+        raise error_from_validation(e.errors()) from None
 
 
 async def with_disconnect(raw_request: Request, work: Awaitable[Any]) -> Any:
