@@ -1,31 +1,18 @@
 """OutputProcessor: incremental detokenization, stop strings, n>1 merging, logprobs."""
 
 import importlib.util
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from xlm.core.outputs import LogprobsLists
+from xlm.core.outputs import EngineCoreOutput, LogprobsLists
 from xlm.engine.detokenizer import TokenizerInfo
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.parallel_sampling import ParentRequest
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 
 TEXT = "Hello 😀 world, 你好世界 🎉🎉 naïve café! Über straße ok."
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: Any = None
-    new_prompt_logprobs: Any = None
-    num_cached_tokens: int = 0
 
 
 @pytest.fixture(scope="module")

@@ -216,7 +216,7 @@ class OutputProcessor:
             new_ids = list(out.new_token_ids)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             metrics = state.metrics
-            scheduled = getattr(out, "first_scheduled_time", None)
+            scheduled = out.first_scheduled_time
             if metrics.first_scheduled_time is None and scheduled is not None:
                 metrics.first_scheduled_time = scheduled
             if new_ids:

@@ -104,6 +104,7 @@ def engine_fingerprint(
     return repr(
         (
             model.model,
+            model.runner,  # a pooling program returns no logits: another output tree
             model.dtype,
             model.hf_config.to_json_string(),
             # The step shapes (async scheduling, policy and chunking change no program).
