@@ -225,6 +225,9 @@ class ParallelConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    # A TPU slice to compile for instead of the local devices ("v5e:2x2"): weights and KV
+    # cache become sharded ShapeDtypeStructs and nothing runs (`xlm plan` only).
+    target_topology: str | None = None
 
     def __post_init__(self) -> None:
         owner = "ParallelConfig"

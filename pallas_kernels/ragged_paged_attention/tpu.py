@@ -36,14 +36,18 @@ def kv_cache_shape_tpu(
 def write_kv_tpu(
     kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> jax.Array:
-    """Scatter k, v [T, Hkv, D] into the TPU-layout cache at slot = block_id * block_size + off."""
-    _, _, _, block_size, _ = kv_cache.shape
+    """Scatter k, v [T, Hkv, D] into the TPU-layout cache at slot = block_id * block_size + off.
+
+    The scatter runs on the (2, num_blocks, Hkv * block_size, D) view, one row per (head,
+    position): with one KV head per chip the 5-D form's size-1 axis made the TPU compiler
+    copy the whole cache around the scatter (seen in `xlm plan`'s temp bytes)."""
+    two, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
     slots = slot_mapping.astype(jnp.int32)
-    # Index arrays split by a slice: numpy puts the indexed dim first, so values are [T, 2, ...].
-    kv = jnp.stack([k, v], axis=1).astype(kv_cache.dtype)  # [T, 2, Hkv, D]
-    return (
-        jnp.asarray(kv_cache).at[:, slots // block_size, :, slots % block_size].set(kv, mode="drop")
-    )
+    rows = jnp.arange(num_kv_heads)[None, :] * block_size + (slots % block_size)[:, None]
+    blocks = jnp.repeat(slots // block_size, num_kv_heads)
+    kv = jnp.stack([k, v], axis=0).astype(kv_cache.dtype).reshape(two, -1, head_dim)
+    flat = jnp.asarray(kv_cache).reshape(two, num_blocks, num_kv_heads * block_size, head_dim)
+    return flat.at[:, blocks, rows.reshape(-1)].set(kv, mode="drop").reshape(kv_cache.shape)
 
 
 def _sublane_tile(dtype) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-import xlm.worker.worker as worker_module
+from xlm import platforms
 from xlm.engine.arg_utils import EngineArgs
 from xlm.platforms.interface import Platform, PlatformEnum
 from xlm.worker.worker import Worker, kv_cache_bytes_per_block
@@ -22,10 +22,11 @@ class NoMemoryStatsPlatform(Platform):
 
 
 @pytest.mark.parametrize("kv_cache_memory", [None, 0.01])
-def test_kv_sizing_without_memory_statistics(tiny_checkpoint, monkeypatch, kv_cache_memory):
-    platform = NoMemoryStatsPlatform()
-    assert platform.get_device_free_memory() is None
-    monkeypatch.setattr(worker_module, "current_platform", platform)
+def test_kv_sizing_without_memory_statistics(
+    tiny_checkpoint, monkeypatch, on_platform, kv_cache_memory
+):
+    on_platform(NoMemoryStatsPlatform)
+    assert platforms.current_platform.get_device_free_memory() is None
     monkeypatch.delenv("XLM_CPU_KVCACHE_SPACE", raising=False)
     config = EngineArgs(
         model=tiny_checkpoint("llama"), max_model_len=64, warmup=False

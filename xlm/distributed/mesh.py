@@ -91,10 +91,15 @@ def fetch(tree: Any) -> Any:
 
 
 def per_device_bytes(tree: Any) -> dict[Any, int]:
-    """Bytes each (local) device holds of the arrays in `tree`."""
+    """Bytes each device of the mesh holds of the arrays or sharded ShapeDtypeStructs in
+    `tree` (a compile target's weights and caches are the latter: no data, only shardings)."""
     total: dict[Any, int] = {}
     for leaf in jax.tree_util.tree_leaves(tree):
-        if isinstance(leaf, jax.Array):
-            for shard in leaf.addressable_shards:
-                total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            continue
+        itemsize = np.dtype(leaf.dtype).itemsize
+        for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items():
+            shape = [len(range(*s.indices(n))) for s, n in zip(index, leaf.shape)]
+            total[device] = total.get(device, 0) + int(np.prod(shape)) * itemsize
     return total

@@ -66,9 +66,15 @@ _HELP = {
     "enable_compilation_cache": "use JAX's persistent compilation cache",
     "reasoning_parser": "reasoning format (deepseek_r1, qwen3): splits reasoning_content "
     "out of chat replies; constraints apply after the reasoning",
+    "target_topology": "compile for this TPU slice (v5e:2x2, v6e:2x4, v5p:2x2x1, v5e:4x4, ...) "
+    "instead of running on the local devices; nothing is allocated or run",
     "structured_outputs_enable_in_reasoning": "apply structured-output constraints from the "
     "first token, reasoning included",
 }
+
+
+# Options only `xlm plan` offers (it adds their flags itself).
+PLAN_ONLY = ("target_topology",)
 
 
 @dataclass
@@ -110,6 +116,8 @@ class EngineArgs:
     enable_compilation_cache: bool = True
     reasoning_parser: str | None = None
     structured_outputs_enable_in_reasoning: bool = False
+    # Compile-only (`xlm plan` adds the flag; an engine refuses it).
+    target_topology: str | None = None
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -117,7 +125,7 @@ class EngineArgs:
         group = parser.add_argument_group("engine")
         defaults = cls()
         for f in dataclasses.fields(cls):
-            if f.name in skip:
+            if f.name in skip or f.name in PLAN_ONLY:
                 continue
             flag = "--" + f.name.replace("_", "-")
             flags = (flag, "-tp") if f.name == "tensor_parallel_size" else (flag,)
@@ -167,6 +175,7 @@ class EngineArgs:
             coordinator_address=self.coordinator_address,
             num_processes=self.num_processes,
             process_id=self.process_id,
+            target_topology=self.target_topology,
         )
 
     def create_config(self) -> XlmConfig:

@@ -8,7 +8,7 @@ from typing import Any
 
 import xlm
 from xlm.engine.arg_utils import EngineArgs
-from xlm.entrypoints import collect_env, convert, generate, run_batch_cli, serve
+from xlm.entrypoints import collect_env, convert, generate, plan, run_batch_cli, serve
 from xlm.executor.multihost import follow_if_follower
 
 # Subcommand name -> (module, help). Each module defines add_parser(subparsers, name, help)
@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[Any, str]] = {
     "generate": (generate, "generate a completion for a prompt"),
     "chat": (generate, "interactive chat on the terminal"),
     "convert": (convert, "convert a GGUF file to a safetensors directory"),
+    "plan": (plan, "compile for a TPU slice here: memory per chip, programs, decode estimate"),
     "run-batch": (run_batch_cli, "run a file of OpenAI batch requests"),
     "serve": (serve, "start the OpenAI-compatible server"),
 }

@@ -19,6 +19,12 @@ class Executor(ABC):
     """Runs scheduled steps on the engine's workers; sizes the KV cache at start."""
 
     def __init__(self, config: XlmConfig) -> None:
+        target = config.parallel_config.target_topology
+        if target is not None:
+            raise ValueError(
+                f"target_topology={target!r} only compiles (xlm plan MODEL --target-topology "
+                f"{target}); an engine runs on the local devices: leave it unset"
+            )
         self.config = config
 
     @property

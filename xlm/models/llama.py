@@ -206,14 +206,28 @@ class LlamaForCausalLM(nnx.Module):
         return [op.sliding_window for op in self.attention_ops()]
 
     def make_kv_caches(
-        self, num_blocks: int, block_size: int, dtype: Any, mesh: Mesh | None = None
-    ) -> list[jax.Array]:
-        """One zeroed KV cache per layer in the attention op's layout (sharded over heads)."""
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: Any,
+        mesh: Mesh | None = None,
+        abstract: bool = False,
+    ) -> list[Any]:
+        """One zeroed KV cache per layer in the attention op's layout (sharded over heads);
+        `abstract`: sharded ShapeDtypeStructs instead (a compile target's, nothing allocated)."""
         ops = self.attention_ops()
         shape = ops[0].kv_cache_shape(num_blocks, block_size)
         sharding = None
-        if mesh is not None and ops[0].num_kv_heads % mesh.shape[TP_AXIS] == 0:
-            sharding = NamedSharding(mesh, PartitionSpec(*ops[0].kv_cache_sharding()))
+        if mesh is not None:
+            spec = PartitionSpec()
+            if ops[0].num_kv_heads % mesh.shape[TP_AXIS] == 0:
+                spec = PartitionSpec(*ops[0].kv_cache_sharding())
+            sharding = NamedSharding(mesh, spec)
+        if abstract:
+            return [
+                jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+                for _ in range(self.num_kv_caches())
+            ]
         return [jnp.zeros(shape, dtype, device=sharding) for _ in range(self.num_kv_caches())]
 
     def hf_weight_targets(

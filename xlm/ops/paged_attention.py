@@ -55,8 +55,12 @@ class AttentionMetadata:
 
 # Logical sharding of a layer's cache: over KV heads on the tensor-parallel axis.
 KV_CACHE_SHARDING: tuple[str | None, ...] = (None, None, None, "model", None)
-# The TPU kernel's layout (2, num_blocks, num_kv_heads, block_size, head_dim).
-KV_CACHE_SHARDING_TPU: tuple[str | None, ...] = (None, None, "model", None, None)
+# The TPU kernel's pages are stored with heads and in-block positions merged, (2,
+# num_blocks, num_kv_heads * block_size, head_dim), and viewed as the kernel's (2,
+# num_blocks, num_kv_heads, block_size, head_dim) per chip: a chip holding one KV head
+# would otherwise store a size-1 axis whose TPU layout is not the kernel's, and XLA copied
+# the whole cache around every layer's write (found by `xlm plan`, docs/tpu.md).
+KV_CACHE_SHARDING_TPU: tuple[str | None, ...] = (None, None, "model", None)
 TP_AXIS = "model"
 
 
@@ -246,7 +250,10 @@ class PagedAttention(CustomOp):
         if self._forward_name == "forward_tpu":
             from pallas_kernels.ragged_paged_attention import kv_cache_shape_tpu
 
-            return kv_cache_shape_tpu(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+            two, blocks, heads, size, dim = kv_cache_shape_tpu(
+                num_blocks, block_size, self.num_kv_heads, self.head_dim
+            )
+            return (two, blocks, heads * size, dim)
         return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def kv_cache_sharding(self) -> tuple[str | None, ...]:
@@ -346,6 +353,16 @@ class PagedAttention(CustomOp):
         """The Pallas Mosaic kernel over its own (head-major pages) layout."""
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv_tpu
 
-        return self._run_kernel(
-            ragged_paged_attention_tpu, write_kv_tpu, q, k, v, kv_cache, metadata
-        )
+        def pages(cache: jax.Array, local_kv_heads: int) -> jax.Array:
+            """This chip's stored cache viewed in the kernel's layout."""
+            two, blocks, rows, dim = cache.shape
+            return cache.reshape(two, blocks, local_kv_heads, rows // local_kv_heads, dim)
+
+        def write(cache, k, v, slot_mapping):
+            return write_kv_tpu(pages(cache, k.shape[1]), k, v, slot_mapping).reshape(cache.shape)
+
+        def kernel(q, cache, *args, **kwargs):
+            local_kv_heads = q.shape[1] * self.num_kv_heads // self.num_heads
+            return ragged_paged_attention_tpu(q, pages(cache, local_kv_heads), *args, **kwargs)
+
+        return self._run_kernel(kernel, write, q, k, v, kv_cache, metadata)

@@ -174,6 +174,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def swap_current_platform(platform: Platform | None) -> Platform | None:
+    """Make `platform` the current one and return the one it replaces (a compile target's
+    platform while a plan builds its programs: xlm.platforms.target.compiling_for)."""
+    global _current_platform
+    previous, _current_platform = _current_platform, platform
+    return previous
+
+
 def _reset_current_platform() -> None:
     """Forget the resolved platform (tests only)."""
     global _current_platform

@@ -68,8 +68,12 @@ class ModelRunner:
         num_blocks: int,
         kv_dtype: jnp.dtype,
         mesh: jax.sharding.Mesh | None = None,
+        abstract: bool = False,
     ) -> None:
         self.config = config
+        # A compile target's runner (xlm plan): ShapeDtypeStructs on the target's mesh, for
+        # program_specs() to lower; it never runs a step or saves a program.
+        self.abstract = abstract
         sched, cache = config.scheduler_config, config.cache_config
         self.block_size = cache.block_size
         self.max_model_len = sched.max_model_len
@@ -93,7 +97,9 @@ class ModelRunner:
         )
         self.graphdef, self.state = nnx.split(model)
         self.num_blocks = num_blocks
-        self.kv_caches = model.make_kv_caches(num_blocks, self.block_size, kv_dtype, mesh=mesh)
+        self.kv_caches = model.make_kv_caches(
+            num_blocks, self.block_size, kv_dtype, mesh=mesh, abstract=abstract
+        )
         # Unseeded requests draw from the engine seed folded with the step count.
         self.step_count = config.model_config.seed << 20
         self._model_fn = jax.jit(self._model_step, static_argnums=(4,), donate_argnums=(1,))
@@ -107,11 +113,15 @@ class ModelRunner:
         # bucket) and which row each sampling request had: a token the host does not know
         # yet is read from there by the next step's program.
         self._max_rows = self.buckets.sampler_buckets[-1]
-        self._prev_sampled = self._put(np.zeros(self._max_rows, np.int32))
+        self._prev_sampled = (
+            self._abstract((self._max_rows,), jnp.int32)
+            if abstract
+            else self._put(np.zeros(self._max_rows, np.int32))
+        )
         self._prev_rows: dict[str, int] = {}
         self.compiler = Compiler(
             ExecutableCache(
-                executable_cache_dir(config),
+                None if abstract else executable_cache_dir(config),
                 engine_fingerprint(config, num_blocks, kv_dtype, self.mesh),
             )
         )

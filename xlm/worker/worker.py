@@ -3,23 +3,43 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from flax import nnx
 
-from xlm import envs
+from xlm import envs, platforms
 from xlm.config import XlmConfig
 from xlm.core.kv_cache_groups import KVCacheGroupSpec, blocks_for_request, group_layers
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.coordination import agree_min
-from xlm.distributed.mesh import describe_mesh, make_mesh
+from xlm.distributed.mesh import describe_mesh, make_mesh, per_device_bytes
 from xlm.logger import init_logger
 from xlm.metrics import startup
 from xlm.models.loader import get_model, resolve_dtype
-from xlm.platforms import current_platform
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
+from xlm.platforms.target import CompileTarget, compile_target
 from xlm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 
 GiB = 1 << 30
+
+
+class KVCacheTooSmallError(ValueError):
+    """The memory left for the KV cache cannot hold one request of max_model_len."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        num_blocks: int,
+        needed_blocks: int,
+        block_bytes: int,
+        weight_bytes: int,
+    ) -> None:
+        super().__init__(message)
+        self.num_blocks = num_blocks
+        self.needed_blocks = needed_blocks
+        self.block_bytes = block_bytes  # per device (per process on CPU)
+        self.weight_bytes = weight_bytes  # on the fullest device
 
 
 def kv_cache_bytes_per_block(model, block_size: int, dtype: jnp.dtype) -> int:
@@ -53,12 +73,18 @@ class Worker:
         self.config = config
 
         parallel = config.parallel_config
-        # One device in one process needs no mesh; anything else runs on the global mesh.
-        single = parallel.world_size == 1 and not parallel.is_multihost
-        self.mesh = None if single else make_mesh(parallel)
+        # A compile target (xlm plan): the slice's abstract devices, nothing allocated.
+        self.target: CompileTarget | None = None
+        if parallel.target_topology is not None:
+            self.target = compile_target(parallel.target_topology)
+        # One device in one process needs no mesh; anything else runs on the global mesh
+        # (a target always has one: abstract arrays need a sharding on its devices).
+        single = parallel.world_size == 1 and not parallel.is_multihost and not self.target
+        devices = None if self.target is None else self.target.devices
+        self.mesh = None if single else make_mesh(parallel, devices)
         logger.info("Devices: %s.", describe_mesh(self.mesh))
         with startup.phase("weights"):
-            self.model = get_model(config, mesh=self.mesh)
+            self.model = get_model(config, mesh=self.mesh, abstract=self.target is not None)
         model_config = config.model_config
         cache_dtype = config.cache_config.cache_dtype
         self.kv_dtype = (
@@ -77,15 +103,45 @@ class Worker:
         config.cache_config.sliding_window = shared_sliding_window(self.model)
         with startup.phase("KV cache"):
             self.model_runner = ModelRunner(
-                config, self.model, self.num_blocks, self.kv_dtype, mesh=self.mesh
+                config,
+                self.model,
+                self.num_blocks,
+                self.kv_dtype,
+                mesh=self.mesh,
+                abstract=self.target is not None,
             )
+
+    def weight_bytes_per_device(self) -> int:
+        """Bytes of parameters the fullest device holds (its shards, replicas included)."""
+        return max(per_device_bytes(nnx.state(self.model)).values())
+
+    def _memory_in_use(self) -> tuple[int, int]:
+        """(device memory, bytes in use now): the platform's statistics, or for a compile
+        target the chip's HBM with the weights' shards as the bytes in use."""
+        platform = platforms.current_platform
+        total = platform.get_device_total_memory()
+        if self.target is not None:
+            return total, self.weight_bytes_per_device()
+        return total, total - platform.get_device_free_memory()
+
+    def blocks_for_one_request(self) -> int:
+        """The fewest blocks that serve one request of max_model_len (and the null block)."""
+        cache, sched = self.config.cache_config, self.config.scheduler_config
+        groups = cache.kv_cache_groups or [KVCacheGroupSpec(None, ())]
+        return (
+            blocks_for_request(
+                groups, sched.max_model_len, cache.block_size, sched.max_num_batched_tokens
+            )
+            + 1
+        )
 
     def _determine_num_blocks(self) -> int:
         cache = self.config.cache_config
         per_block = kv_cache_bytes_per_block(self.model, cache.block_size, self.kv_dtype)
+        platform = platforms.current_platform
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
-        elif current_platform.is_cpu() or current_platform.get_device_free_memory() is None:
+        elif platform.is_cpu() or platform.get_device_free_memory() is None:
             # No memory statistics (CPU, or an out-of-tree platform whose backend reports
             # none): a configured size, else XLM_CPU_KVCACHE_SPACE, else the default.
             gib = cache.kv_cache_memory
@@ -94,8 +150,7 @@ class Worker:
             num_blocks = int(gib * GiB // per_block)
         else:
             # Device memory left after the weights, within the utilization budget.
-            total = current_platform.get_device_total_memory()
-            in_use = total - current_platform.get_device_free_memory()
+            total, in_use = self._memory_in_use()
             budget = total * cache.memory_utilization - in_use
             # Memory figures are per device; each device holds 1/tp of every block.
             per_block = -(-per_block // self.config.parallel_config.tensor_parallel_size)
@@ -107,20 +162,17 @@ class Worker:
         if cache.num_blocks is None:
             # One global cache needs one size: the smallest of all processes'.
             num_blocks = agree_min("num_blocks", num_blocks)
-        sched = self.config.scheduler_config
-        groups = cache.kv_cache_groups or [KVCacheGroupSpec(None, ())]
-        needed = (
-            blocks_for_request(
-                groups, sched.max_model_len, cache.block_size, sched.max_num_batched_tokens
-            )
-            + 1
-        )
+        needed = self.blocks_for_one_request()
         if num_blocks < needed:
-            raise ValueError(
+            raise KVCacheTooSmallError(
                 f"KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.2f} GiB) "
                 f"cannot hold one request of max_model_len="
                 f"{self.config.scheduler_config.max_model_len} ({needed} blocks); raise "
-                f"kv_cache_memory / memory_utilization or lower max_model_len"
+                f"kv_cache_memory / memory_utilization or lower max_model_len",
+                num_blocks=num_blocks,
+                needed_blocks=needed,
+                block_bytes=per_block,
+                weight_bytes=self.weight_bytes_per_device(),
             )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s).",

@@ -301,8 +301,24 @@ def build_abstract_model(
     return nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, rngs=nnx.Rngs(seed)))
 
 
-def get_model(xlm_config: XlmConfig, mesh: Mesh | None = None) -> nnx.Module:
-    """Read the config, build the model abstractly and load its weights."""
+def abstract_weights(model: nnx.Module, *, dtype: Any, mesh: Mesh) -> nnx.Module:
+    """The model with sharded ShapeDtypeStruct parameters on `mesh` (a compile target's
+    devices): the shapes and shardings loading would give, no bytes read or allocated."""
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    values = {}
+    for path, var in flat:
+        shape = tuple(var.shape)
+        sharding = _sharding_for(var, shape, mesh)
+        values[".".join(map(str, path))] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return _merge(graphdef, flat, values)
+
+
+def get_model(
+    xlm_config: XlmConfig, mesh: Mesh | None = None, abstract: bool = False
+) -> nnx.Module:
+    """Read the config, build the model abstractly and load its weights (`abstract`: a
+    compile target's sharded ShapeDtypeStructs instead; no weights are read)."""
     load_general_plugins()  # plugins may register architectures; runs once per process
     model_config = xlm_config.model_config
     load_format = resolve_load_format(model_config.model, model_config.load_format)
@@ -319,6 +335,8 @@ def get_model(xlm_config: XlmConfig, mesh: Mesh | None = None) -> nnx.Module:
     )
     with set_current_xlm_config(xlm_config):
         model = build_abstract_model(model_cls, hf_config, dtype, model_config.seed)
+    if abstract:
+        return abstract_weights(model, dtype=dtype, mesh=mesh)
     if load_format == "dummy":
         return load_dummy_weights(model, dtype=dtype, seed=model_config.seed, mesh=mesh)
     tensors, total = _tensor_source(model_config.model, load_format)

@@ -1,0 +1,178 @@
+"""`xlm plan`: the engine's programs compiled for TPU slices by the TPU compiler (libtpu, no
+TPU), checked field by field against arithmetic done here from the model's config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoConfig
+
+from xlm.entrypoints import cli
+from xlm.platforms.target import CHIPS
+
+pytest.importorskip("libtpu")
+
+# Small shapes the TPU kernel tiles: 128-wide heads, 16-token pages (the TPU minimum).
+LLAMA = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+ENGINE = ["--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "64"]
+
+
+def config_dir(tmp_path, model_type: str, architecture: str, **overrides) -> str:
+    """A directory with config.json only: plan reads no weights."""
+    config = AutoConfig.for_model(model_type, **{**LLAMA, **overrides})
+    config.architectures = [architecture]
+    path = tmp_path / model_type
+    config.save_pretrained(path)
+    return str(path)
+
+
+def run_plan(capsys, model: str, *flags: str) -> tuple[int, dict, str]:
+    code = cli.main(["plan", model, *flags, "--json"])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out), captured.err
+
+
+def llama_weight_bytes_per_chip(c: dict, tp: int) -> int:
+    """Parameters one chip holds at TP=tp, counted from the config: every matrix split over
+    the chips (embedding and head over the vocabulary), KV heads replicated up to tp."""
+    h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    q_width = c["num_attention_heads"] * d
+    kv_width = max(c["num_key_value_heads"], tp) * d
+    per_layer = (h * q_width + 2 * h * kv_width + q_width * h + 3 * h * inter) // tp + 2 * h
+    total = 2 * c["vocab_size"] * h // tp + c["num_hidden_layers"] * per_layer + h
+    return total * 2  # bfloat16
+
+
+def test_tiny_llama_fits_v5e_2x2_at_tp4_field_by_field(tmp_path, capsys):
+    model = config_dir(tmp_path, "llama", "LlamaForCausalLM")
+    code, r, _ = run_plan(capsys, model, "--target-topology", "v5e:2x2", "-tp", "4", *ENGINE)
+    assert code == 0 and r["fits"] is True
+    assert (r["topology"], r["chips"], r["hosts"], r["chips_per_host"]) == ("v5e:2x2", 4, 1, 4)
+    assert r["device_kind"] == "TPU v5 lite" and r["dtype"] == "bfloat16"
+    pc = r["per_chip"]
+    assert pc["weight_bytes"] == llama_weight_bytes_per_chip(LLAMA, 4)
+    # KV: 2 KV heads replicated to one per chip; a 16-token block of 2 layers holds K and V.
+    block = r["block_size"]
+    assert block == 16
+    block_bytes = LLAMA["num_hidden_layers"] * 2 * block * 1 * LLAMA["head_dim"] * 2
+    assert pc["kv_cache_bytes"] == pc["kv_cache_tokens"] // block * block_bytes
+    # Sized from what the chip has left after the weights and the largest program's
+    # temporaries, within the utilization budget, as the engine does on a real device.
+    hbm = CHIPS["v5e"].hbm_bytes
+    assert pc["hbm_bytes"] == hbm and pc["budget_bytes"] == int(hbm * 0.9)
+    left = pc["budget_bytes"] - pc["total_bytes"]
+    assert 0 <= left < block_bytes
+    assert pc["total_bytes"] == pc["weight_bytes"] + pc["kv_cache_bytes"] + pc["max_temp_bytes"]
+    assert pc["max_temp_bytes"] == max(p["temp_bytes"] for p in r["programs"])
+    # Per kind the smallest and largest bucket, and the decode programs (1 and 16 rows).
+    names = {p["name"] for p in r["programs"]}
+    assert {"model[1]", "model[16]", "model[64]", "sampler[1]", "sampler[16]"} <= names
+    assert len(r["programs"]) < r["num_programs"]
+    for p in r["programs"]:
+        assert p["compile_s"] > 0 and p["flops"] > 0 and p["bytes_accessed"] > 0
+        assert p["pallas_kernel"] is (p["kind"] == "model")
+    est = r["decode_estimate"]
+    assert est["max_num_seqs"] == 16
+    assert 0 < est["batch_1_tok_s"] < est["batch_max_tok_s"]
+    # The roofline adds the KV the kernel reads: 16 requests at the longest context.
+    assert est["batch_max"]["context_tokens"] == 512
+    assert est["batch_max"]["kv_read_bytes"] == 16 * 512 * block_bytes // block
+
+
+def test_tiny_qwen3_moe_on_v5e_2x2_has_the_kernel_in_its_programs(tmp_path, capsys):
+    model = config_dir(
+        tmp_path,
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
+    code, r, _ = run_plan(capsys, model, "--target-topology", "v5e:2x2", "-tp", "4", *ENGINE)
+    assert code == 0 and r["fits"] is True
+    models = [p for p in r["programs"] if p["kind"] == "model"]
+    assert models and all(p["pallas_kernel"] for p in models)
+
+
+def test_multi_host_slice_compiles_in_one_process_with_kv_head_replication(tmp_path, capsys):
+    """v5e:4x4 spans 4 hosts; TP=16 over 2 KV heads replicates each 8 times."""
+    model = config_dir(tmp_path, "llama", "LlamaForCausalLM", num_attention_heads=16)
+    code, r, _ = run_plan(capsys, model, "--target-topology", "v5e:4x4", "-tp", "16", *ENGINE)
+    assert code == 0 and r["fits"] is True
+    assert (r["chips"], r["hosts"], r["chips_per_host"]) == (16, 4, 4)
+    c = {**LLAMA, "num_attention_heads": 16}
+    assert r["per_chip"]["weight_bytes"] == llama_weight_bytes_per_chip(c, 16)
+    assert all(p["pallas_kernel"] for p in r["programs"] if p["kind"] == "model")
+
+
+def test_weights_that_do_not_fit_exit_nonzero_naming_the_shortfall(tmp_path, capsys):
+    # An 8M-token vocabulary at hidden 2048: embedding and head are 2 x 33.6 GB, 16.8 GB
+    # per chip of a v5e:2x2 at TP=4, over the 14.2 GB budget (0.9 of 15.75 GiB).
+    model = config_dir(
+        tmp_path, "llama", "LlamaForCausalLM", vocab_size=8_192_000, hidden_size=2048
+    )
+    code, r, err = run_plan(capsys, model, "--target-topology", "v5e:2x2", "-tp", "4", *ENGINE)
+    assert code == 1 and r["fits"] is False
+    pc = r["per_chip"]
+    c = {**LLAMA, "vocab_size": 8_192_000, "hidden_size": 2048}
+    assert pc["weight_bytes"] == llama_weight_bytes_per_chip(c, 4)
+    assert pc["total_bytes"] == pc["weight_bytes"] + pc["kv_bytes_one_request"]
+    assert pc["shortfall_bytes"] == pc["total_bytes"] - pc["budget_bytes"] > 0
+    assert r["programs"] == []  # nothing to compile once the weights alone do not fit
+    assert "does not fit" in err and "max_model_len=512" in err
+
+
+def test_program_the_compiler_refuses_exits_nonzero_naming_it(tmp_path, capsys):
+    # The weights fit, but a 131072-token step through a 131072-wide MLP (32768 per chip)
+    # needs 34 GB of temporaries: the TPU compiler refuses the largest model program.
+    model = config_dir(tmp_path, "llama", "LlamaForCausalLM", intermediate_size=131072)
+    flags = ["--max-model-len", "512", "--max-num-seqs", "16"]
+    code, r, err = run_plan(
+        capsys,
+        model,
+        "--target-topology",
+        "v5e:2x2",
+        "-tp",
+        "4",
+        *flags,
+        "--max-num-batched-tokens",
+        "131072",
+    )
+    assert code == 1 and r["fits"] is False
+    assert r["reason"].startswith("the TPU compiler refused model[131072]: RESOURCE_EXHAUSTED")
+    assert r["per_chip"]["max_temp_bytes"] > CHIPS["v5e"].hbm_bytes
+    assert "does not fit" in err
+
+
+def test_bad_target_is_a_clear_error(tmp_path, capsys):
+    model = config_dir(tmp_path, "llama", "LlamaForCausalLM")
+    assert cli.main(["plan", model, "--target-topology", "v9z:2x2"]) == 2
+    assert "target_topology='v9z:2x2'" in capsys.readouterr().err
+    assert cli.main(["plan", model, "--target-topology", "v5e:2x2", "-tp", "8"]) == 2
+    assert "tensor_parallel_size=8 needs 8 chips" in capsys.readouterr().err
+
+
+def test_engine_refuses_a_compile_target():
+    from xlm.config import ModelConfig, ParallelConfig, XlmConfig
+    from xlm.executor.uniproc import UniProcExecutor
+
+    config = XlmConfig(
+        ModelConfig(model="m"), parallel_config=ParallelConfig(target_topology="v5e:2x2")
+    )
+    with pytest.raises(ValueError, match="only compiles"):
+        UniProcExecutor(config)

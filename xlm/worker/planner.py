@@ -1,0 +1,306 @@
+"""`xlm plan`: build the engine's worker for a compile target (a TPU slice, no TPU here),
+compile the programs it would run there and report per-chip memory, compile times, the
+Pallas kernel's presence and a roofline decode estimate.
+
+The worker is the engine's own (xlm.worker.worker.Worker with `target_topology` set): the
+same mesh rules, KV cache sizing and `program_specs()` as serving, over the slice's
+abstract devices, with weights and caches as sharded ShapeDtypeStructs. Each program is
+lowered and compiled by the TPU compiler; `memory_analysis()` gives its per-chip temp
+bytes, `cost_analysis()` its per-chip flops and bytes. Speed is an estimate from those
+figures and the chip's published peaks, never a measurement.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from xlm.config import XlmConfig
+from xlm.distributed.mesh import per_device_bytes
+from xlm.logger import init_logger
+from xlm.platforms.target import CompileTarget, compile_target
+from xlm.worker.compilation import ProgramKey, ProgramKind, ProgramSpec
+from xlm.worker.worker import KVCacheTooSmallError, Worker, kv_cache_bytes_per_block
+
+logger = init_logger(__name__)
+
+# The Mosaic (Pallas TPU) kernel's custom-call target in compiled HLO.
+PALLAS_TPU_CALL = 'custom_call_target="tpu_custom_call"'
+
+
+@dataclass
+class CompiledProgram:
+    """One compiled program's figures (per chip)."""
+
+    key: ProgramKey
+    compile_s: float
+    pallas_kernel: bool
+    flops: float
+    bytes_accessed: float
+    temp_bytes: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.key.kind.value}[{self.key.size}]"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.key.kind.value,
+            "size": self.key.size,
+            "compile_s": round(self.compile_s, 3),
+            "pallas_kernel": self.pallas_kernel,
+            "flops": self.flops,
+            "bytes_accessed": self.bytes_accessed,
+            "temp_bytes": self.temp_bytes,
+        }
+
+
+class ProgramTooLargeError(ValueError):
+    """The TPU compiler refused a program: its temporaries exceed the chip's HBM."""
+
+    def __init__(self, key: ProgramKey, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+        match = re.search(r"HLO temporaries \(([\d.]+)G\)", message)
+        self.temp_bytes = int(float(match.group(1)) * (1 << 30)) if match else None
+
+
+def compile_program(key: ProgramKey, spec: ProgramSpec) -> CompiledProgram:
+    """Lower and compile one program for the target; read its cost and memory."""
+    start = time.perf_counter()
+    try:
+        compiled = spec.lower().compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ProgramTooLargeError(key, str(e).splitlines()[0]) from e
+    seconds = time.perf_counter() - start
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    memory = compiled.memory_analysis()
+    return CompiledProgram(
+        key=key,
+        compile_s=seconds,
+        pallas_kernel=PALLAS_TPU_CALL in compiled.as_text(),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
+    )
+
+
+def choose_programs(
+    specs: dict[ProgramKey, ProgramSpec], decode_keys: set[ProgramKey], every: bool
+) -> list[ProgramKey]:
+    """Every program (`every`), else per kind the smallest and largest, plus the decode
+    programs the estimate reads."""
+    if every:
+        return list(specs)
+    chosen: set[ProgramKey] = set(decode_keys)
+    for kind in ProgramKind:
+        keys = sorted((k for k in specs if k.kind == kind), key=lambda k: k.size)
+        chosen.update(keys[:1] + keys[-1:])
+    return [k for k in specs if k in chosen]
+
+
+def decode_keys(worker: Worker, batch: int) -> list[ProgramKey]:
+    """The programs of a decode step of `batch` requests (one token each)."""
+    runner = worker.model_runner
+    tokens = runner.buckets.token_bucket(batch)
+    keys = [runner._key(ProgramKind.MODEL, tokens)]
+    if runner.pooling:
+        keys.append(runner._key(ProgramKind.POOLER, tokens))
+    else:
+        rows = runner.buckets.sampler_bucket(runner.buckets.rows_for_tokens(tokens))
+        keys.append(runner._key(ProgramKind.SAMPLER, rows))
+    return keys
+
+
+def decode_estimate(
+    worker: Worker,
+    target: CompileTarget,
+    programs: dict[ProgramKey, CompiledProgram],
+    batch: int,
+    kv_tokens: int,
+) -> dict[str, Any]:
+    """Roofline of one decode step of `batch` requests on one chip: each program takes
+    max(flops / peak, bytes / bandwidth). The attention kernel is a custom call whose
+    KV reads the compiler does not count, so they are added: every request at the longest
+    context the KV cache holds for `batch` requests (at most max_model_len)."""
+    chip = target.chip
+    config = worker.config
+    context = min(config.scheduler_config.max_model_len, kv_tokens // batch)
+    kv_token_bytes = (
+        kv_cache_bytes_per_block(worker.model, 1, worker.kv_dtype)
+        // config.parallel_config.tensor_parallel_size
+    )
+    kv_read = batch * context * kv_token_bytes
+    seconds = kv_read / chip.hbm_bytes_per_s
+    for key in decode_keys(worker, batch):
+        p = programs[key]
+        seconds += max(p.flops / chip.peak_bf16_flops, p.bytes_accessed / chip.hbm_bytes_per_s)
+    return {
+        "batch": batch,
+        "context_tokens": context,
+        "kv_read_bytes": kv_read,
+        "step_ms": seconds * 1e3,
+        "tok_s": batch / seconds,
+    }
+
+
+def _sizes(worker: Worker) -> dict[str, int]:
+    runner = worker.model_runner
+    return {
+        "weight_bytes": worker.weight_bytes_per_device(),
+        "kv_cache_bytes": max(per_device_bytes(runner.kv_caches).values()),
+        "kv_cache_tokens": worker.num_blocks * worker.config.cache_config.block_size,
+    }
+
+
+def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
+    """Build the worker for `config`'s target topology, compile its programs and report.
+
+    Call under `xlm.platforms.target.compiling_for(target)` from before the config is
+    created, so that platform defaults (dtype, block size) are the target's.
+    """
+    parallel = config.parallel_config
+    if parallel.target_topology is None:
+        raise ValueError("plan needs a compile target: target_topology is not set")
+    target = compile_target(parallel.target_topology)
+    tp = parallel.tensor_parallel_size
+    if tp > len(target.devices):
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs {tp} chips; {target.topology} has "
+            f"{len(target.devices)}"
+        )
+    utilization = config.cache_config.memory_utilization
+    report: dict[str, Any] = {
+        "model": config.model_config.model,
+        "topology": target.topology,
+        "device_kind": target.device_kind,
+        "chips": len(target.devices),
+        "hosts": target.num_hosts,
+        "chips_per_host": target.devices_per_host,
+        "tensor_parallel_size": tp,
+        "chip": {
+            "name": target.chip.name,
+            "hbm_bytes": target.chip.hbm_bytes,
+            "peak_bf16_flops": target.chip.peak_bf16_flops,
+            "hbm_bytes_per_s": target.chip.hbm_bytes_per_s,
+            "source": target.chip.source,
+        },
+        "memory_utilization": utilization,
+        "max_model_len": config.scheduler_config.max_model_len,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+    }
+    hbm = target.chip.hbm_bytes
+    budget = int(hbm * utilization)
+    auto_kv = config.cache_config.num_blocks is None
+    try:
+        worker = Worker(config)
+    except KVCacheTooSmallError as e:
+        needed_kv = e.needed_blocks * e.block_bytes
+        total = e.weight_bytes + needed_kv
+        report.update(
+            fits=False,
+            reason=f"weights ({e.weight_bytes}) and the KV cache of one max_model_len="
+            f"{config.scheduler_config.max_model_len} request ({e.needed_blocks} blocks, "
+            f"{needed_kv}) need {total} bytes per chip; {budget} allowed ({utilization} of "
+            f"{hbm}): {total - budget} short (raise tensor_parallel_size, lower "
+            "max_model_len, or choose a larger chip)",
+            per_chip={
+                "weight_bytes": e.weight_bytes,
+                "kv_cache_bytes": 0,
+                "kv_cache_tokens": 0,
+                "kv_bytes_one_request": needed_kv,
+                "max_temp_bytes": None,
+                "total_bytes": e.weight_bytes + needed_kv,
+                "hbm_bytes": hbm,
+                "budget_bytes": budget,
+                "shortfall_bytes": e.weight_bytes + needed_kv - budget,
+            },
+            programs=[],
+            decode_estimate=None,
+        )
+        return report
+    report["dtype"] = jnp.dtype(worker.kv_dtype).name
+    report["block_size"] = config.cache_config.block_size
+    runner = worker.model_runner
+    specs = runner.program_specs()
+    max_seqs = config.scheduler_config.max_num_seqs
+    decode = {k for b in (1, max_seqs) for k in decode_keys(worker, b)}
+    programs: dict[ProgramKey, CompiledProgram] = {}
+    sizes = _sizes(worker)
+    for key in choose_programs(specs, decode, every):
+        try:
+            programs[key] = compile_program(key, specs[key])
+        except ProgramTooLargeError as e:
+            name = f"{key.kind.value}[{key.size}]"
+            report.update(
+                fits=False,
+                reason=f"the TPU compiler refused {name}: {e}",
+                per_chip={
+                    **sizes,
+                    "max_temp_bytes": e.temp_bytes,
+                    "total_bytes": None,
+                    "hbm_bytes": hbm,
+                    "budget_bytes": budget,
+                    "shortfall_bytes": None,
+                },
+                num_programs=len(specs),
+                programs=[p.as_json() for p in programs.values()],
+                decode_estimate=None,
+            )
+            return report
+        logger.info("Compiled %s in %.1f s.", programs[key].name, programs[key].compile_s)
+    max_temp = max(p.temp_bytes for p in programs.values())
+    needed = worker.blocks_for_one_request()
+    block_bytes = sizes["kv_cache_bytes"] // worker.num_blocks
+    if auto_kv:
+        # The engine sized the cache with an estimate of the activations; the compiled
+        # programs give the real figure: the cache is what is left of the budget after the
+        # weights and the largest program's temporaries (the cache's size changes no
+        # program's temporaries: the cache is updated in place).
+        blocks = max(budget - sizes["weight_bytes"] - max_temp, 0) // block_bytes
+        blocks = max(blocks, needed)  # fewer does not fit: the total says by how much
+        sizes["kv_cache_bytes"] = blocks * block_bytes
+        sizes["kv_cache_tokens"] = blocks * config.cache_config.block_size
+    total = sizes["weight_bytes"] + sizes["kv_cache_bytes"] + max_temp
+    fits = total <= budget
+    report.update(
+        fits=fits,
+        reason=None
+        if fits
+        else f"weights ({sizes['weight_bytes']}), a KV cache of at least {needed} blocks for "
+        f"max_model_len={config.scheduler_config.max_model_len} ({needed * block_bytes}) and "
+        f"the largest program's temporaries ({max_temp}) need {total} bytes per chip; "
+        f"{budget} allowed ({utilization} of {hbm})",
+        per_chip={
+            **sizes,
+            "max_temp_bytes": max_temp,
+            "total_bytes": total,
+            "hbm_bytes": hbm,
+            "budget_bytes": budget,
+            "shortfall_bytes": max(total - budget, 0),
+        },
+        num_programs=len(specs),
+        programs=[p.as_json() for p in programs.values()],
+        decode_estimate={
+            "max_num_seqs": max_seqs,
+            "batch_1": decode_estimate(worker, target, programs, 1, sizes["kv_cache_tokens"]),
+            "batch_max": decode_estimate(
+                worker, target, programs, max_seqs, sizes["kv_cache_tokens"]
+            ),
+        },
+    )
+    est = report["decode_estimate"]
+    est["batch_1_tok_s"] = est["batch_1"]["tok_s"]
+    est["batch_max_tok_s"] = est["batch_max"]["tok_s"]
+    return report
