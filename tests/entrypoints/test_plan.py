@@ -8,22 +8,21 @@ import json
 import pytest
 from transformers import AutoConfig
 
+from tests.conftest import _BASE
 from xlm.entrypoints import cli
 from xlm.platforms.target import CHIPS
 
 pytest.importorskip("libtpu")
 
-# Small shapes the TPU kernel tiles: 128-wide heads, 16-token pages (the TPU minimum).
+# The tiny test config with shapes the TPU kernel tiles: 128-wide heads (16-token pages are
+# the TPU platform's minimum), bf16 as a served checkpoint would be.
 LLAMA = dict(
+    _BASE,
     vocab_size=1024,
     hidden_size=256,
     intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=128,
     max_position_embeddings=2048,
-    tie_word_embeddings=False,
     torch_dtype="bfloat16",
 )
 ENGINE = ["--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "64"]
