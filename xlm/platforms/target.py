@@ -18,6 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from jax.experimental import topologies
+
+from xlm import platforms
 from xlm.platforms.tpu import TpuPlatform
 
 GiB = 1 << 30
@@ -87,10 +90,6 @@ def compile_target(topology: str) -> CompileTarget:
             f"<chip>:<dims> with chip one of {sorted(CHIPS)} (e.g. v5e:2x2, v6e:2x4, "
             "v5p:2x2x1, v5e:4x4)"
         )
-    try:
-        from jax.experimental import topologies
-    except ImportError as e:  # pragma: no cover - jax always has it
-        raise ImportError("compiling for a TPU target needs jax.experimental.topologies") from e
     # libtpu warns about a missing TPU host environment; deviceless compiles need none.
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "")
     # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for processes that own
@@ -127,8 +126,6 @@ class TargetTpuPlatform(TpuPlatform):
 def compiling_for(target: CompileTarget) -> Iterator[TargetTpuPlatform]:
     """Make the target's platform the current one (op dispatch, dtype and config
     defaults follow it) while a plan builds and compiles its programs."""
-    from xlm import platforms
-
     platform = TargetTpuPlatform(target)
     previous = platforms.swap_current_platform(platform)
     try:

@@ -163,6 +163,101 @@ def _sizes(worker: Worker) -> dict[str, int]:
     }
 
 
+def _header(config: XlmConfig, target: CompileTarget) -> dict[str, Any]:
+    """What was planned: the slice, its chip's figures and the engine's step shapes."""
+    sched = config.scheduler_config
+    return {
+        "model": config.model_config.model,
+        "topology": target.topology,
+        "device_kind": target.device_kind,
+        "chips": len(target.devices),
+        "hosts": target.num_hosts,
+        "chips_per_host": target.devices_per_host,
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "chip": {
+            "name": target.chip.name,
+            "hbm_bytes": target.chip.hbm_bytes,
+            "peak_bf16_flops": target.chip.peak_bf16_flops,
+            "hbm_bytes_per_s": target.chip.hbm_bytes_per_s,
+            "source": target.chip.source,
+        },
+        "memory_utilization": config.cache_config.memory_utilization,
+        "max_model_len": sched.max_model_len,
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+    }
+
+
+@dataclass
+class _Budget:
+    """A chip's HBM and the share the engine may use."""
+
+    hbm: int
+    utilization: float
+
+    @property
+    def allowed(self) -> int:
+        return int(self.hbm * self.utilization)
+
+    def per_chip(self, sizes: dict[str, Any], temp: int | None, total: int | None) -> dict:
+        short = None if total is None else max(total - self.allowed, 0)
+        return {
+            **sizes,
+            "max_temp_bytes": temp,
+            "total_bytes": total,
+            "hbm_bytes": self.hbm,
+            "budget_bytes": self.allowed,
+            "shortfall_bytes": short,
+        }
+
+    def over(self, needs: str, total: int) -> str:
+        return (
+            f"{needs} need {total} bytes per chip; {self.allowed} allowed "
+            f"({self.utilization} of {self.hbm}): {total - self.allowed} short"
+        )
+
+
+def _weights_do_not_fit(e: KVCacheTooSmallError, config: XlmConfig, budget: _Budget) -> dict:
+    needed_kv = e.needed_blocks * e.block_bytes
+    total = e.weight_bytes + needed_kv
+    sizes = {
+        "weight_bytes": e.weight_bytes,
+        "kv_cache_bytes": 0,
+        "kv_cache_tokens": 0,
+        "kv_bytes_one_request": needed_kv,
+    }
+    needs = (
+        f"weights ({e.weight_bytes}) and the KV cache of one max_model_len="
+        f"{config.scheduler_config.max_model_len} request ({e.needed_blocks} blocks, "
+        f"{needed_kv})"
+    )
+    return dict(
+        fits=False,
+        reason=budget.over(needs, total)
+        + " (raise tensor_parallel_size, lower max_model_len, or choose a larger chip)",
+        per_chip=budget.per_chip(sizes, None, total),
+        programs=[],
+        decode_estimate=None,
+    )
+
+
+def _sized_cache(
+    worker: Worker, sizes: dict[str, int], max_temp: int, budget: _Budget
+) -> dict[str, int]:
+    """The KV cache the chip holds once the programs' real temporaries are known.
+
+    The engine sized the cache with an estimate of the activations; the cache is what is
+    left of the budget after the weights and the largest program's temporaries (its size
+    changes no program's temporaries: the cache is updated in place). Fewer blocks than one
+    request needs do not fit: the total then says by how much.
+    """
+    block_bytes = sizes["kv_cache_bytes"] // worker.num_blocks
+    blocks = max(budget.allowed - sizes["weight_bytes"] - max_temp, 0) // block_bytes
+    blocks = max(blocks, worker.blocks_for_one_request())
+    block_size = worker.config.cache_config.block_size
+    return {**sizes, "kv_cache_bytes": blocks * block_bytes, "kv_cache_tokens": blocks * block_size}
+
+
 def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
     """Build the worker for `config`'s target topology, compile its programs and report.
 
@@ -179,61 +274,17 @@ def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
             f"tensor_parallel_size={tp} needs {tp} chips; {target.topology} has "
             f"{len(target.devices)}"
         )
-    utilization = config.cache_config.memory_utilization
-    report: dict[str, Any] = {
-        "model": config.model_config.model,
-        "topology": target.topology,
-        "device_kind": target.device_kind,
-        "chips": len(target.devices),
-        "hosts": target.num_hosts,
-        "chips_per_host": target.devices_per_host,
-        "tensor_parallel_size": tp,
-        "chip": {
-            "name": target.chip.name,
-            "hbm_bytes": target.chip.hbm_bytes,
-            "peak_bf16_flops": target.chip.peak_bf16_flops,
-            "hbm_bytes_per_s": target.chip.hbm_bytes_per_s,
-            "source": target.chip.source,
-        },
-        "memory_utilization": utilization,
-        "max_model_len": config.scheduler_config.max_model_len,
-        "max_num_seqs": config.scheduler_config.max_num_seqs,
-        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-    }
-    hbm = target.chip.hbm_bytes
-    budget = int(hbm * utilization)
+    report = _header(config, target)
+    budget = _Budget(target.chip.hbm_bytes, config.cache_config.memory_utilization)
     auto_kv = config.cache_config.num_blocks is None
     try:
         worker = Worker(config)
     except KVCacheTooSmallError as e:
-        needed_kv = e.needed_blocks * e.block_bytes
-        total = e.weight_bytes + needed_kv
-        report.update(
-            fits=False,
-            reason=f"weights ({e.weight_bytes}) and the KV cache of one max_model_len="
-            f"{config.scheduler_config.max_model_len} request ({e.needed_blocks} blocks, "
-            f"{needed_kv}) need {total} bytes per chip; {budget} allowed ({utilization} of "
-            f"{hbm}): {total - budget} short (raise tensor_parallel_size, lower "
-            "max_model_len, or choose a larger chip)",
-            per_chip={
-                "weight_bytes": e.weight_bytes,
-                "kv_cache_bytes": 0,
-                "kv_cache_tokens": 0,
-                "kv_bytes_one_request": needed_kv,
-                "max_temp_bytes": None,
-                "total_bytes": e.weight_bytes + needed_kv,
-                "hbm_bytes": hbm,
-                "budget_bytes": budget,
-                "shortfall_bytes": e.weight_bytes + needed_kv - budget,
-            },
-            programs=[],
-            decode_estimate=None,
-        )
-        return report
+        return {**report, **_weights_do_not_fit(e, config, budget)}
     report["dtype"] = jnp.dtype(worker.kv_dtype).name
     report["block_size"] = config.cache_config.block_size
-    runner = worker.model_runner
-    specs = runner.program_specs()
+    specs = worker.model_runner.program_specs()
+    report["num_programs"] = len(specs)
     max_seqs = config.scheduler_config.max_num_seqs
     decode = {k for b in (1, max_seqs) for k in decode_keys(worker, b)}
     programs: dict[ProgramKey, CompiledProgram] = {}
@@ -242,65 +293,38 @@ def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
         try:
             programs[key] = compile_program(key, specs[key])
         except ProgramTooLargeError as e:
-            name = f"{key.kind.value}[{key.size}]"
-            report.update(
-                fits=False,
-                reason=f"the TPU compiler refused {name}: {e}",
-                per_chip={
-                    **sizes,
-                    "max_temp_bytes": e.temp_bytes,
-                    "total_bytes": None,
-                    "hbm_bytes": hbm,
-                    "budget_bytes": budget,
-                    "shortfall_bytes": None,
-                },
-                num_programs=len(specs),
-                programs=[p.as_json() for p in programs.values()],
-                decode_estimate=None,
-            )
-            return report
+            return {
+                **report,
+                "fits": False,
+                "reason": f"the TPU compiler refused {key.kind.value}[{key.size}]: {e}",
+                "per_chip": budget.per_chip(sizes, e.temp_bytes, None),
+                "programs": [p.as_json() for p in programs.values()],
+                "decode_estimate": None,
+            }
         logger.info("Compiled %s in %.1f s.", programs[key].name, programs[key].compile_s)
     max_temp = max(p.temp_bytes for p in programs.values())
-    needed = worker.blocks_for_one_request()
-    block_bytes = sizes["kv_cache_bytes"] // worker.num_blocks
     if auto_kv:
-        # The engine sized the cache with an estimate of the activations; the compiled
-        # programs give the real figure: the cache is what is left of the budget after the
-        # weights and the largest program's temporaries (the cache's size changes no
-        # program's temporaries: the cache is updated in place).
-        blocks = max(budget - sizes["weight_bytes"] - max_temp, 0) // block_bytes
-        blocks = max(blocks, needed)  # fewer does not fit: the total says by how much
-        sizes["kv_cache_bytes"] = blocks * block_bytes
-        sizes["kv_cache_tokens"] = blocks * config.cache_config.block_size
+        sizes = _sized_cache(worker, sizes, max_temp, budget)
     total = sizes["weight_bytes"] + sizes["kv_cache_bytes"] + max_temp
-    fits = total <= budget
-    report.update(
-        fits=fits,
-        reason=None
-        if fits
-        else f"weights ({sizes['weight_bytes']}), a KV cache of at least {needed} blocks for "
-        f"max_model_len={config.scheduler_config.max_model_len} ({needed * block_bytes}) and "
-        f"the largest program's temporaries ({max_temp}) need {total} bytes per chip; "
-        f"{budget} allowed ({utilization} of {hbm})",
-        per_chip={
-            **sizes,
-            "max_temp_bytes": max_temp,
-            "total_bytes": total,
-            "hbm_bytes": hbm,
-            "budget_bytes": budget,
-            "shortfall_bytes": max(total - budget, 0),
-        },
-        num_programs=len(specs),
-        programs=[p.as_json() for p in programs.values()],
-        decode_estimate={
-            "max_num_seqs": max_seqs,
-            "batch_1": decode_estimate(worker, target, programs, 1, sizes["kv_cache_tokens"]),
-            "batch_max": decode_estimate(
-                worker, target, programs, max_seqs, sizes["kv_cache_tokens"]
-            ),
-        },
+    fits = total <= budget.allowed
+    needs = (
+        f"weights ({sizes['weight_bytes']}), the KV cache ({sizes['kv_cache_bytes']}) and the "
+        f"largest program's temporaries ({max_temp})"
     )
-    est = report["decode_estimate"]
-    est["batch_1_tok_s"] = est["batch_1"]["tok_s"]
-    est["batch_max_tok_s"] = est["batch_max"]["tok_s"]
-    return report
+    tokens = sizes["kv_cache_tokens"]
+    batch_1 = decode_estimate(worker, target, programs, 1, tokens)
+    batch_max = decode_estimate(worker, target, programs, max_seqs, tokens)
+    return {
+        **report,
+        "fits": fits,
+        "reason": None if fits else budget.over(needs, total),
+        "per_chip": budget.per_chip(sizes, max_temp, total),
+        "programs": [p.as_json() for p in programs.values()],
+        "decode_estimate": {
+            "max_num_seqs": max_seqs,
+            "batch_1_tok_s": batch_1["tok_s"],
+            "batch_max_tok_s": batch_max["tok_s"],
+            "batch_1": batch_1,
+            "batch_max": batch_max,
+        },
+    }
