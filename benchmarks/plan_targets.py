@@ -5,12 +5,20 @@ Each plan runs in its own process (a cold start: nothing compiled before), one a
 other; the full text output of each goes to stdout and its JSON to benchmarks/plan/.
 Compile times are wall-clock on this machine; speed figures are roofline estimates.
 
-    python benchmarks/plan_targets.py [--all]
+    python benchmarks/plan_targets.py [--all] [--only 8b-v5e-2x2,...]
+
+GPU cases need JAX's CUDA plugin; a separate environment keeps its 5.5 GB out of the
+test setup:
+
+    python -m venv --system-site-packages .venv-cuda
+    .venv-cuda/bin/pip install "jax[cuda12]==0.10.2"
+    JAX_PLATFORMS=cpu .venv-cuda/bin/python benchmarks/plan_targets.py --only 70b-h100-8
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,6 +36,8 @@ CASES = [
     ("8b-v6e-2x2", "Llama-3.1-8B", "v6e:2x2", 4, ["--max-model-len", "8192"], 0),
     ("70b-v5e-4x4", "Llama-3.1-70B", "v5e:4x4", 16, ["--max-model-len", "8192"], 0),
     ("70b-v5e-2x2", "Llama-3.1-70B", "v5e:2x2", 4, ["--max-model-len", "8192"], 1),
+    # Needs JAX's CUDA plugin (jax[cuda12]); skipped without it.
+    ("70b-h100-8", "Llama-3.1-70B", "h100:8", 8, ["--max-model-len", "8192"], 0),
 ]
 
 
@@ -73,8 +83,12 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma list of case names")
     args = parser.parse_args()
     print(f"date {time.strftime('%Y-%m-%d %H:%M:%S')}, load {os.getloadavg()[0]:.2f}\n")
+    cuda = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
     for case in CASES:
         if args.only and case[0] not in args.only.split(","):
+            continue
+        if case[2].startswith(("h100", "h200", "a100")) and not cuda:
+            print(f"{case[0]}: skipped (no JAX CUDA plugin: pip install 'jax[cuda12]')\n")
             continue
         run(case, args.every)
 

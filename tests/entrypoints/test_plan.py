@@ -153,7 +153,7 @@ def test_program_the_compiler_refuses_exits_nonzero_naming_it(tmp_path, capsys):
         "131072",
     )
     assert code == 1 and r["fits"] is False
-    assert r["reason"].startswith("the TPU compiler refused model[131072]: RESOURCE_EXHAUSTED")
+    assert r["reason"].startswith("the compiler refused model[131072]: RESOURCE_EXHAUSTED")
     assert r["per_chip"]["max_temp_bytes"] > CHIPS["v5e"].hbm_bytes
     assert "does not fit" in err
 
@@ -175,3 +175,20 @@ def test_engine_refuses_a_compile_target():
     )
     with pytest.raises(ValueError, match="only compiles"):
         UniProcExecutor(config)
+
+
+def test_gpu_node_compiles_with_the_triton_kernel(tmp_path, capsys):
+    """An H100 node, compiled by XLA:GPU (ptxas included) without a GPU. Needs JAX's CUDA
+    plugin (jax[cuda12], 5.5 GB: not in the test extra; docs/tpu.md says how to run it)."""
+    pytest.importorskip("jax_plugins.xla_cuda12")
+    model = config_dir(tmp_path, "llama", "LlamaForCausalLM")
+    code, r, _ = run_plan(capsys, model, "--target-topology", "h100:4", "-tp", "4", *ENGINE)
+    assert code == 0 and r["fits"] is True
+    assert (r["chips"], r["hosts"], r["chip"]["name"]) == (4, 1, "h100")
+    # JAX's default share of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.75).
+    assert r["per_chip"]["hbm_bytes"] == int(CHIPS["h100"].hbm_bytes * 0.75)
+    assert r["per_chip"]["weight_bytes"] == llama_weight_bytes_per_chip(LLAMA, 4)
+    for p in r["programs"]:
+        # XLA:GPU reports no cost without a device: xlm's own count stands in.
+        assert p["cost_source"] == "count" and p["flops"] > 0
+        assert p["pallas_kernel"] is (p["kind"] == "model")

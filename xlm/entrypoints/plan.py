@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
+
+import jax
 
 from xlm.engine.arg_utils import EngineArgs
 from xlm.platforms.target import compile_target, compiling_for
@@ -24,8 +27,8 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
     parser.add_argument(
         "--target-topology",
         required=True,
-        help="TPU slice to compile for: v5e:2x2, v6e:2x4, v5p:2x2x1, v4:2x2x1, v5e:4x4 (two "
-        "or more hosts), ...",
+        help="TPU slice or GPU node to compile for: v5e:2x2, v6e:2x4, v5p:2x2x1, v4:2x2x1, "
+        "v5e:4x4 (several hosts), ..., h100:8, h200:8, a100:8 (needs jax[cuda12])",
     )
     parser.add_argument(
         "--all",
@@ -40,6 +43,10 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if not os.environ.get("JAX_PLATFORMS"):
+        # Nothing runs here: keep JAX off any local accelerator (and a CUDA plugin with no
+        # GPU from failing its start-up check); targets are described and compiled anyway.
+        jax.config.update("jax_platforms", "cpu")
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = args.model_tag
     engine_args.target_topology = args.target_topology

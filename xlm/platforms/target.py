@@ -11,6 +11,7 @@ ShapeDtypeStructs. `xlm plan` (xlm.worker.planner) is the user of this module.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -21,6 +22,8 @@ from typing import Any
 from jax.experimental import topologies
 
 from xlm import platforms
+from xlm.platforms.cuda import CudaPlatform
+from xlm.platforms.interface import Platform
 from xlm.platforms.tpu import TpuPlatform
 
 GiB = 1 << 30
@@ -36,6 +39,10 @@ class Chip:
     peak_bf16_flops: float
     hbm_bytes_per_s: float
     source: str
+    platform: str = "tpu"
+    # GPUs: the XLA GpuDeviceInfoProto fields of the target configuration (the compiler
+    # reads no device, so it must be told the SM count, shared memory, compute capability).
+    gpu: tuple[tuple[str, Any], ...] = ()
 
 
 def _gib(x: float) -> int:
@@ -56,12 +63,106 @@ CHIPS: dict[str, Chip] = {
     "v6e": Chip("v6e", _gib(31.25), 918e12, 1640e9, "cloud.google.com/tpu/docs/v6e"),
 }
 
+
+def _gpu(
+    capability: tuple[int, int],
+    sms: int,
+    fpus: int,
+    smem_sm: int,
+    smem_optin: int,
+    l2: int,
+    clock_ghz: float,
+    memory: int,
+    bandwidth: float,
+) -> tuple:
+    return (
+        ("capability", capability),
+        ("core_count", sms),
+        ("fpus_per_core", fpus),
+        ("shared_memory_per_core", smem_sm),
+        ("shared_memory_per_block_optin", smem_optin),
+        ("l2_cache_size", l2),
+        ("clock_rate_ghz", clock_ghz),
+        ("device_memory_size", memory),
+        ("memory_bandwidth", int(bandwidth)),
+    )
+
+
+# NVIDIA's data sheets (H100 SXM5 80 GB, H200 SXM 141 GB, A100 SXM4 80 GB; dense bf16
+# tensor-core peaks, i.e. without sparsity) and CUDA's per-architecture limits (SMs, shared
+# memory per SM and per block opt-in, L2); memory is the device total nvidia-smi reports.
+_MIB = 1 << 20
+CHIPS.update(
+    {
+        "h100": Chip(
+            "h100",
+            81559 * _MIB,
+            989e12,
+            3.35e12,
+            "nvidia.com/en-us/data-center/h100",
+            "cuda",
+            _gpu((9, 0), 132, 128, 233472, 232448, 50 * _MIB, 1.98, 81559 * _MIB, 3.35e12),
+        ),
+        "h200": Chip(
+            "h200",
+            143771 * _MIB,
+            989e12,
+            4.8e12,
+            "nvidia.com/en-us/data-center/h200",
+            "cuda",
+            _gpu((9, 0), 132, 128, 233472, 232448, 50 * _MIB, 1.98, 143771 * _MIB, 4.8e12),
+        ),
+        "a100": Chip(
+            "a100",
+            81920 * _MIB,
+            312e12,
+            2.039e12,
+            "nvidia.com/en-us/data-center/a100",
+            "cuda",
+            _gpu((8, 0), 108, 64, 167936, 166912, 40 * _MIB, 1.41, 81920 * _MIB, 2.039e12),
+        ),
+    }
+)
+
+
+def gpu_target_config(chip: Chip) -> str:
+    """The chip as a GpuTargetConfigProto (text), what XLA's GPU compiler needs in place
+    of a device (the format of XLA's own xla/tools/hlo_opt/gpu_specs files)."""
+    f = dict(chip.gpu)
+    major, minor = f["capability"]
+    return f"""gpu_device_info {{
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {f["shared_memory_per_core"]}
+  shared_memory_per_block_optin: {f["shared_memory_per_block_optin"]}
+  threads_per_core_limit: 2048
+  core_count: {f["core_count"]}
+  fpus_per_core: {f["fpus_per_core"]}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {f["memory_bandwidth"]}
+  l2_cache_size: {f["l2_cache_size"]}
+  clock_rate_ghz: {f["clock_rate_ghz"]}
+  device_memory_size: {f["device_memory_size"]}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 patch: 0 }}
+device_description_str: "{chip.name}"
+"""
+
+
 _TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$")
+_GPU_NODE = re.compile(r"^(h100|h200|a100):([1-8])$")
 
 
 @dataclass(frozen=True)
 class CompileTarget:
-    """A TPU slice to compile for: its name, devices (abstract), chip and hosts."""
+    """A TPU slice or GPU node to compile for: its name, devices (abstract), chip, hosts."""
 
     topology: str
     chip: Chip
@@ -82,14 +183,17 @@ class CompileTarget:
 
 @functools.cache
 def compile_target(topology: str) -> CompileTarget:
-    """The slice named `topology` ("v5e:2x2", "v6e:2x4", "v5p:2x2x1", "v5e:4x4", ...)."""
-    match = _TOPOLOGY.match(topology)
-    if match is None:
+    """The slice or node named `topology`: a TPU slice ("v5e:2x2", "v6e:2x4", "v5p:2x2x1",
+    "v5e:4x4", ...) or one GPU node ("h100:8", "h200:8", "a100:4")."""
+    tpu, gpu = _TOPOLOGY.match(topology), _GPU_NODE.match(topology)
+    if tpu is None and gpu is None:
         raise ValueError(
-            f"target_topology={topology!r} is not a TPU slice name: allowed "
-            f"<chip>:<dims> with chip one of {sorted(CHIPS)} (e.g. v5e:2x2, v6e:2x4, "
-            "v5p:2x2x1, v5e:4x4)"
+            f"target_topology={topology!r} is not a TPU slice or GPU node name: allowed "
+            f"<tpu>:<dims> with tpu one of v4, v5e, v5p, v6e (e.g. v5e:2x2, v6e:2x4, "
+            "v5p:2x2x1, v5e:4x4), or <gpu>:<1-8> with gpu one of h100, h200, a100"
         )
+    if gpu is not None:
+        return _gpu_target(topology, CHIPS[gpu.group(1)], int(gpu.group(2)))
     # libtpu warns about a missing TPU host environment; deviceless compiles need none.
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "")
     # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for processes that own
@@ -102,15 +206,32 @@ def compile_target(topology: str) -> CompileTarget:
             f"target_topology={topology!r} could not be described by libtpu ({e}); install "
             "the TPU compiler with pip install 'jax[tpu]==<your jax version>'"
         ) from e
-    return CompileTarget(topology, CHIPS[match.group(1)], tuple(desc.devices))
+    return CompileTarget(topology, CHIPS[tpu.group(1)], tuple(desc.devices))
 
 
-class TargetTpuPlatform(TpuPlatform):
-    """The TPU platform of a compile target: its devices are the slice's (abstract), its
-    memory the chip's published HBM; nothing runs on it."""
+def _gpu_target(topology: str, chip: Chip, count: int) -> CompileTarget:
+    try:
+        desc = topologies.get_topology_desc(
+            platform="cuda", target_config=gpu_target_config(chip), topology=f"1x1x{count}"
+        )
+    except Exception as e:
+        raise ValueError(
+            f"target_topology={topology!r} could not be described by JAX's CUDA plugin "
+            f"({e}); install it with pip install 'jax[cuda12]==<your jax version>' and run "
+            "with JAX_PLATFORMS=cpu (no GPU is needed)"
+        ) from e
+    # JAX gives a process XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU's memory (0.75 unless
+    # set): that is the memory the engine would see there, so it is what is planned.
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    usable = dataclasses.replace(chip, hbm_bytes=int(chip.hbm_bytes * fraction))
+    return CompileTarget(topology, usable, tuple(desc.devices))
 
-    def __init__(self, target: CompileTarget) -> None:
-        self.target = target
+
+class _OnTarget:
+    """A platform whose devices are a compile target's (abstract) and whose memory is the
+    chip's; nothing runs on it."""
+
+    target: CompileTarget
 
     def devices(self) -> list[Any]:
         return list(self.target.devices)
@@ -122,11 +243,26 @@ class TargetTpuPlatform(TpuPlatform):
         return {"bytes_limit": self.target.chip.hbm_bytes}
 
 
+class TargetTpuPlatform(_OnTarget, TpuPlatform):
+    """A TPU slice's platform: the Mosaic kernel and TPU defaults."""
+
+    def __init__(self, target: CompileTarget) -> None:
+        self.target = target
+
+
+class TargetCudaPlatform(_OnTarget, CudaPlatform):
+    """A GPU node's platform: the Triton kernel and GPU defaults."""
+
+    def __init__(self, target: CompileTarget) -> None:
+        self.target = target
+
+
 @contextlib.contextmanager
-def compiling_for(target: CompileTarget) -> Iterator[TargetTpuPlatform]:
+def compiling_for(target: CompileTarget) -> Iterator[Platform]:
     """Make the target's platform the current one (op dispatch, dtype and config
     defaults follow it) while a plan builds and compiles its programs."""
-    platform = TargetTpuPlatform(target)
+    cls = TargetCudaPlatform if target.chip.platform == "cuda" else TargetTpuPlatform
+    platform = cls(target)
     previous = platforms.swap_current_platform(platform)
     try:
         yield platform

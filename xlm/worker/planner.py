@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,8 @@ from xlm.worker.worker import KVCacheTooSmallError, Worker, kv_cache_bytes_per_b
 
 logger = init_logger(__name__)
 
-# The Mosaic (Pallas TPU) kernel's custom-call target in compiled HLO.
-PALLAS_TPU_CALL = 'custom_call_target="tpu_custom_call"'
+# The Pallas kernels' custom-call targets in compiled HLO: Mosaic (TPU) and Triton (GPU).
+PALLAS_CALLS = ('custom_call_target="tpu_custom_call"', 'custom_call_target="__gpu$xla.gpu.triton"')
 
 
 @dataclass
@@ -43,6 +44,9 @@ class CompiledProgram:
     flops: float
     bytes_accessed: float
     temp_bytes: int
+    # "compiler": the compiled program's cost_analysis(); "count": xlm's own count where
+    # the compiler gives none (XLA:GPU without a device).
+    cost_source: str = "compiler"
 
     @property
     def name(self) -> str:
@@ -58,11 +62,12 @@ class CompiledProgram:
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
             "temp_bytes": self.temp_bytes,
+            "cost_source": self.cost_source,
         }
 
 
 class ProgramTooLargeError(ValueError):
-    """The TPU compiler refused a program: its temporaries exceed the chip's HBM."""
+    """The compiler refused a program: its temporaries exceed the chip's memory."""
 
     def __init__(self, key: ProgramKey, message: str) -> None:
         super().__init__(message)
@@ -71,8 +76,11 @@ class ProgramTooLargeError(ValueError):
         self.temp_bytes = int(float(match.group(1)) * (1 << 30)) if match else None
 
 
-def compile_program(key: ProgramKey, spec: ProgramSpec) -> CompiledProgram:
-    """Lower and compile one program for the target; read its cost and memory."""
+def compile_program(
+    key: ProgramKey, spec: ProgramSpec, count: Callable[[ProgramKey], tuple[float, float]]
+) -> CompiledProgram:
+    """Lower and compile one program for the target; read its cost and memory (`count`
+    gives flops and bytes where the compiler reports no cost)."""
     start = time.perf_counter()
     try:
         compiled = spec.lower().compile()
@@ -84,15 +92,37 @@ def compile_program(key: ProgramKey, spec: ProgramSpec) -> CompiledProgram:
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax: one dict per computation
         cost = cost[0] if cost else {}
-    memory = compiled.memory_analysis()
+    source = "compiler"
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    if not cost:
+        source, (flops, accessed) = "count", count(key)
+    text = compiled.as_text()
     return CompiledProgram(
         key=key,
         compile_s=seconds,
-        pallas_kernel=PALLAS_TPU_CALL in compiled.as_text(),
-        flops=float(cost.get("flops", 0.0)),
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-        temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
+        pallas_kernel=any(call in text for call in PALLAS_CALLS),
+        flops=flops,
+        bytes_accessed=accessed,
+        temp_bytes=int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0)),
+        cost_source=source,
     )
+
+
+def counted_cost(worker: Worker) -> Callable[[ProgramKey], tuple[float, float]]:
+    """xlm's own per-chip count of a program's flops and bytes: a model step reads every
+    weight once and does 2 flops per weight per token; the sampler, pooler and prompt
+    logprobs read and write their rows of float32 logits (hidden states) a few times."""
+    weight_bytes = worker.weight_bytes_per_device()
+    weights = weight_bytes / jnp.dtype(worker.kv_dtype).itemsize
+    hf = worker.config.model_config.hf_config
+
+    def count(key: ProgramKey) -> tuple[float, float]:
+        if key.kind == ProgramKind.MODEL:
+            return 2.0 * weights * key.size, float(weight_bytes)
+        width = hf.hidden_size if key.kind == ProgramKind.POOLER else hf.vocab_size
+        return 8.0 * key.size * width, 4.0 * 4 * key.size * width
+
+    return count
 
 
 def choose_programs(
@@ -289,14 +319,15 @@ def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
     decode = {k for b in (1, max_seqs) for k in decode_keys(worker, b)}
     programs: dict[ProgramKey, CompiledProgram] = {}
     sizes = _sizes(worker)
+    count = counted_cost(worker)
     for key in choose_programs(specs, decode, every):
         try:
-            programs[key] = compile_program(key, specs[key])
+            programs[key] = compile_program(key, specs[key], count)
         except ProgramTooLargeError as e:
             return {
                 **report,
                 "fits": False,
-                "reason": f"the TPU compiler refused {key.kind.value}[{key.size}]: {e}",
+                "reason": f"the compiler refused {key.kind.value}[{key.size}]: {e}",
                 "per_chip": budget.per_chip(sizes, e.temp_bytes, None),
                 "programs": [p.as_json() for p in programs.values()],
                 "decode_estimate": None,
