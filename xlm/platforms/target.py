@@ -1,5 +1,6 @@
-"""Compile targets apart from the runtime devices: TPU slices described by libtpu, their
-chips' published figures, and the platform their programs are built for.
+"""Compile targets apart from the runtime devices: TPU slices described by libtpu, GPU nodes
+by JAX's CUDA plugin, their chips' published figures, and the platform their programs are
+built for.
 
 `jax.experimental.topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")`
 (libtpu installed, no TPU needed) gives a slice's devices; programs lowered over a mesh
@@ -72,8 +73,6 @@ def _gpu(
     smem_optin: int,
     l2: int,
     clock_ghz: float,
-    memory: int,
-    bandwidth: float,
 ) -> tuple:
     return (
         ("capability", capability),
@@ -83,8 +82,6 @@ def _gpu(
         ("shared_memory_per_block_optin", smem_optin),
         ("l2_cache_size", l2),
         ("clock_rate_ghz", clock_ghz),
-        ("device_memory_size", memory),
-        ("memory_bandwidth", int(bandwidth)),
     )
 
 
@@ -101,7 +98,7 @@ CHIPS.update(
             3.35e12,
             "nvidia.com/en-us/data-center/h100",
             "cuda",
-            _gpu((9, 0), 132, 128, 233472, 232448, 50 * _MIB, 1.98, 81559 * _MIB, 3.35e12),
+            _gpu((9, 0), 132, 128, 233472, 232448, 50 * _MIB, 1.98),
         ),
         "h200": Chip(
             "h200",
@@ -110,7 +107,7 @@ CHIPS.update(
             4.8e12,
             "nvidia.com/en-us/data-center/h200",
             "cuda",
-            _gpu((9, 0), 132, 128, 233472, 232448, 50 * _MIB, 1.98, 143771 * _MIB, 4.8e12),
+            _gpu((9, 0), 132, 128, 233472, 232448, 50 * _MIB, 1.98),
         ),
         "a100": Chip(
             "a100",
@@ -119,7 +116,7 @@ CHIPS.update(
             2.039e12,
             "nvidia.com/en-us/data-center/a100",
             "cuda",
-            _gpu((8, 0), 108, 64, 167936, 166912, 40 * _MIB, 1.41, 81920 * _MIB, 2.039e12),
+            _gpu((8, 0), 108, 64, 167936, 166912, 40 * _MIB, 1.41),
         ),
     }
 )
@@ -143,16 +140,16 @@ def gpu_target_config(chip: Chip) -> str:
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: {f["memory_bandwidth"]}
+  memory_bandwidth: {int(chip.hbm_bytes_per_s)}
   l2_cache_size: {f["l2_cache_size"]}
   clock_rate_ghz: {f["clock_rate_ghz"]}
-  device_memory_size: {f["device_memory_size"]}
+  device_memory_size: {chip.hbm_bytes}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 8 patch: 0 }}
-device_description_str: "{chip.name}"
+device_description_str: "NVIDIA {chip.name.upper()}"
 """
 
 
