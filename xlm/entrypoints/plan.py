@@ -106,7 +106,13 @@ def format_report(r: dict[str, Any]) -> str:
             )
     est = r.get("decode_estimate")
     if est:
-        lines += ["", "decode, roofline estimate from the compiled cost (not a measurement):"]
+        counted = any(p.get("cost_source") == "count" for p in r["programs"])
+        source = (
+            "xlm's own count of flops and bytes (this compiler reports no cost)"
+            if counted
+            else "the compiled cost"
+        )
+        lines += ["", f"decode, roofline estimate from {source} (not a measurement):"]
         for label in ("batch_1", "batch_max"):
             e = est[label]
             lines.append(
