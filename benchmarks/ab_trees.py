@@ -34,6 +34,9 @@ def worker(args: argparse.Namespace) -> None:
 
     prompts = [line.strip() for line in PROMPTS.read_text().splitlines() if line.strip()]
     llm = xlm.LLM(model=args.model, max_model_len=512)
+    if hasattr(llm, "wait_for_programs"):  # trees that compile in the background: all first
+        llm.generate(prompts[:1], xlm.SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.wait_for_programs()
     single = xlm.SamplingParams(temperature=0.0, max_tokens=args.single_len, ignore_eos=True)
     batch = xlm.SamplingParams(temperature=0.0, max_tokens=args.batch_len, ignore_eos=True)
     print(json.dumps({"ready": True, "xlm": xlm.__file__}), flush=True)

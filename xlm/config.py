@@ -280,6 +280,9 @@ class ParallelConfig:
         return self.executor_backend == "multihost"
 
 
+STARTUP_PROGRAMS = ("all", "largest", "first-use", "used")
+
+
 @dataclass
 class CompilationConfig:
     """Which ops use their platform kernels, the shape buckets, and the compile cache."""
@@ -288,8 +291,15 @@ class CompilationConfig:
     custom_ops: list[str] = field(default_factory=list)
     # Padded token counts per step (None: powers of two up to max_num_batched_tokens).
     token_buckets: list[int] | None = None
-    # Compile every bucket before serving.
+    # Make programs ready before serving (False: each compiles on its first use).
     warmup: bool = True
+    # Which programs are ready before the engine serves: "all"; "largest" (the largest
+    # token bucket's, which holds any step, the rest compiled in the background);
+    # "first-use" (none: the first step's bucket is compiled then, the rest in the
+    # background); "used" (each bucket when a step first needs it, nothing in the
+    # background: one-shot commands that exit after their prompt). Multi-host engines
+    # always compile all first (every process must run the same buckets).
+    startup_programs: str = "largest"
     # Save compiled programs for the next start (directory: XLM_COMPILATION_CACHE_DIR).
     enable_compilation_cache: bool = True
 
@@ -318,6 +328,13 @@ class CompilationConfig:
             "custom_ops",
             self.custom_ops,
             "'all' or 'none', not both",
+        )
+        _require(
+            self.startup_programs in STARTUP_PROGRAMS,
+            owner,
+            "startup_programs",
+            self.startup_programs,
+            " or ".join(repr(m) for m in STARTUP_PROGRAMS),
         )
         for name in ("token_buckets",):
             buckets = getattr(self, name)

@@ -90,6 +90,9 @@ class FakeEngineCore(EngineCore):
     def num_requests(self) -> int:
         return len(self.requests)
 
+    def programs_ready(self) -> tuple[int, int]:
+        return (0, 0)
+
     def reset_prefix_cache(self) -> bool:
         return True
 

@@ -9,7 +9,10 @@ import numpy as np
 # Small engines: chunked prefill with a 64-token step budget, two token buckets, and a KV
 # pool small enough that a batch of 32 requests must preempt. Tests that build engines
 # with the same shapes share compiled programs through the session compilation cache.
+# They compile every program first, so their compile counts are exact from the start
+# (tests/worker/test_background_compilation.py covers the other start-up modes).
 TINY_ENGINE = dict(
+    compile_all_first=True,
     max_model_len=256,
     block_size=16,
     max_num_seqs=32,

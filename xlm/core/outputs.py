@@ -136,6 +136,9 @@ class SchedulerStats:
     # Tokens scheduled in the last step, and all steps so far.
     step_num_scheduled_tokens: int = 0
     total_num_scheduled_tokens: int = 0
+    # Step programs ready of all registered (the rest compile in the background).
+    programs_ready: int = 0
+    programs_total: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

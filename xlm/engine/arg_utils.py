@@ -62,8 +62,11 @@ _HELP = {
     "process_id": "multihost: this process's id, 0 leads (env XLM_PROCESS_ID or TPU_WORKER_ID)",
     "custom_ops": "comma list: all, none, +name, -name",
     "token_buckets": "comma list of padded token counts per step",
-    "warmup": "compile every bucket before serving",
-    "enable_compilation_cache": "use JAX's persistent compilation cache",
+    "warmup": "make step programs ready before serving (--no-warmup: each compiles on first use)",
+    "compile_all_first": "compile every step program before serving (else the largest token "
+    "bucket's first and the rest in the background while requests are answered)",
+    "enable_compilation_cache": "save compiled step programs for the next start "
+    "(XLM_COMPILATION_CACHE_DIR)",
     "reasoning_parser": "reasoning format (deepseek_r1, qwen3): splits reasoning_content "
     "out of chat replies; constraints apply after the reasoning",
     "target_topology": "compile for this TPU slice (v5e:2x2, v6e:2x4, v5p:2x2x1, v5e:4x4, ...) "
@@ -73,8 +76,9 @@ _HELP = {
 }
 
 
-# Options only `xlm plan` offers (it adds their flags itself).
-PLAN_ONLY = ("target_topology",)
+# Options with no flag in the engine CLIs: `xlm plan` adds target_topology's itself; an
+# entry point sets startup_programs (LLM: "first-use"; serving: "largest").
+NO_FLAG = ("target_topology", "startup_programs")
 
 
 @dataclass
@@ -113,6 +117,9 @@ class EngineArgs:
     custom_ops: list[str] = field(default_factory=list)
     token_buckets: list[int] | None = None
     warmup: bool = True
+    compile_all_first: bool = False
+    # None: "largest" (CompilationConfig.startup_programs); compile_all_first means "all".
+    startup_programs: str | None = None
     enable_compilation_cache: bool = True
     reasoning_parser: str | None = None
     structured_outputs_enable_in_reasoning: bool = False
@@ -125,7 +132,7 @@ class EngineArgs:
         group = parser.add_argument_group("engine")
         defaults = cls()
         for f in dataclasses.fields(cls):
-            if f.name in skip or f.name in PLAN_ONLY:
+            if f.name in skip or f.name in NO_FLAG:
                 continue
             flag = "--" + f.name.replace("_", "-")
             flags = (flag, "-tp") if f.name == "tensor_parallel_size" else (flag,)
@@ -239,6 +246,9 @@ class EngineArgs:
                 custom_ops=list(self.custom_ops),
                 token_buckets=self.token_buckets,
                 warmup=self.warmup,
+                startup_programs="all"
+                if self.compile_all_first
+                else self.startup_programs or "largest",
                 enable_compilation_cache=self.enable_compilation_cache,
             ),
             structured_outputs_config=StructuredOutputsConfig(

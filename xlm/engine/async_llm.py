@@ -269,6 +269,10 @@ class AsyncLLM:
 
     # ---- output handling --------------------------------------------------------------
 
+    def start_output_handler(self) -> None:
+        """Read the core's outputs from now on (else from the first request)."""
+        self._ensure_output_handler()
+
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None or self._output_handler.done():
             loop = asyncio.get_running_loop()

@@ -146,8 +146,15 @@ class EngineCore:
         return self.make_stats() if self.log_stats else None
 
     def make_stats(self) -> SchedulerStats:
-        """The scheduler's counters now (running, waiting, KV cache usage, prefix hits)."""
-        return self.scheduler.make_stats()
+        """The scheduler's counters now (running, waiting, KV cache usage, prefix hits)
+        and how many step programs are ready."""
+        stats = self.scheduler.make_stats()
+        stats.programs_ready, stats.programs_total = self.programs_ready()
+        return stats
+
+    def programs_ready(self) -> tuple[int, int]:
+        """(ready, registered) step programs: the rest compile in the background."""
+        return self.executor.programs_ready()
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running, or a step in flight whose outputs are owed."""
@@ -171,8 +178,12 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def get_num_compilations(self) -> int:
-        """Step programs compiled so far (flat after warm-up)."""
+        """Step programs compiled or loaded so far (flat once all are ready)."""
         return self.executor.get_num_compilations()
+
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait for the background compilation; whether every step program is ready."""
+        return self.executor.wait_for_programs(timeout)
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()

@@ -28,6 +28,8 @@ class EngineCoreClient(Protocol):
 
     def get_num_compilations(self) -> int: ...
 
+    def wait_for_programs(self, timeout: float | None = None) -> bool: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -60,6 +62,9 @@ class InprocClient:
 
     def get_num_compilations(self) -> int:
         return self.engine_core.get_num_compilations()
+
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        return self.engine_core.wait_for_programs(timeout)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -76,6 +76,7 @@ class EngineCoreProc(EngineCore):
         )
         self._input_thread.start()
         self._stats_dirty = False
+        self._programs_reported = (-1, -1)  # (ready, registered) in the last idle stats
         # Admission time of requests not yet scheduled (for the queue-time histogram).
         self._waiting_since: dict[str, float] = {}
 
@@ -85,9 +86,15 @@ class EngineCoreProc(EngineCore):
         """Drain inputs, step while there is work, block when idle; until SHUTDOWN."""
         while True:
             if not self.has_unfinished_requests() and self.input_queue.empty():
-                if self._stats_dirty:
+                ready = self.programs_ready()
+                if self._stats_dirty or ready != self._programs_reported:
+                    self._programs_reported = ready
                     self._send_idle_stats()
-                if self._handle(*self.input_queue.get()):
+                try:  # while programs compile in the background, wake to report them
+                    item = self.input_queue.get(timeout=None if ready[0] == ready[1] else 1.0)
+                except queue.Empty:
+                    continue
+                if self._handle(*item):
                     return
             while True:
                 try:

@@ -103,6 +103,11 @@ class LLMEngine:
         """Step programs the engine core compiled so far; flat after warm-up."""
         return self.engine_core.get_num_compilations()
 
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait until the background compilation has made every step program ready (then
+        no step compiles); whether it has."""
+        return self.engine_core.wait_for_programs(timeout)
+
     def get_tokenizer(self):
         return self.tokenizer
 

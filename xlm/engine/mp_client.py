@@ -320,6 +320,10 @@ class SyncMPClient(_MPClientBase):
         """Step programs the core compiled so far (flat after warm-up)."""
         return self.call_utility("get_num_compilations")
 
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait for the core's background compilation (its loop waits with it)."""
+        return self.call_utility("wait_for_programs", timeout, timeout=None)
+
     def shutdown(self) -> None:
         """Stop the engine process and the reader thread."""
         if self.engine.ctx.closed:

@@ -45,13 +45,17 @@ def _sampling_params(args: argparse.Namespace):
     return SamplingParams(**kwargs)
 
 
-def _make_llm(args: argparse.Namespace):
-    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
+def _make_llm(args: argparse.Namespace, startup_programs: str):
+    engine_args = EngineArgs.from_cli_args(args)
+    if not engine_args.compile_all_first:
+        engine_args.startup_programs = startup_programs
+    return LLM.from_engine_args(engine_args)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # a bad value: cli.main prints it, exit code 2
-    llm = _make_llm(args)
+    # One prompt, then exit: compile what its steps use, nothing in the background.
+    llm = _make_llm(args, "used")
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.chat_template_prompt:
         outputs = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
@@ -65,7 +69,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _run_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    llm = _make_llm(args)
+    llm = _make_llm(args, "first-use")
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -72,8 +72,17 @@ class LLM:
         # exit when it shuts down: the same script runs on every host.
 
         follow_if_follower(engine_args.create_parallel_config())
+        if engine_args.startup_programs is None:
+            # Offline work compiles the buckets its first step uses when it runs, the
+            # rest in the background (a server readies its largest bucket first).
+            engine_args = dataclasses.replace(engine_args, startup_programs="first-use")
         self.llm_engine = LLMEngine.from_engine_args(engine_args, multiprocess=multiprocess)
         self._request_counter = itertools.count()
+
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait until every step program is compiled (they compile in the background from
+        the first step on); whether they all are. From then on no step compiles."""
+        return self.llm_engine.wait_for_programs(timeout)
 
     def get_tokenizer(self):
         """The tokenizer of the model (a transformers fast tokenizer)."""

@@ -10,9 +10,13 @@ and broadcasts each step to the others). The core sees only this interface.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from xlm.worker.worker import Worker
 
 
 class Executor(ABC):
@@ -44,9 +48,21 @@ class Executor(ABC):
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest dispatched step and return its sampled tokens."""
 
-    @abstractmethod
+    # This process's worker (every executor drives one here; others may mirror it).
+    worker: Worker
+
     def get_num_compilations(self) -> int:
-        """Step programs compiled so far (flat after warm-up)."""
+        """Step programs compiled or loaded so far (flat once all are ready)."""
+        return self.worker.model_runner.num_compilations
+
+    def programs_ready(self) -> tuple[int, int]:
+        """(ready, registered) step programs: the rest compile in the background."""
+        compiler = self.worker.model_runner.compiler
+        return compiler.num_ready, compiler.num_registered
+
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait for the background compilation; whether every program is ready."""
+        return self.worker.model_runner.compiler.wait(timeout)
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -126,9 +126,6 @@ class MultihostExecutor(Executor):
     def num_blocks(self) -> int:
         return self.worker.num_blocks
 
-    def get_num_compilations(self) -> int:
-        return self.worker.model_runner.num_compilations
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output)
 

@@ -30,8 +30,6 @@ class UniProcExecutor(Executor):
     def collect(self) -> ModelRunnerOutput:
         return self.worker.collect()
 
-    def get_num_compilations(self) -> int:
-        return self.worker.model_runner.num_compilations
-
     def shutdown(self) -> None:
-        """Nothing to release: the worker's arrays go with this process."""
+        """Stop background compilation (the worker's arrays go with this process)."""
+        self.worker.model_runner.compiler.shutdown()

@@ -141,6 +141,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_requests_running = gauge("xlm:num_requests_running", "Requests running.")
         self.num_requests_waiting = gauge("xlm:num_requests_waiting", "Requests waiting.")
         self.kv_cache_usage = gauge("xlm:kv_cache_usage_perc", "KV cache usage (1 = 100%).")
+        self.programs_ready = gauge(
+            "xlm:programs_ready",
+            "Step programs compiled and ready (the rest compile in the background).",
+        )
+        self.programs_total = gauge("xlm:programs_total", "Step programs the engine may run.")
         self.prefix_cache_queries = counter(
             "xlm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
@@ -185,6 +190,8 @@ class PrometheusStatLogger(StatLoggerBase):
             self.num_requests_running.set(s.num_running_reqs)
             self.num_requests_waiting.set(s.num_waiting_reqs)
             self.kv_cache_usage.set(s.kv_cache_usage)
+            self.programs_ready.set(s.programs_ready)
+            self.programs_total.set(s.programs_total)
             self._last_queries = _inc(
                 self.prefix_cache_queries, s.prefix_cache_queries, self._last_queries
             )

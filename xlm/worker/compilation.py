@@ -1,17 +1,23 @@
-"""Compiled programs of the step: typed keys, AOT lowering, warm-up, the saved-program
-cache and the zero-compile guard.
+"""Compiled programs of the step: typed keys, AOT lowering, start-up and background
+compilation, the saved-program cache and the zero-compile guard.
 
 Shapes come only from buckets (``xlm.worker.buckets``): XLA compiles one program per
-bucket, all during warm-up. The runner asks for a
-program by a ``ProgramKey`` (kind and bucket size, plus the mesh it runs on); every
-compile after warm-up is counted (``num_compilations``) and logged, since it is a bug.
+bucket. The runner asks for a program by a ``ProgramKey`` (kind and bucket size, plus the
+mesh it runs on). At start-up only the programs the first work needs are made ready; the
+rest are compiled on a background thread while requests are served, a step whose bucket
+is not ready yet running in the next larger ready one (docs/engine.md, "Start-up").
+Once every program is ready, a compile is counted (``num_compilations``) and logged,
+since it is a bug.
 """
 
 from __future__ import annotations
 
+import atexit
 import enum
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +30,6 @@ from tqdm import tqdm
 from xlm import envs
 from xlm.config import XlmConfig
 from xlm.logger import init_logger
-from xlm.metrics import startup
 from xlm.worker.executable_cache import ExecutableCache
 
 logger = init_logger(__name__)
@@ -140,60 +145,251 @@ def executable_cache_dir(config: XlmConfig) -> str | None:
     return cache_dir
 
 
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    compiler = ref()
+    if compiler is not None:
+        compiler.shutdown()
+
+
 class Compiler:
-    """Compiled programs by key: compiled (or loaded) at warm-up, counted after."""
+    """Compiled programs by key, made ready at start-up, in the background, or on first use.
+
+    The engine registers every program it may run (``register``), then makes ready the
+    ones its first work needs (``require``: saved ones loaded, the others compiled in
+    parallel threads). ``start_background`` makes the rest ready on one thread, one at a
+    time: saved programs first (they load in well under a second), then the others
+    compiled in the order given. A program the runner needs before its turn is taken out
+    of the queue (``require``) or moved to its front (``prefer``). Once every registered
+    program is ready, ``num_compilations`` must not move: a later compile is a bug.
+    """
 
     def __init__(self, cache: ExecutableCache) -> None:
         self._cache = cache
         self._programs: dict[ProgramKey, tuple[Any, Any]] = {}  # key -> (static, program)
-        # Programs compiled or loaded so far; after warm-up it must not move.
+        self._specs: dict[ProgramKey, ProgramSpec] = {}
+        self._saved: set[ProgramKey] = set()  # registered keys with a saved file, not loaded
+        self._busy: dict[ProgramKey, threading.Event] = {}  # being compiled or loaded
+        self._queue: list[ProgramKey] = []  # the background thread's order
+        self._lock = threading.Lock()
+        # Tracing (lowering) is done by one thread at a time; compiles run in parallel.
+        self._trace_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._started = time.perf_counter()
+        # Programs compiled or loaded so far; once all are ready it must not move.
         self.num_compilations = 0
+        self.num_compiled = 0
+        self.num_loaded = 0
 
+    # ---- what is ready ---------------------------------------------------------------
+    def register(self, specs: dict[ProgramKey, ProgramSpec]) -> None:
+        """The programs serving may need (compiled only when required or in the background)."""
+        with self._lock:
+            for key, spec in specs.items():
+                self._specs.setdefault(key, spec)
+                if key not in self._programs and self._cache.has(key, spec.static):
+                    self._saved.add(key)
+
+    @property
+    def num_registered(self) -> int:
+        return len(self._specs)
+
+    @property
+    def num_ready(self) -> int:
+        """Registered programs in memory, ready to run."""
+        return sum(1 for key in self._specs if key in self._programs)
+
+    @property
+    def all_ready(self) -> bool:
+        return self.num_ready == len(self._specs)
+
+    def is_ready(self, key: ProgramKey) -> bool:
+        """Whether `key` runs without a compile: in memory, or saved (loaded on first use)."""
+        return key in self._programs or key in self._saved
+
+    # ---- making programs ready -------------------------------------------------------
+    def require(self, keys: list[ProgramKey]) -> None:
+        """Make `keys` ready now (loaded or compiled here, in parallel), or wait for the
+        background thread where it is already working on one."""
+        mine, waits = [], []
+        with self._lock:
+            for key in dict.fromkeys(keys):
+                if key in self._programs:
+                    continue
+                if key in self._busy:
+                    waits.append(self._busy[key])
+                    continue
+                self._busy[key] = threading.Event()
+                if key in self._queue:
+                    self._queue.remove(key)
+                mine.append(key)
+        self._make_ready(mine)
+        for event in waits:
+            event.wait()
+        missing = [key for key in keys if key not in self._programs]
+        if missing:
+            raise RuntimeError(f"programs {missing} failed to compile (see the log above)")
+
+    def warmup(self, specs: dict[ProgramKey, ProgramSpec]) -> None:
+        """Register `specs` and make every one ready before returning."""
+        self.register(specs)
+        self.require(list(specs))
+
+    def _make_ready(self, keys: list[ProgramKey]) -> None:
+        """Load the saved ones of `keys`; lower the others here and compile them in
+        parallel threads, saving each. Every key leaves the busy set, ready or not."""
+        if not keys:
+            return
+        start, loaded, lowered = time.perf_counter(), 0, {}
+        try:
+            for key in keys:
+                spec = self._specs[key]
+                program = None
+                if key in self._saved:  # unreadable: None, with a warning (then compiled)
+                    program = self._cache.load(key, spec.in_tree(), spec.out_tree, spec.static)
+                if program is not None:
+                    self._install(key, program, compiled=False)
+                    loaded += 1
+                else:
+                    with self._trace_lock:
+                        lowered[key] = spec.lower()
+            workers = min(len(lowered), os.cpu_count() or 1) or 1
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = {key: pool.submit(low.compile) for key, low in lowered.items()}
+                progress = tqdm(
+                    futures.items(),
+                    desc="Compiling",
+                    disable=envs.XLM_DISABLE_PROGRESS_BARS or len(futures) < 2,
+                )
+                for key, future in progress:
+                    program = future.result()
+                    self._cache.store(key, program, self._specs[key].static)
+                    self._install(key, program, compiled=True)
+        finally:
+            with self._lock:
+                for key in keys:  # failed ones: waiters wake and find them missing
+                    event = self._busy.pop(key, None)
+                    if event is not None:
+                        event.set()
+        logger.debug(
+            "%d programs compiled, %d loaded in %.1f s: %s",
+            len(lowered),
+            loaded,
+            time.perf_counter() - start,
+            ", ".join(f"{k.kind.value}[{k.size}]" for k in keys),
+        )
+
+    def _install(self, key: ProgramKey, program: Any, compiled: bool) -> None:
+        with self._lock:
+            self._programs[key] = (self._specs[key].static, program)
+            self._saved.discard(key)
+            self.num_compilations += 1
+            if compiled:
+                self.num_compiled += 1
+            else:
+                self.num_loaded += 1
+            event = self._busy.pop(key, None)
+        if event is not None:
+            event.set()
+
+    # ---- the background thread -------------------------------------------------------
+    def start_background(self, order: list[ProgramKey]) -> None:
+        """Make every registered program not ready yet ready on a background thread:
+        saved ones first, then the others in `order` (then any left, in key order)."""
+        with self._lock:
+            if self._thread is not None or self._stopping:
+                return
+            rest = [k for k in order if k in self._specs] + [
+                k for k in self._specs if k not in order
+            ]
+            rest = [k for k in dict.fromkeys(rest) if k not in self._programs]
+            self._queue = [k for k in rest if k in self._saved] + [
+                k for k in rest if k not in self._saved
+            ]
+            if not self._queue:
+                return
+            self._thread = threading.Thread(
+                target=self._background, name="xlm-compile", daemon=True
+            )
+        # A process that exits while XLA compiles on a daemon thread aborts ("terminate
+        # called ..."): at exit, stop after the program being compiled.
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        self._thread.start()
+
+    def prefer(self, keys: list[ProgramKey]) -> None:
+        """Move `keys` to the front of the background queue (a step needed them)."""
+        with self._lock:
+            front = [k for k in keys if k in self._queue]
+            if front:
+                self._queue = front + [k for k in self._queue if k not in front]
+
+    def _background(self) -> None:
+        start = time.perf_counter()
+        while True:
+            with self._lock:
+                key = None
+                while self._queue and not self._stopping:
+                    candidate = self._queue.pop(0)
+                    if candidate not in self._programs and candidate not in self._busy:
+                        key = candidate
+                        self._busy[key] = threading.Event()
+                        break
+            if key is None:
+                break
+            try:
+                self._make_ready([key])
+            except Exception:  # the program is compiled on first use instead
+                logger.exception("Background compilation of the %s program failed", key)
+        if not self._stopping:
+            logger.info(
+                "All %d programs ready (%d compiled, %d loaded; background %.1f s).",
+                self.num_ready,
+                self.num_compiled,
+                self.num_loaded,
+                time.perf_counter() - start,
+            )
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background thread; whether every registered program is ready."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return self.all_ready
+
+    def shutdown(self) -> None:
+        """Stop the background thread after the program it is on (a compile cannot be cut
+        short, and a process that exits during one aborts)."""
+        with self._lock:
+            self._stopping = True
+            self._queue.clear()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- the runner's calls ----------------------------------------------------------
     def get(self, key: ProgramKey, spec: Callable[[], ProgramSpec], static: Any = None) -> Any:
-        """The program for `key` (`spec` builds it on a miss: a bug after warm-up).
+        """The program for `key`: made ready here if it is not (first use of a registered
+        program), or compiled from `spec` (a shape nothing registered: a bug, logged).
 
         `static` is the layout of this call's packed inputs; it must be the one the
         program was compiled for (a bucket determines its layout).
         """
         entry = self._programs.get(key)
         if entry is None:
-            logger.warning("Compiling a %s program for new shapes during serving.", key)
-            program = spec().lower().compile()
-            self._programs[key] = (static, program)
-            self.num_compilations += 1
-            return program
+            if key in self._specs:
+                self.require([key])
+            else:
+                logger.warning("Compiling a %s program for new shapes during serving.", key)
+                with self._lock:
+                    self._specs[key] = spec()
+                self.require([key])
+            entry = self._programs[key]
         if entry[0] != static:
             raise RuntimeError(f"{key} was compiled for another input layout")
         return entry[1]
 
-    def warmup(self, specs: dict[ProgramKey, ProgramSpec]) -> None:
-        """Load saved programs, compile the others in parallel threads, and save them."""
-        start = time.perf_counter()
-        lowered: dict[ProgramKey, Any] = {}
-        loaded = 0
-        for key, spec in specs.items():
-            if key in self._programs:
-                continue
-            program = self._cache.load(key, spec.in_tree(), spec.out_tree, spec.static)
-            if program is not None:
-                self._programs[key] = (spec.static, program)
-                loaded += 1
-            else:
-                lowered[key] = spec.lower()
-        keys = list(lowered)
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = [pool.submit(lowered[k].compile) for k in keys]
-            for key, future in zip(
-                keys, tqdm(futures, desc="Compiling", disable=envs.XLM_DISABLE_PROGRESS_BARS)
-            ):
-                program = future.result()
-                self._programs[key] = (specs[key].static, program)
-                self._cache.store(key, program, specs[key].static)
-        self.num_compilations += len(keys) + loaded
-        startup.note("programs", f"{len(keys)} compiled, {loaded} loaded")
-        logger.info(
-            "Compiled %d programs, loaded %d saved ones, in %.1f s.",
-            len(keys),
-            loaded,
-            time.perf_counter() - start,
+    def summary(self) -> str:
+        """Programs ready, for the start-up line: '3 of 17 ready: 2 compiled, 1 loaded'."""
+        return (
+            f"{self.num_ready} of {self.num_registered} ready: {self.num_compiled} compiled, "
+            f"{self.num_loaded} loaded"
         )

@@ -71,6 +71,10 @@ class ExecutableCache:
         kind = getattr(key.kind, "value", key.kind)
         return os.path.join(self.directory, f"{self.version}-{kind}-{digest}.xla")
 
+    def has(self, key: Any, layout: Any = None) -> bool:
+        """Whether a saved program of this key exists (it may still fail to load)."""
+        return bool(self.directory) and os.path.exists(self.path(key, layout))
+
     def load(self, key: Any, in_tree: Any, out_tree: Any, layout: Any = None) -> Any | None:
         """The saved program, or None when absent or unreadable (then it is recompiled)."""
         if not self.directory:

@@ -25,6 +25,7 @@ from xlm.config import XlmConfig
 from xlm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.mesh import fetch, put_replicated, replicated
 from xlm.logger import init_logger
+from xlm.metrics import startup
 from xlm.worker import pooler, prompt_logprobs
 from xlm.worker import sampler as sampler_lib
 from xlm.worker.buckets import Buckets
@@ -119,6 +120,8 @@ class ModelRunner:
             else self._put(np.zeros(self._max_rows, np.int32))
         )
         self._prev_rows: dict[str, int] = {}
+        self._registered: list[ProgramKey] = []
+        self._startup_programs = "all"
         self.compiler = Compiler(
             ExecutableCache(
                 None if abstract else executable_cache_dir(config),
@@ -340,7 +343,7 @@ class ModelRunner:
             self._in_flight.append(None)
             return
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
-        num_tokens_padded = self.buckets.token_bucket(so.total_num_scheduled_tokens)
+        num_tokens_padded = self._ready_bucket(so.total_num_scheduled_tokens)
         inputs, sampling, samples = self._prepare_inputs(
             req_ids, num_scheduled, num_tokens_padded, so
         )
@@ -460,6 +463,58 @@ class ModelRunner:
         )
         return specs
 
-    def warmup(self) -> None:
-        """Compile (or load) every bucket's programs before serving."""
-        self.compiler.warmup(self.program_specs())
+    # ---- which programs are ready -----------------------------------------------------
+    def _bucket_keys(self, bucket: int) -> list[ProgramKey]:
+        """The programs a step of this token bucket runs (the model and its sampler, or
+        its pooler)."""
+        if self.pooling:
+            return [self._key(ProgramKind.MODEL, bucket), self._key(ProgramKind.POOLER, bucket)]
+        rows = self.buckets.sampler_bucket(self.buckets.rows_for_tokens(bucket))
+        return [self._key(ProgramKind.MODEL, bucket), self._key(ProgramKind.SAMPLER, rows)]
+
+    def _ready_bucket(self, num_tokens: int) -> int:
+        """The token bucket a step of `num_tokens` runs in: its own when its programs are
+        ready, else the next larger ready one (more padding, the same tokens out) while
+        its own moves to the front of the background queue; when none larger is ready,
+        its own is made ready now (the first step of `startup_programs="first-use"`)."""
+        exact = self.buckets.token_bucket(num_tokens)
+        compiler = self.compiler
+        if compiler.all_ready:
+            return exact
+        wanted = self._bucket_keys(exact)
+        ready = [
+            b
+            for b in self.buckets.token_buckets
+            if b >= exact and all(compiler.is_ready(k) for k in self._bucket_keys(b))
+        ]
+        if ready and ready[0] != exact:
+            compiler.prefer(wanted)
+        elif not ready:
+            compiler.require(wanted)
+        if self._startup_programs != "used":  # after the first step's programs (once)
+            compiler.start_background(self._background_order())
+        return ready[0] if ready else exact
+
+    def _background_order(self) -> list[ProgramKey]:
+        """Cheapest first: the small programs (samplers, poolers, prompt logprobs) take a
+        few seconds each, then the model programs from the largest token bucket down
+        (XLA:CPU compiles small buckets slowest: docs/engine.md, "Start-up")."""
+        model = [self._key(ProgramKind.MODEL, b) for b in reversed(self.buckets.token_buckets)]
+        return [k for k in self._registered if k.kind != ProgramKind.MODEL] + model
+
+    def warmup(self, startup_programs: str = "all") -> None:
+        """Make programs ready before serving: every one ("all"), the largest token
+        bucket's with the rest compiled in the background ("largest"), or none until the
+        first step, whose bucket is compiled then and the rest in the background
+        ("first-use") or each when a step first needs it ("used")."""
+        specs = self.program_specs()
+        self._registered = list(specs)
+        self._startup_programs = startup_programs
+        if startup_programs == "all":
+            self.compiler.warmup(specs)
+        else:
+            self.compiler.register(specs)
+            if startup_programs == "largest":
+                self.compiler.require(self._bucket_keys(self.buckets.token_buckets[-1]))
+                self.compiler.start_background(self._background_order())
+        startup.note("programs", self.compiler.summary())

@@ -184,8 +184,11 @@ class Worker:
         return num_blocks
 
     def warmup(self) -> None:
+        mode = self.config.compilation_config.startup_programs
+        if self.config.parallel_config.is_multihost:
+            mode = "all"  # followers mirror the leader's calls: the same buckets everywhere
         with startup.phase("programs"):
-            self.model_runner.warmup()
+            self.model_runner.warmup(mode)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

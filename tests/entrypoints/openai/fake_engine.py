@@ -69,3 +69,6 @@ class FakeAsyncEngine:
 
     def do_log_stats(self) -> None:
         pass
+
+    def start_output_handler(self) -> None:
+        pass

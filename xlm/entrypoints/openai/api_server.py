@@ -63,10 +63,13 @@ def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> Fa
 
 
 def _stats_logging(args: argparse.Namespace, engine: Any) -> Any:
-    """The app's lifespan: log the engine's stats every XLM_LOG_STATS_INTERVAL seconds."""
+    """The app's lifespan: read the engine's outputs from the start (its stats report the
+    programs compiling in the background before any request), and log the engine's stats
+    every XLM_LOG_STATS_INTERVAL seconds."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start_output_handler()
         task = None
         interval = envs.XLM_LOG_STATS_INTERVAL or 0
         if interval > 0 and not args.disable_log_stats:

@@ -1,0 +1,178 @@
+"""Start-up, cold and warm: `xlm generate` to its first token, `xlm serve` to /health and
+to its first completion, each in its own process, by phase (issue 24).
+
+Cold: a fresh XLM_CACHE_ROOT (no dequantized weights, no saved programs, no tokenizer
+conversion). Warm: the same root again. The harness imports neither jax nor xlm; every
+figure is a separate `xlm` process. The time to the first token of `xlm generate` is the
+process's wall time with `--max-tokens 1` (start to exit, so it includes the interpreter's
+start and teardown: an upper bound).
+
+    python benchmarks/startup.py                 # built-in model, default cases
+    python benchmarks/startup.py --deep          # also the 32-layer dummy shape
+    python benchmarks/startup.py --json out.json
+
+Cases:
+- generate: `xlm generate` (compiles what its steps use: 2 programs for one prompt)
+- generate-all: the same with `--compile-all-first` (every program first: the old start)
+- serve: `xlm serve` (the largest bucket's programs first, the rest in the background)
+- deep-*: the same for a 32-layer shape with dummy weights (benchmarks/configs/Qwen3-32L)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+PROMPT = "The history of the printing press begins in the fifteenth century, when"
+DEEP = HERE / "configs" / "Qwen3-32L"
+# The deep shape has SmolLM2's vocabulary, so the built-in tokenizer serves it.
+DEEP_FLAGS = ["--load-format", "dummy", "--tokenizer", "smollm2-135m", "--max-model-len", "512"]
+READY = re.compile(r"ready in ([0-9.]+) s: (.*)$")
+FIRST_STEP = re.compile(r"First step \((\d+) tokens\): (\d+) ms")
+ALL_READY = re.compile(r"All (\d+) programs ready .*background ([0-9.]+) s")
+
+
+def _env(cache_root: str) -> dict[str, str]:
+    env = dict(os.environ, XLM_CACHE_ROOT=cache_root, XLM_DISABLE_PROGRESS_BARS="1")
+    env.pop("XLM_COMPILATION_CACHE_DIR", None)  # under the cache root
+    return env
+
+
+def _phases(log: str) -> dict:
+    """The start-up lines' phases ('Engine ready in T s: imports 1.2 s, ...')."""
+    out: dict = {}
+    for line in log.splitlines():
+        m = READY.search(line)
+        if m:
+            out.setdefault("ready_lines", []).append(line.split("] ", 1)[-1])
+        m = FIRST_STEP.search(line)
+        if m:
+            out["first_step_tokens"], out["first_step_ms"] = int(m[1]), int(m[2])
+        m = ALL_READY.search(line)
+        if m:
+            out["background_programs"], out["background_s"] = int(m[1]), float(m[2])
+    return out
+
+
+def run_generate(cache_root: str, model_flags: list[str], extra: list[str]) -> dict:
+    cmd = ["xlm", "generate", *model_flags, PROMPT, "--max-tokens", "1", "--temperature", "0"]
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [*cmd, *extra], env=_env(cache_root), capture_output=True, text=True, timeout=1800
+    )
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd} failed:\n{proc.stderr[-3000:]}")
+    return {"ttft_s": wall, "output": proc.stdout.strip(), **_phases(proc.stderr)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_serve(cache_root: str, model: str, extra: list[str]) -> dict:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log")
+    cmd = ["xlm", "serve", model, "--host", "127.0.0.1", "--port", str(port), *extra]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=_env(cache_root), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        health = None
+        while health is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"xlm serve exited:\n{Path(log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    health = time.perf_counter() - start
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        first = time.perf_counter() - start
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        ready = re.search(r"^xlm:programs_ready\{[^}]*\} ([0-9.]+)", metrics, re.M)
+        total = re.search(r"^xlm:programs_total\{[^}]*\} ([0-9.]+)", metrics, re.M)
+        out = {
+            "health_s": health,
+            "first_completion_s": first,
+            "programs_ready_at_first_completion": f"{ready[1] if ready else '?'} of "
+            f"{total[1] if total else '?'}",
+        }
+        # Let the background finish, for its time in the log (bounded).
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and "programs ready" not in Path(log.name).read_text():
+            time.sleep(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {**out, **_phases(Path(log.name).read_text())}
+
+
+def cold_and_warm(name: str, run, warm_repeats: int) -> dict:
+    root = tempfile.mkdtemp(prefix=f"xlm-startup-{name}-")
+    try:
+        cold = run(root)
+        print(f"{name} cold: {json.dumps(cold)}", flush=True)
+        warm = []
+        for _ in range(warm_repeats):
+            warm.append(run(root))
+            print(f"{name} warm: {json.dumps(warm[-1])}", flush=True)
+        return {"cold": cold, "warm": warm}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warm-repeats", type=int, default=3)
+    parser.add_argument("--deep", action="store_true", help="also the 32-layer dummy shape")
+    parser.add_argument("--only", default="", help="comma list of case names")
+    parser.add_argument("--json", default=str(HERE / "startup.json"))
+    args = parser.parse_args()
+    builtin = ["--model", "smollm2-135m", "--max-model-len", "512"]
+    deep = ["--model", str(DEEP), *DEEP_FLAGS]
+    cases = {
+        "generate": lambda root: run_generate(root, builtin, []),
+        "generate-all": lambda root: run_generate(root, builtin, ["--compile-all-first"]),
+        "serve": lambda root: run_serve(root, "smollm2-135m", ["--max-model-len", "512"]),
+    }
+    if args.deep:
+        cases["deep-generate"] = lambda root: run_generate(root, deep, [])
+        cases["deep-serve"] = lambda root: run_serve(root, str(DEEP), DEEP_FLAGS)
+    only = [c for c in args.only.split(",") if c]
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    results = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_before": float(load),
+        "cases": {},
+    }
+    for name, run in cases.items():
+        if not only or name in only:
+            results["cases"][name] = cold_and_warm(name, run, args.warm_repeats)
+    Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

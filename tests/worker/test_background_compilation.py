@@ -1,0 +1,149 @@
+"""Start-up without compiling everything first: programs made ready on first use or in the
+background, steps in the next larger ready bucket meanwhile, damaged saved programs
+recompiled. Each engine gets an empty program cache, so its programs really compile."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import xlm
+from xlm import SamplingParams, disk_cache
+from xlm.worker.compilation import Compiler
+
+# Default token buckets up to 64 (1, 2, 4, ..., 64): every step size has its own bucket.
+ENGINE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, seed=0)
+# Prompt lengths whose first steps land in every token bucket from 2 to 64 (decode steps
+# cover 1); run one by one, then all together.
+LENGTHS = [2, 3, 6, 12, 25, 60, 1, 9, 33, 17]
+
+
+def _prompts(n: int = len(LENGTHS)) -> list[list[int]]:
+    return [[3 + (7 * i + j) % 90 for j in range(length)] for i, length in enumerate(LENGTHS[:n])]
+
+
+def _params() -> list[SamplingParams]:
+    greedy = [SamplingParams(max_tokens=6 + i, temperature=0.0, ignore_eos=True) for i in range(6)]
+    seeded = [
+        SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=11 + i, ignore_eos=True)
+        for i in range(4)
+    ]
+    return greedy + seeded
+
+
+def _run(llm: xlm.LLM, singles: int = 6) -> list[list[int]]:
+    """Token ids of the first `singles` prompts one request at a time, then of all at once."""
+    prompts, params = _prompts(), _params()
+    calls = [([p], [q]) for p, q in zip(prompts[:singles], params[:singles])] + [(prompts, params)]
+    return [
+        list(o.outputs[0].token_ids)
+        for batch, ps in calls
+        for o in llm.generate(batch, ps, use_tqdm=False)
+    ]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def compiled_all(model, tmp_path_factory, monkeypatch_module):
+    """Token ids of an engine that compiled every program first, and the directory it
+    saved them in."""
+    directory = tmp_path_factory.mktemp("ref")
+    monkeypatch_module.setenv("XLM_COMPILATION_CACHE_DIR", str(directory))
+    llm = xlm.LLM(model=model, compile_all_first=True, **ENGINE)
+    compiler = _runner(llm).compiler
+    assert compiler.all_ready and compiler.num_compiled == compiler.num_registered
+    return _run(llm), directory
+
+
+@pytest.fixture(scope="module")
+def reference(compiled_all):
+    return compiled_all[0]
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _runner(llm: xlm.LLM):
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+
+
+def test_first_use_pads_to_ready_buckets_and_equals_compile_all(
+    model, reference, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "programs"))
+    llm = xlm.LLM(model=model, **ENGINE)
+    runner = _runner(llm)
+    compiler = runner.compiler
+    assert llm.llm_engine.num_compilations == 0  # nothing compiled before the first step
+    total = compiler.num_registered
+    # No background thread during the first generate: only programs steps asked for exist,
+    # and steps whose own bucket is missing run in a larger ready one.
+    monkeypatch.setattr(Compiler, "start_background", lambda self, order: None)
+    buckets: list[tuple[int, int]] = []
+    choose = runner._ready_bucket
+
+    def spy(num_tokens: int) -> int:
+        bucket = choose(num_tokens)
+        buckets.append((runner.buckets.token_bucket(num_tokens), bucket))
+        return bucket
+
+    monkeypatch.setattr(runner, "_ready_bucket", spy)
+    assert _run(llm) == reference
+    assert 0 < compiler.num_compiled < total, "first use compiles only what steps asked for"
+    assert any(chosen > exact for exact, chosen in buckets), "no step ran in a larger bucket"
+    assert {exact for exact, _ in buckets} == set(runner.buckets.token_buckets)
+
+    # The background thread makes the rest ready; then no step compiles again.
+    monkeypatch.undo()
+    compiler.start_background(runner._background_order())
+    assert llm.wait_for_programs(timeout=300)
+    assert compiler.num_ready == total
+    compiled = llm.llm_engine.num_compilations
+    assert _run(llm) == reference
+    assert llm.llm_engine.num_compilations == compiled, "a step compiled after the background"
+
+
+def test_largest_first_serves_while_background_compiles(model, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "programs"))
+    llm = xlm.LLM(model=model, startup_programs="largest", **ENGINE)
+    compiler = _runner(llm).compiler
+    # Ready at start: the largest bucket's model and sampler programs (or more, once the
+    # background thread got going), never all of them.
+    assert 2 <= compiler.num_ready < compiler.num_registered
+    assert _run(llm) == reference
+    assert llm.wait_for_programs(timeout=300)
+    compiled = llm.llm_engine.num_compilations
+    assert _run(llm, singles=0) == reference[6:]
+    assert llm.llm_engine.num_compilations == compiled
+
+
+def test_damaged_saved_programs_are_recompiled_with_a_warning(
+    model, compiled_all, tmp_path, monkeypatch, caplog
+):
+    reference, saved_by_reference = compiled_all
+    directory = tmp_path / "programs"
+    directory.mkdir()
+    for saved in saved_by_reference.iterdir():  # checksummed entries holding no program
+        disk_cache.write_entry(directory / saved.name, b"not a compiled program")
+    monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(directory))
+    xlm_logger = logging.getLogger("xlm")  # it does not propagate to caplog's root handler
+    xlm_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="xlm"):
+            llm = xlm.LLM(model=model, **ENGINE)
+            assert _run(llm) == reference
+            assert llm.wait_for_programs(timeout=300)
+    finally:
+        xlm_logger.removeHandler(caplog.handler)
+    compiler = _runner(llm).compiler
+    assert len(list(saved_by_reference.iterdir())) == compiler.num_registered
+    assert compiler.num_compiled == compiler.num_registered and compiler.num_loaded == 0
+    assert "unreadable cached program" in caplog.text
