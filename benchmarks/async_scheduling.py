@@ -34,7 +34,9 @@ def main() -> None:
     with open(PROMPTS) as f:
         prompts = [line.strip() for line in f if line.strip()]
     engines = {
-        mode: xlm.LLM(model=args.model, async_scheduling=mode, max_model_len=512)
+        mode: xlm.LLM(
+            model=args.model, async_scheduling=mode, max_model_len=512, compile_all_first=True
+        )
         for mode in (True, False)
     }
     single = xlm.SamplingParams(temperature=0.0, max_tokens=args.single_len, ignore_eos=True)

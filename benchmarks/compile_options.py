@@ -27,6 +27,7 @@ OPTIONS = {
     "no-expensive-llvm-passes": "--xla_llvm_disable_expensive_passes=true",
     "opt-level-1+no-expensive": "--xla_backend_optimization_level=1 "
     "--xla_llvm_disable_expensive_passes=true",
+    "no-thunk-runtime": "--xla_cpu_use_thunk_runtime=false",
 }
 
 
@@ -37,7 +38,7 @@ def worker(model: str) -> None:
     from xlm.worker.compilation import ProgramKind
     from xlm.worker.packing import pack
 
-    llm = xlm.LLM(model=model, max_model_len=512, warmup=False, enable_compilation_cache=False)
+    llm = xlm.LLM(model=model, warmup=False, enable_compilation_cache=False)
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     rows = []
     for key, spec in runner.program_specs().items():

@@ -1,8 +1,22 @@
-"""Ragged paged attention: jnp reference, Pallas Triton (GPU) and Pallas Mosaic (TPU) kernels."""
+"""Ragged paged attention: jnp reference, Pallas Triton (GPU) and Pallas Mosaic (TPU) kernels.
 
-from .gpu import ragged_paged_attention_gpu
+The kernels' modules are imported on first use of their names: importing Pallas and its
+Triton and Mosaic front ends takes ~0.1 s, which a CPU run (the reference path) never needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .reference import kv_cache_shape, ragged_paged_attention_reference, write_kv
-from .tpu import kv_cache_shape_tpu, ragged_paged_attention_tpu, write_kv_tpu
+
+_LAZY = {
+    "ragged_paged_attention_gpu": ".gpu",
+    "kv_cache_shape_tpu": ".tpu",
+    "ragged_paged_attention_tpu": ".tpu",
+    "write_kv_tpu": ".tpu",
+}
 
 __all__ = [
     "kv_cache_shape",
@@ -13,3 +27,9 @@ __all__ = [
     "write_kv",
     "write_kv_tpu",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -76,7 +76,10 @@ class EngineCoreProc(EngineCore):
         )
         self._input_thread.start()
         self._stats_dirty = False
-        self._programs_reported = (-1, -1)  # (ready, registered) in the last idle stats
+        # (ready, registered) in the last idle stats; while some are not ready, the first
+        # idle stats go out at once (/metrics shows readiness before any request).
+        ready = self.programs_ready()
+        self._programs_reported = (-1, -1) if ready[0] != ready[1] else ready
         # Admission time of requests not yet scheduled (for the queue-time histogram).
         self._waiting_since: dict[str, float] = {}
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlm.distributed.tensor_parallel import check_split, tp_size
-from xlm.models.layers import TP_AXIS, GatedMLP, Linear, gated_activation, param
+from xlm.models.layers import TP_AXIS, GatedMLP, Linear, gated_activation, param, unloaded
 from xlm.models.llama import LlamaForCausalLM
 from xlm.models.qwen3 import Qwen3DecoderLayer
 from xlm.models.weights import WeightTarget, column_part
@@ -40,7 +40,6 @@ class SparseMoeBlock(nnx.Module):
         self.top_k = top_k
         self.norm_topk_prob = bool(norm_topk_prob)
         self.gate = Linear(hidden, self.num_experts, dtype=dtype, rngs=rngs)
-        std = hidden**-0.5
         # Tensor split of every expert (not expert parallelism): each device holds a slice
         # of every expert's intermediate width, so routing skew never unbalances devices
         # and the grouped matmuls keep one shape; down_proj's partial sums are all-reduced.
@@ -50,13 +49,13 @@ class SparseMoeBlock(nnx.Module):
         # down [E, inter, hidden].
         shape = (self.num_experts, hidden, 2 * inter)
         self.gate_up_proj = param(
-            (jax.random.normal(rngs.params(), shape) * std).astype(dtype),
+            unloaded(shape, dtype),
             (None, None, TP_AXIS),
             fused_shards=(2, self.shards),
         )
         shape = (self.num_experts, inter, hidden)
         self.down_proj = param(
-            (jax.random.normal(rngs.params(), shape) * inter**-0.5).astype(dtype),
+            unloaded(shape, dtype),
             (None, TP_AXIS, None),
         )
         self.act_fn = SiluAndMul()

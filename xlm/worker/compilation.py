@@ -236,25 +236,26 @@ class Compiler:
         self.require(list(specs))
 
     def _make_ready(self, keys: list[ProgramKey]) -> None:
-        """Load the saved ones of `keys`; lower the others here and compile them in
-        parallel threads, saving each. Every key leaves the busy set, ready or not."""
+        """Load the saved ones of `keys` in parallel threads while the others are lowered
+        here; compile those (and any saved one that failed to load) in parallel threads,
+        saving each. Every key leaves the busy set, ready or not."""
         if not keys:
             return
         start, loaded, lowered = time.perf_counter(), 0, {}
         try:
-            for key in keys:
-                spec = self._specs[key]
-                program = None
-                if key in self._saved:  # unreadable: None, with a warning (then compiled)
-                    program = self._cache.load(key, spec.in_tree(), spec.out_tree, spec.static)
-                if program is not None:
-                    self._install(key, program, compiled=False)
-                    loaded += 1
-                else:
-                    with self._trace_lock:
-                        lowered[key] = spec.lower()
-            workers = min(len(lowered), os.cpu_count() or 1) or 1
+            workers = min(len(keys), os.cpu_count() or 1)
             with ThreadPoolExecutor(max_workers=workers) as pool:
+                loads = {key: pool.submit(self._load, key) for key in keys if key in self._saved}
+                for key in keys:
+                    if key not in loads:
+                        lowered[key] = self._lower(key)
+                for key, future in loads.items():
+                    program = future.result()  # None: unreadable, with a warning
+                    if program is None:
+                        lowered[key] = self._lower(key)
+                    else:
+                        self._install(key, program, compiled=False)
+                        loaded += 1
                 futures = {key: pool.submit(low.compile) for key, low in lowered.items()}
                 progress = tqdm(
                     futures.items(),
@@ -278,6 +279,14 @@ class Compiler:
             time.perf_counter() - start,
             ", ".join(f"{k.kind.value}[{k.size}]" for k in keys),
         )
+
+    def _load(self, key: ProgramKey) -> Any | None:
+        spec = self._specs[key]
+        return self._cache.load(key, spec.in_tree(), spec.out_tree, spec.static)
+
+    def _lower(self, key: ProgramKey) -> Any:
+        with self._trace_lock:
+            return self._specs[key].lower()
 
     def _install(self, key: ProgramKey, program: Any, compiled: bool) -> None:
         with self._lock:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +61,14 @@ class _StepInFlight:
     pooled: jax.Array | None = None  # pooling runner: [rows, hidden] vectors (device)
 
 
+def _allocate(spec: list[jax.ShapeDtypeStruct], result: Future) -> None:
+    """Zeroed arrays of `spec` into `result` (run on a thread)."""
+    try:
+        result.set_result([jnp.zeros(s.shape, s.dtype, device=s.sharding) for s in spec])
+    except BaseException as e:  # out of memory: raised where the cache is first read
+        result.set_exception(e)
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the jitted step; turns SchedulerOutputs into tokens."""
 
@@ -98,9 +108,19 @@ class ModelRunner:
         )
         self.graphdef, self.state = nnx.split(model)
         self.num_blocks = num_blocks
-        self.kv_caches = model.make_kv_caches(
-            num_blocks, self.block_size, kv_dtype, mesh=mesh, abstract=abstract
+        # The cache's shapes and shardings now (the program specs need them); the zeroed
+        # arrays on a thread, overlapping what start-up does next (writing 1 GiB of zeros
+        # takes ~0.4 s on CPU); the first read of `kv_caches` waits for them.
+        self._kv_spec = model.make_kv_caches(
+            num_blocks, self.block_size, kv_dtype, mesh=mesh, abstract=True
         )
+        self._kv_caches: list[Any] = self._kv_spec
+        self._kv_allocation: Future | None = None
+        if not abstract:
+            self._kv_allocation = Future()
+            threading.Thread(
+                target=_allocate, args=(self._kv_spec, self._kv_allocation), daemon=True
+            ).start()
         # Unseeded requests draw from the engine seed folded with the step count.
         self.step_count = config.model_config.seed << 20
         self._model_fn = jax.jit(self._model_step, static_argnums=(4,), donate_argnums=(1,))
@@ -205,6 +225,19 @@ class ModelRunner:
             return tree
         return jax.lax.with_sharding_constraint(tree, replicated(self.device_mesh))
 
+    @property
+    def kv_caches(self) -> list[Any]:
+        """The KV cache arrays (waits for their allocation the first time)."""
+        if self._kv_allocation is not None:
+            self._kv_caches = self._kv_allocation.result()
+            self._kv_allocation = None
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, value: list[Any]) -> None:
+        self._kv_allocation = None
+        self._kv_caches = value
+
     def _put(self, value: np.ndarray) -> jax.Array:
         """Host array -> device(s): replicated over the mesh when there is one."""
         return put_replicated(value, self.device_mesh)
@@ -219,8 +252,8 @@ class ModelRunner:
 
     def _model_spec(self, packed: Any, prev_sampled: Any, layout: Any) -> ProgramSpec:
         logits = None if self.pooling else 0
-        out_tree = jax.tree_util.tree_structure((list(self.kv_caches), logits, 0))
-        args = (self.state, self.kv_caches, packed, prev_sampled)
+        out_tree = jax.tree_util.tree_structure((list(self._kv_spec), logits, 0))
+        args = (self.state, self._kv_spec, packed, prev_sampled)
         return ProgramSpec(self._model_fn, args, layout, out_tree, self.device_mesh)
 
     def _sampler_spec(self, logits: Any, packed: Any, layout: Any) -> ProgramSpec:
@@ -489,8 +522,9 @@ class ModelRunner:
         ]
         if ready and ready[0] != exact:
             compiler.prefer(wanted)
-        elif not ready:
-            compiler.require(wanted)
+        # The chosen bucket's programs at once: saved ones load in parallel, the others
+        # compile (only when no bucket was ready); in memory already, nothing to do.
+        compiler.require(self._bucket_keys(ready[0] if ready else exact))
         if self._startup_programs != "used":  # after the first step's programs (once)
             compiler.start_background(self._background_order())
         return ready[0] if ready else exact
