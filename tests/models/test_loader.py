@@ -183,6 +183,13 @@ def test_dummy_format(tmp_path, tiny_checkpoint):
     key = "model.layers.1.mlp.gate_up_proj"
     np.testing.assert_array_equal(pa[key], pb[key])
     assert not np.array_equal(pa[key], pc[key])
+    # Each matrix its own values, at the scale of its fan-in.
+    q, o = (pa[f"model.layers.0.self_attn.{n}_proj.kernel"] for n in "qo")
+    assert q.shape == o.shape and not np.array_equal(q, o)
+    for name in ("model.layers.0.self_attn.q_proj.kernel", "model.embed_tokens.weight"):
+        value = np.asarray(pa[name])
+        fan_in = value.shape[-1] if name.endswith("weight") else value.shape[-2]
+        assert abs(value.std() * fan_in**0.5 - 1) < 0.1, name
     rng = np.random.default_rng(0)
     ids = {r: rng.integers(0, 256, 20).tolist() for r in "ABC"}
     logits = np.concatenate(list(run_schedule(a, ids, seed=0).values()))
