@@ -32,6 +32,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -198,6 +199,37 @@ def cold_and_warm(name: str, run, warm_repeats: int) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f} s"
+    return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
+
+
+def markdown(results: dict) -> str:
+    """The results as the table RESULTS.md shows (warm: median (min-max) of the repeats)."""
+    rows = [
+        "| case | measure | cold | warm |",
+        "|---|---|---|---|",
+    ]
+    for name, runs in results["cases"].items():
+        cold, warm = runs["cold"], runs["warm"]
+        measures = ["ttft_s", "exit_s"] if "ttft_s" in cold else ["health_s", "first_completion_s"]
+        for measure in measures:
+            label = {
+                "ttft_s": "first token on stdout",
+                "exit_s": "process exit",
+                "health_s": "/health ready",
+                "first_completion_s": "first completion answered",
+            }[measure]
+            rows.append(
+                f"| {name} | {label} | {cold[measure]:.2f} s | "
+                f"{_span([w[measure] for w in warm])} |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warm-repeats", type=int, default=3)
@@ -234,6 +266,7 @@ def main() -> None:
         if not only or name in only:
             results["cases"][name] = cold_and_warm(name, run, args.warm_repeats)
     Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    print(markdown(results))
     print(f"wrote {args.json}", file=sys.stderr)
 
 
