@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -170,20 +172,41 @@ class _WeightPlacer:
         }
         self.np_dtype = np.dtype(dtype)
         self.mesh = mesh
-        self.placed: dict[str, jax.Array] = {}
+        self._placed: dict[str, jax.Array | Future] = {}
         self._pending: dict[str, tuple[np.ndarray, int]] = {}
+        # Host copies (out of a memory map, often transposed) run on a thread per core
+        # while the next tensor is read: numpy copies without the GIL. A few in flight at
+        # most, so that host memory stays bounded by the tensors being copied.
+        workers = os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="xlm-weights")
+        self._in_flight = threading.BoundedSemaphore(2 * workers)
+
+    @property
+    def placed(self) -> dict[str, jax.Array]:
+        """Every parameter placed so far (waits for the copies in flight)."""
+        for path, value in self._placed.items():
+            if isinstance(value, Future):
+                self._placed[path] = value.result()
+        return self._placed  # type: ignore[return-value]
+
+    def _copy_to_device(self, value: np.ndarray) -> jax.Array:
+        try:
+            # A fresh host array: the source may be a memory map that jax must not alias.
+            return jax.device_put(np.array(value, self.np_dtype))
+        finally:
+            self._in_flight.release()
 
     def _put(self, path: str, value: np.ndarray) -> None:
         var = self.variables[path]
         value = to_physical(value, var.get_metadata())
         sharding = _sharding_for(var, value.shape, self.mesh)
         if sharding is None:
-            # A fresh host array: the source may be a memory map that jax must not alias.
-            self.placed[path] = jax.device_put(np.array(value, self.np_dtype))
+            self._in_flight.acquire()
+            self._placed[path] = self._pool.submit(self._copy_to_device, value)
             return
         # Each device receives only its own slice (also the only slices this process
         # addresses when the mesh spans hosts): never the whole tensor on one device.
-        self.placed[path] = jax.make_array_from_callback(
+        self._placed[path] = jax.make_array_from_callback(
             value.shape, sharding, lambda index: np.array(value[index], self.np_dtype)
         )
 

