@@ -73,15 +73,12 @@ def _phases(log: str) -> dict:
     return out
 
 
-def run_generate(cache_root: str, model_flags: list[str], extra: list[str]) -> dict:
-    """`ttft_s`: start until the completion's first byte reaches stdout (generate prints
-    once its single token is sampled); `exit_s`: until the process has exited."""
-    cmd = ["xlm", "generate", *model_flags, PROMPT, "--max-tokens", "1", "--temperature", "0"]
+def _first_output(cmd: list[str], env: dict[str, str] | None = None) -> tuple[dict, str]:
+    """Run `cmd`: `ttft_s` from its start until the first byte reaches stdout (one token is
+    asked for, printed once sampled), `exit_s` until it has exited; and its stderr."""
     log = tempfile.TemporaryFile("w+")
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        [*cmd, *extra], env=_env(cache_root), stdout=subprocess.PIPE, stderr=log, text=True
-    )
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     first = proc.stdout.read(1)
     ttft = time.perf_counter() - start
     output = first + proc.stdout.read()
@@ -90,8 +87,14 @@ def run_generate(cache_root: str, model_flags: list[str], extra: list[str]) -> d
     log.seek(0)
     stderr = log.read()
     if proc.returncode != 0 or not first:
-        raise RuntimeError(f"{cmd} failed ({proc.returncode}):\n{stderr[-3000:]}")
-    return {"ttft_s": ttft, "exit_s": wall, "output": output.strip(), **_phases(stderr)}
+        raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}):\n{stderr[-3000:]}")
+    return {"ttft_s": ttft, "exit_s": wall, "output": output.strip()}, stderr
+
+
+def run_generate(cache_root: str, model_flags: list[str], extra: list[str]) -> dict:
+    cmd = ["xlm", "generate", *model_flags, PROMPT, "--max-tokens", "1", "--temperature", "0"]
+    out, stderr = _first_output([*cmd, *extra], _env(cache_root))
+    return {**out, **_phases(stderr)}
 
 
 LLAMA_CPP = """
@@ -114,26 +117,10 @@ def builtin_gguf() -> str:
 
 def run_llama_cpp(python: str) -> dict:
     """llama.cpp (llama-cpp-python, its own venv) on the same GGUF file, as its users run
-    it: load, then one greedy token; the same stdout timing as `run_generate`."""
+    it: load, then one greedy token; timed as `run_generate`."""
     script = LLAMA_CPP.format(threads=os.cpu_count())
-    log = tempfile.TemporaryFile("w+")
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        [python, "-c", script, builtin_gguf(), PROMPT],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-    )
-    first = proc.stdout.read(1)
-    ttft = time.perf_counter() - start
-    output = first + proc.stdout.read()
-    proc.wait(timeout=600)
-    wall = time.perf_counter() - start
-    log.seek(0)
-    stderr = log.read()
-    if proc.returncode != 0 or not first:
-        raise RuntimeError(f"llama.cpp failed ({proc.returncode}):\n{stderr[-3000:]}")
-    return {"ttft_s": ttft, "exit_s": wall, "output": output.strip(), "version": stderr.strip()}
+    out, stderr = _first_output([python, "-c", script, builtin_gguf(), PROMPT])
+    return {**out, "version": stderr.strip()}
 
 
 def _free_port() -> int:
