@@ -47,8 +47,7 @@ def _sampling_params(args: argparse.Namespace):
 
 def _make_llm(args: argparse.Namespace, startup_programs: str):
     engine_args = EngineArgs.from_cli_args(args)
-    if not engine_args.compile_all_first:
-        engine_args.startup_programs = startup_programs
+    engine_args.startup_programs = startup_programs  # --compile-all-first still wins
     return LLM.from_engine_args(engine_args)
 
 

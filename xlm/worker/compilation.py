@@ -175,7 +175,6 @@ class Compiler:
         self._trace_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._started = time.perf_counter()
         # Programs compiled or loaded so far; once all are ready it must not move.
         self.num_compilations = 0
         self.num_compiled = 0

@@ -140,7 +140,6 @@ class ModelRunner:
             else self._put(np.zeros(self._max_rows, np.int32))
         )
         self._prev_rows: dict[str, int] = {}
-        self._registered: list[ProgramKey] = []
         self._startup_programs = "all"
         self.compiler = Compiler(
             ExecutableCache(
@@ -542,7 +541,6 @@ class ModelRunner:
         first step, whose bucket is compiled then and the rest in the background
         ("first-use") or each when a step first needs it ("used")."""
         specs = self.program_specs()
-        self._registered = list(specs)
         self._startup_programs = startup_programs
         if startup_programs == "all":
             self.compiler.warmup(specs)
