@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -128,12 +127,6 @@ def group_alive(pid: int) -> bool:
     return True
 
 
-GLOO_MESSAGE = re.compile(
-    r"(\[Gloo\] )?(Rank )?\d+ is connected to \d+ peer ranks\. "
-    r"Expected number of connected peer ranks is : \d+"
-)
-
-
 @pytest.mark.slow
 def test_generate_over_two_processes_equals_tp1(pods, model, expected):
     prompt = PROMPTS[0]
@@ -143,14 +136,9 @@ def test_generate_over_two_processes_equals_tp1(pods, model, expected):
     out, _ = pod.leader.communicate(timeout=900)
     assert pod.leader.returncode == 0, pod.log(0)[-4000:]
 
-    # Gloo's C++ code prints its connection lines to stdout, unsynchronised with Python's:
-    # a line of it can lose its newline or arrive split, with its "[Gloo] Rank" prefix on
-    # another line. Cut every piece of those messages out, then drop blank lines.
-    def lines(text: str) -> list[str]:
-        text = GLOO_MESSAGE.sub("", text)
-        return [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("[Gloo]")]
-
-    assert lines(out) == lines(expected[prompt] + "\n")
+    # stdout holds the generated text and nothing else: Gloo's C++ connection lines,
+    # which used to land inside it, go to stderr (multihost.keep_stdout_for_python).
+    assert out.strip() == expected[prompt].strip()
     assert pod.follower.wait(60) == 0, pod.log(1)[-4000:]
     assert "follower process 1 ready" in pod.log(1)
 

@@ -11,6 +11,7 @@ each process from that scheduler output (no device-to-device broadcast of inputs
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
 from typing import Any
@@ -38,6 +39,24 @@ def resolve_process_id(parallel_config: ParallelConfig) -> int | None:
     return process_id if process_id is not None else envs.tpu_worker_id()
 
 
+def keep_stdout_for_python() -> None:
+    """Point file descriptor 1 at stderr and give Python's `sys.stdout` the original.
+
+    Gloo's C++ code (the CPU collectives of a multi-process run) prints its connection
+    lines to fd 1, unsynchronised with Python: they landed inside `xlm generate`'s text,
+    even mid-line. After this, native code writing to stdout writes to stderr, and what
+    xlm prints (the product of `generate`, `plan`, ...) is the only thing on stdout.
+    """
+    if getattr(sys.stdout, "_xlm_own_fd", False):
+        return
+    sys.stdout.flush()
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    stream = os.fdopen(os.dup(1), "w", buffering=1, encoding=encoding, errors="replace")
+    stream._xlm_own_fd = True  # type: ignore[attr-defined]
+    os.dup2(2, 1)
+    sys.stdout = stream
+
+
 def initialize_distributed(parallel_config: ParallelConfig) -> None:
     """`jax.distributed.initialize` once per process (JAX detects what is left unset)."""
     import jax
@@ -45,6 +64,7 @@ def initialize_distributed(parallel_config: ParallelConfig) -> None:
 
     if distributed.global_state.client is not None:
         return
+    keep_stdout_for_python()
     start = time.perf_counter()
     jax.distributed.initialize(
         coordinator_address=parallel_config.coordinator_address,
