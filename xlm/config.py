@@ -349,6 +349,93 @@ class CompilationConfig:
                 setattr(self, name, sorted(set(buckets)))
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: proposed tokens verified by the model in one step.
+
+    ``ngram`` (prompt lookup): the longest suffix of a request's tokens, between
+    ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens, that appeared earlier in its
+    prompt or output proposes the ``num_speculative_tokens`` tokens that followed it.
+    Verification keeps the output exactly the model's: greedy requests accept the
+    matching prefix plus one token, sampled ones use rejection sampling
+    (xlm.worker.sampler). No request is proposed tokens while more than
+    ``disable_by_batch_size`` requests run: a full batch is bound by compute, not by
+    reading the weights, and verifying k tokens per request costs k times the rows.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # None: speculate at any batch size.
+    disable_by_batch_size: int | None = 8
+
+    @classmethod
+    def from_dict(cls, value: Any) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (vLLM's ``--speculative-config``); None passes."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"speculative_config={value!r} is invalid: not JSON ({e})"
+                ) from None
+        if not isinstance(value, dict):
+            raise _invalid("EngineArgs", "speculative_config", value, "a dict or its JSON text")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}: allowed {sorted(names)}"
+            )
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        owner = "SpeculativeConfig"
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            owner,
+            "method",
+            self.method,
+            " or ".join(repr(m) for m in SPECULATIVE_METHODS),
+        )
+        k = self.num_speculative_tokens
+        _require(
+            isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16,
+            owner,
+            "num_speculative_tokens",
+            k,
+            "an integer from 1 to 16",
+        )
+        _positive_int(owner, "prompt_lookup_min", self.prompt_lookup_min)
+        _positive_int(owner, "prompt_lookup_max", self.prompt_lookup_max)
+        _require(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            owner,
+            "prompt_lookup_min",
+            self.prompt_lookup_min,
+            f"<= prompt_lookup_max ({self.prompt_lookup_max})",
+        )
+        _positive_int(owner, "disable_by_batch_size", self.disable_by_batch_size, optional=True)
+
+    @property
+    def max_rows_per_request(self) -> int:
+        """Sampler rows of one verified request: its proposals plus one."""
+        return self.num_speculative_tokens + 1
+
+    def rows_needed(self, max_num_seqs: int) -> int:
+        """The most sampler rows one step may hold with speculation."""
+        batch = min(max_num_seqs, self.disable_by_batch_size or max_num_seqs)
+        return max(max_num_seqs, batch * self.max_rows_per_request)
+
+
 _REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -383,6 +470,8 @@ class XlmConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    # None: no speculative decoding.
+    speculative_config: SpeculativeConfig | None = None
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """Fix the context length everywhere once the model's limit is known."""

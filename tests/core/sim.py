@@ -8,6 +8,7 @@ a deterministic function of all previous tokens.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -75,6 +76,8 @@ class FakeModelRunner:
         check_kv: bool = True,
         window: int | None = None,
         group_windows: list[int | None] | None = None,
+        spec_k: int = 0,
+        seed: int = 0,
     ):
         # window: attention sees only the last `window` positions; the scheduler may drop
         # (null) the blocks before that, and only in-window reads are checked.
@@ -89,6 +92,12 @@ class FakeModelRunner:
         self.check_kv = check_kv
         self.kv: list[list[object]] = [[None] * block_size for _ in range(num_blocks)]
         self.reqs: dict[str, _State] = {}
+        # Speculative decoding: after each sample, propose spec_k tokens of which a random
+        # number are right (the rest wrong), and verify scheduled proposals as the device
+        # does (accept the matching prefix, then the model's own token).
+        self.spec_k = spec_k
+        self.rng = random.Random(seed)
+        self.num_accepted = 0
 
     def _groups(self, block_ids) -> list[list[int]]:
         """Block ids from the scheduler as one list per group."""
@@ -151,6 +160,15 @@ class FakeModelRunner:
             c.req_ids
         )
         assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
+        # Proposals follow a request's last known token and are computed like known ones.
+        num_known = {}
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            assert self.spec_k and 0 < len(drafts) <= self.spec_k
+            st = self.reqs[rid]
+            assert st.num_computed == len(st.tokens) - 1, "proposals only in a decode step"
+            assert so.num_scheduled_tokens[rid] == 1 + len(drafts)
+            num_known[rid] = len(st.tokens)
+            st.tokens = st.tokens + list(drafts)
         # Every scheduled token's K/V is written before any attention reads.
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
@@ -158,7 +176,11 @@ class FakeModelRunner:
             assert n > 0 and end <= len(st.tokens), (rid, start, n, len(st.tokens))
             for g, ids in enumerate(st.block_ids):
                 assert len(ids) * bs >= end, "not enough slots allocated"
-                assert len(ids) == -(-end // bs), "more blocks than needed"
+                # Rejected proposals leave their blocks with the request (spec only).
+                needed = -(-end // bs)
+                assert len(ids) >= needed if self.spec_k else len(ids) == needed, (
+                    "more blocks than needed"
+                )
                 # Blocks dropped out of the window keep stale ids here (the scheduler does
                 # not tell the runner): only the blocks still visible must be real, and no
                 # two groups or requests write one block (checked by the tagged values).
@@ -178,13 +200,48 @@ class FakeModelRunner:
                         assert got == (g, st.value(p)), f"{rid}: wrong K/V at {p} (group {g})"
             st.num_computed = end
             req_ids.append(rid)
-            if end == len(st.tokens):
+            if rid in num_known:
+                sampled.append(self._verify(st, num_known[rid]))
+            elif end == len(st.tokens):
                 tok = self.next_token(st, end - 1)
                 st.tokens.append(tok)
                 sampled.append([tok])
             else:
                 sampled.append([])
-        return ModelRunnerOutput(req_ids, sampled)
+        spec = None
+        if self.spec_k:
+            spec = [self._propose(self.reqs[r]) if t else [] for r, t in zip(req_ids, sampled)]
+        return ModelRunnerOutput(req_ids, sampled, spec_token_ids=spec)
+
+    def _verify(self, st: _State, known: int) -> list[int]:
+        """Greedy verification: proposals while they are the model's tokens, then its own."""
+        out = []
+        pos = known - 1
+        while True:
+            tok = self.next_token(st, pos)
+            out.append(tok)
+            pos += 1
+            if pos >= len(st.tokens) or st.tokens[pos] != tok:
+                break
+        self.num_accepted += len(out) - 1
+        # Rejected positions are computed again next step (the scheduler rolled back).
+        del st.tokens[known + len(out) - 1 :]
+        del st.values[len(st.tokens) :]
+        st.num_computed = len(st.tokens)
+        st.tokens.append(out[-1])
+        return out
+
+    def _propose(self, st: _State) -> list[int]:
+        """spec_k tokens: a random number of them right, then wrong ones."""
+        right = self.rng.randint(0, self.spec_k)
+        value, out = st.value(len(st.tokens) - 1), []
+        for i in range(self.spec_k):
+            tok = value % self.vocab
+            if i >= right:
+                tok = (tok + 1) % self.vocab
+            out.append(tok)
+            value = prefix_value(value, tok)
+        return out
 
 
 def reference_generate(
@@ -264,6 +321,8 @@ def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> Non
             assert m.num_dropped_block[rid] == first.num_dropped_block[rid]
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
+        # No K/V slot past the longest request (proposals are trimmed to it).
+        assert r.num_computed_tokens <= sched.max_request_len, r
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens == 0

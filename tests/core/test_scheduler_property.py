@@ -41,6 +41,9 @@ configs = st.fixed_dictionaries(
         # applied, as EngineCore does; the fake runner, like the device, already knows
         # the tokens the scheduler counts as in flight.
         "async": st.booleans(),
+        # Speculative decoding (synchronous scheduling only, as the engine turns async
+        # off with it): proposals of this many tokens, some right, some wrong.
+        "spec_k": st.sampled_from([0, 1, 3]),
     }
 )
 
@@ -94,13 +97,15 @@ def test_random_workloads_keep_invariants_and_finish(cfg, plan):
         ),
         cfg["num_blocks"],
     )
+    spec_k = 0 if cfg["async"] else cfg["spec_k"]
     runner = FakeModelRunner(
-        cfg["num_blocks"], bs, vocab=VOCAB, window=window, group_windows=windows
+        cfg["num_blocks"], bs, vocab=VOCAB, window=window, group_windows=windows, spec_k=spec_k
     )
     kv = sched.kv_cache_manager
     cap = min(cfg["max_len"], kv.max_request_tokens)
     event(f"groups: {windows is not None}")
     event(f"async: {cfg['async']}")
+    event(f"spec: {spec_k > 0}")
     specs, aborted, results = {}, set(), {}
     in_flight = deque()
 
@@ -171,6 +176,8 @@ def test_random_workloads_keep_invariants_and_finish(cfg, plan):
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hits: {stats.prefix_cache_hits > 0}")
     event(f"aborted: {bool(aborted)}")
+    event(f"spec accepted: {runner.num_accepted > 0}")
+    assert stats.spec_num_accepted_tokens == runner.num_accepted
 
     for rid, (body, spec) in specs.items():
         if rid in aborted:

@@ -72,3 +72,22 @@ def test_logging_stat_logger_logs_one_line(caplog):
     finally:
         xlm_logger.removeHandler(caplog.handler)
     assert "Avg generation throughput" in caplog.text and "Running: 1 reqs" in caplog.text
+
+
+def test_prometheus_logger_exports_speculative_decoding():
+    logger = PrometheusStatLogger("m")
+    logger.record(
+        SchedulerStats(spec_num_drafts=4, spec_num_draft_tokens=12, spec_num_accepted_tokens=6),
+        None,
+    )
+    logger.record(
+        SchedulerStats(spec_num_drafts=5, spec_num_draft_tokens=16, spec_num_accepted_tokens=8),
+        None,
+    )
+    text = generate_latest(logger.registry).decode()
+    assert 'xlm:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'xlm:spec_decode_num_draft_tokens_total{model_name="m"} 16.0' in text
+    assert 'xlm:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0' in text
+    assert 'xlm:spec_decode_acceptance_rate{model_name="m"} 0.5' in text
+    # 1 + 8 accepted over 5 verifications.
+    assert 'xlm:spec_decode_mean_accepted_length{model_name="m"} 2.6' in text

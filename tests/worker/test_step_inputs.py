@@ -25,7 +25,9 @@ def test_prefill_decode_and_in_flight_token_match_a_per_token_loop():
     req_ids = list(reqs)
     counts = [reqs[r][3] for r in req_ids]
     buckets = Buckets((4, 16), (1, 4), max_num_seqs=4)
-    inputs, sampling, samples = prepare_inputs(batch, buckets, BS, {"c": 2}, 0, req_ids, counts, 16)
+    inputs, sampling, samples, _ = prepare_inputs(
+        batch, buckets, BS, {"c": 2}, 0, req_ids, counts, 16
+    )
     want_ids, want_pos, want_slot, want_src = [], [], [], []
     for prompt, blocks, computed, n in reqs.values():
         for p in range(computed, computed + n):
@@ -53,7 +55,7 @@ def test_chunked_prefill_does_not_sample():
     batch = InputBatch(2, L, 4, V)
     batch.add(CachedRequestState("a", list(range(1, 10)), SamplingParams()), [1, 2, 3], 0)
     buckets = Buckets((4, 16), (1, 4), max_num_seqs=2)
-    inputs, _, samples = prepare_inputs(batch, buckets, BS, {}, 0, ["a"], [4], 4)
+    inputs, _, samples, _ = prepare_inputs(batch, buckets, BS, {}, 0, ["a"], [4], 4)
     assert samples.tolist() == [False]
     np.testing.assert_array_equal(inputs["attn"].slot_mapping, [4, 5, 6, 7])
     np.testing.assert_array_equal(inputs["prev_src"], [-1] * 4)

@@ -62,6 +62,9 @@ class SchedulerOutput:
     # int32 [len(structured_output_request_ids), ceil(V / 32)] (row i for request i).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # Speculative decoding: the proposed tokens scheduled after each request's last token
+    # (counted in num_scheduled_tokens); requests without proposals are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,6 +101,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] | None = None
     # Pooling runner: per request, its vector (float32 numpy) once its prompt is computed.
     pooler_output: list[Any] | None = None
+    # Speculative decoding: per request (aligned with req_ids), the tokens proposed to
+    # follow what it sampled; None when nothing was proposed.
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -139,6 +145,26 @@ class SchedulerStats:
     # Step programs ready of all registered (the rest compile in the background).
     programs_ready: int = 0
     programs_total: int = 0
+    # Speculative decoding (cumulative): verifications (a request's proposals checked in
+    # one step), tokens proposed and tokens accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted of proposed tokens, cumulative (0 before any proposal)."""
+        if not self.spec_num_draft_tokens:
+            return 0.0
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verified request gains per step: accepted proposals plus the one the
+        step samples anyway (1.0 means speculation gained nothing)."""
+        if not self.spec_num_drafts:
+            return 0.0
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -68,6 +68,7 @@ class Request:
         "num_output_placeholders",
         "host_tokens_only",
         "pooling_params",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -121,6 +122,9 @@ class Request:
         # penalties' counts, bad-word and min_tokens bans; a grammar, set on admission):
         # such a request is not scheduled while a token of it is in flight.
         self.host_tokens_only = uses_penalties(sampling_params) or uses_output_bans(sampling_params)
+        # Speculative decoding: tokens proposed to follow the last one, to be verified by
+        # the next step that schedules the request.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

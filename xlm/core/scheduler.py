@@ -47,6 +47,7 @@ class _StepPlan:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     scheduled: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def add_cached(
         self, req_id: str, resumed: bool, block_ids: Any, num_computed: int, tokens: list[int]
@@ -116,6 +117,10 @@ class Scheduler:
         # handed out by the next update_from_output.
         self._early_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Speculative decoding counters (SchedulerStats.spec_*).
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
         self.num_steps = 0
         self.step_num_scheduled_tokens = 0
         self.total_num_scheduled_tokens = 0
@@ -213,10 +218,19 @@ class Scheduler:
             if num_new > token_budget:
                 num_new = token_budget
             assert num_new > 0, f"{request} is running with nothing to compute"
+            spec = request.spec_token_ids
+            if spec:
+                request.spec_token_ids = []
+                spec = self._trim_proposals(request, spec, num_new, token_budget)
+                num_new += len(spec)
             while True:
                 new_block_ids = allocate_slots(request, num_new)
                 if new_block_ids is not None:
                     break
+                if spec:  # no room for the proposals: the one known token first
+                    num_new -= len(spec)
+                    spec = []
+                    continue
                 victim = running.pop()
                 self._preempt(victim)
                 preempted_req_ids.add(victim.request_id)
@@ -229,8 +243,23 @@ class Scheduler:
             token_budget -= num_new
             scheduled.append(request)
             step.add_cached(req_id, False, new_block_ids, request.num_computed_tokens, [])
+            if spec:
+                step.spec_tokens[req_id] = spec
             i += 1
         step.token_budget = token_budget
+
+    def _trim_proposals(
+        self, request: Request, spec: list[int], num_new: int, token_budget: int
+    ) -> list[int]:
+        """The proposals worth verifying: only after a request's last token (a decode
+        step), within the step's budget, and no more than could still be output before
+        max_tokens or the length cap ends it (the step adds up to len(spec) + 1)."""
+        if num_new != 1 or request.num_output_placeholders:
+            return []
+        room = min(token_budget - 1, self.max_request_len - len(request.all_token_ids) - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
+        return spec[: max(room, 0)]
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """Admit waiting requests while the budget, the row cap and the blocks allow."""
@@ -342,6 +371,7 @@ class Scheduler:
             preempted_req_ids=step.preempted_req_ids,
             structured_output_request_ids=[r.request_id for r in constrained],
             grammar_bitmask=grammar_bitmask,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
 
     def _on_sampling_scheduled(self, request: Request) -> None:
@@ -372,6 +402,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
@@ -389,12 +420,18 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = self._early_outputs
         self._early_outputs = []
         any_finished = False
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        proposals = model_runner_output.spec_token_ids
         for idx, (req_id, token_ids) in enumerate(
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
         ):
             request = requests.get(req_id)
             if request is None or request.is_finished:
                 continue  # finished or aborted after this step was scheduled
+            if spec_scheduled and req_id in spec_scheduled and token_ids:
+                self._roll_back_rejected(request, len(spec_scheduled[req_id]), len(token_ids))
+            if proposals is not None:
+                request.spec_token_ids = proposals[idx]
             if token_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= len(token_ids)
             # With async scheduling a request may be preempted while its step was in flight:
@@ -441,6 +478,17 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_proposed: int, num_tokens: int) -> None:
+        """A verified request kept num_tokens - 1 proposals and one token of its own: the
+        K/V computed for the rejected proposals does not count (their slots are written
+        again by the next step; their blocks were never entered in the prefix cache,
+        which takes only blocks of known tokens)."""
+        num_accepted = num_tokens - 1
+        request.num_computed_tokens -= num_proposed - num_accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_proposed
+        self.spec_num_accepted_tokens += num_accepted
 
     def _finish_pooled(self, request: Request, pooled: Any) -> EngineCoreOutput:
         """A pooling request's prompt is computed: it ends with its vector, blocks freed."""
@@ -548,4 +596,7 @@ class Scheduler:
             num_steps=self.num_steps,
             step_num_scheduled_tokens=self.step_num_scheduled_tokens,
             total_num_scheduled_tokens=self.total_num_scheduled_tokens,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )

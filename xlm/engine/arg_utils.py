@@ -15,6 +15,7 @@ from xlm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     XlmConfig,
 )
@@ -73,6 +74,9 @@ _HELP = {
     "instead of running on the local devices; nothing is allocated or run",
     "structured_outputs_enable_in_reasoning": "apply structured-output constraints from the "
     "first token, reasoning included",
+    "speculative_config": "speculative decoding, a JSON object with method (ngram), "
+    "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max and disable_by_batch_size "
+    "(async scheduling is turned off with it)",
 }
 
 
@@ -123,6 +127,8 @@ class EngineArgs:
     enable_compilation_cache: bool = True
     reasoning_parser: str | None = None
     structured_outputs_enable_in_reasoning: bool = False
+    # A dict (or its JSON text) of SpeculativeConfig's fields; None: no speculation.
+    speculative_config: dict[str, Any] | str | None = None
     # Compile-only (`xlm plan` adds the flag; an engine refuses it).
     target_topology: str | None = None
 
@@ -214,6 +220,16 @@ class EngineArgs:
                 # A pooled request finishes in its one prefill step: nothing to overlap.
                 logger.info("Pooling runner: async scheduling off (prefill-only steps).")
                 async_scheduling = False
+        speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if speculative is not None:
+            if model_config.is_pooling:
+                raise ValueError(
+                    "speculative_config is invalid with the pooling runner: nothing is decoded"
+                )
+            if async_scheduling:
+                # The next step's tokens depend on how many proposals this one accepts.
+                logger.info("Speculative decoding: async scheduling off.")
+                async_scheduling = False
         model_max = _model_max_len(model_config.hf_config)
         max_model_len = self.max_model_len or model_max
         if max_model_len > model_max:
@@ -255,6 +271,7 @@ class EngineArgs:
                 reasoning_parser=self.reasoning_parser,
                 enable_in_reasoning=self.structured_outputs_enable_in_reasoning,
             ),
+            speculative_config=speculative,
         )
         config.set_max_model_len(max_model_len)
         platforms.current_platform.check_and_update_config(config)

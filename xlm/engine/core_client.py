@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from xlm.config import XlmConfig
+from xlm.core.outputs import SchedulerStats
 from xlm.engine.core import EngineCore
 from xlm.engine.core_proc import EngineCoreProc
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
@@ -29,6 +30,8 @@ class EngineCoreClient(Protocol):
     def get_num_compilations(self) -> int: ...
 
     def wait_for_programs(self, timeout: float | None = None) -> bool: ...
+
+    def get_stats(self) -> SchedulerStats: ...
 
     def shutdown(self) -> None: ...
 
@@ -65,6 +68,9 @@ class InprocClient:
 
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         return self.engine_core.wait_for_programs(timeout)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.make_stats()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from xlm.config import XlmConfig
+from xlm.core.outputs import SchedulerStats
 from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.core_client import EngineCoreClient, InprocClient
 from xlm.engine.mp_client import SyncMPClient
@@ -107,6 +108,11 @@ class LLMEngine:
         """Wait until the background compilation has made every step program ready (then
         no step compiles); whether it has."""
         return self.engine_core.wait_for_programs(timeout)
+
+    def get_stats(self) -> SchedulerStats:
+        """The engine core's counters now: requests, KV cache, prefix cache, preemptions,
+        speculative decoding (proposed, accepted, acceptance rate)."""
+        return self.engine_core.get_stats()
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from xlm import envs
 from xlm.config import XlmConfig
+from xlm.core.outputs import SchedulerStats
 from xlm.engine.core_proc import EngineCoreProc, error_file_path
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest, OutputType, RequestType
@@ -323,6 +324,10 @@ class SyncMPClient(_MPClientBase):
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         """Wait for the core's background compilation (its loop waits with it)."""
         return self.call_utility("wait_for_programs", timeout, timeout=None)
+
+    def get_stats(self) -> SchedulerStats:
+        """The core's scheduler counters now."""
+        return self.call_utility("make_stats")
 
     def shutdown(self) -> None:
         """Stop the engine process and the reader thread."""

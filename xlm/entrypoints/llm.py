@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from xlm import envs
+from xlm.core.outputs import SchedulerStats
 from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.llm_engine import LLMEngine
 from xlm.executor.multihost import follow_if_follower
@@ -83,6 +84,12 @@ class LLM:
         """Wait until every step program is compiled (they compile in the background from
         the first step on); whether they all are. From then on no step compiles."""
         return self.llm_engine.wait_for_programs(timeout)
+
+    def get_stats(self) -> SchedulerStats:
+        """The engine's counters now (xlm.core.outputs.SchedulerStats): running and
+        waiting requests, KV cache and prefix cache use, preemptions, and speculative
+        decoding's proposed and accepted tokens with its acceptance rate."""
+        return self.llm_engine.get_stats()
 
     def get_tokenizer(self):
         """The tokenizer of the model (a transformers fast tokenizer)."""

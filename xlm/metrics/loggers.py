@@ -153,6 +153,22 @@ class PrometheusStatLogger(StatLoggerBase):
             "xlm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self.num_preemptions = counter("xlm:num_preemptions", "Cumulative preemptions.")
+        self.spec_num_drafts = counter(
+            "xlm:spec_decode_num_drafts", "Speculative decoding: requests' proposals verified."
+        )
+        self.spec_num_draft_tokens = counter(
+            "xlm:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."
+        )
+        self.spec_num_accepted_tokens = counter(
+            "xlm:spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
+        )
+        self.spec_acceptance_rate = gauge(
+            "xlm:spec_decode_acceptance_rate", "Accepted of proposed tokens, cumulative."
+        )
+        self.spec_mean_accepted_length = gauge(
+            "xlm:spec_decode_mean_accepted_length",
+            "Tokens per verification: accepted proposals plus the one sampled, cumulative.",
+        )
         self.prompt_tokens = counter("xlm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("xlm:generation_tokens", "Generation tokens produced.")
         success = Counter(
@@ -182,6 +198,7 @@ class PrometheusStatLogger(StatLoggerBase):
             "xlm:request_queue_time_seconds", "Time requests spent waiting.", _LATENCY_BUCKETS
         )
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_spec = [0, 0, 0]
 
     def record(self, scheduler_stats: Any | None, iteration_stats: IterationStats | None) -> None:
         """Update gauges, counters and histograms."""
@@ -199,6 +216,17 @@ class PrometheusStatLogger(StatLoggerBase):
             self._last_preemptions = _inc(
                 self.num_preemptions, s.num_preemptions, self._last_preemptions
             )
+            if s.spec_num_drafts:
+                spec = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
+                counters = (
+                    self.spec_num_drafts,
+                    self.spec_num_draft_tokens,
+                    self.spec_num_accepted_tokens,
+                )
+                for i, (c, value) in enumerate(zip(counters, spec)):
+                    self._last_spec[i] = _inc(c, value, self._last_spec[i])
+                self.spec_acceptance_rate.set(s.spec_acceptance_rate)
+                self.spec_mean_accepted_length.set(s.spec_mean_accepted_length)
         it = iteration_stats
         if it is None:
             return

@@ -116,6 +116,10 @@ def engine_fingerprint(
             config.scheduler_config.max_num_batched_tokens,
             config.scheduler_config.max_num_seqs,
             config.scheduler_config.max_model_len,
+            # Speculative decoding's rows (logit rows per step, the sampler's largest).
+            None
+            if config.speculative_config is None
+            else config.speculative_config.rows_needed(config.scheduler_config.max_num_seqs),
             config.cache_config.block_size,
             config.cache_config.kv_cache_groups,
             num_blocks,
@@ -346,6 +350,12 @@ class Compiler:
                 break
             try:
                 self._make_ready([key])
+            except RuntimeError as e:
+                # The interpreter exits (a script returned while programs compiled): its
+                # thread pools take no more work; nothing is lost.
+                if "interpreter shutdown" in str(e):
+                    return
+                logger.exception("Background compilation of the %s program failed", key)
             except Exception:  # the program is compiled on first use instead
                 logger.exception("Background compilation of the %s program failed", key)
         if not self._stopping:

@@ -16,6 +16,7 @@ import numpy as np
 from xlm.core.outputs import SchedulerOutput
 from xlm.worker.sampler import SamplingMetadata
 from xlm.worker.sampling_rows import SamplingRows
+from xlm.worker.spec_decode import may_speculate
 
 # A request's block ids: one list, or one list per KV cache group (xlm.core.kv_cache_groups).
 BlockIds = list[int] | tuple[list[int], ...]
@@ -34,6 +35,10 @@ class CachedRequestState:
     num_prompt_logprobs_done: int = 0
     # A pooling request's PoolingParams (its vector replaces sampling).
     pooling_params: Any = None
+    # Whether speculative decoding may propose it tokens, and how often its proposals
+    # were accepted (xlm.worker.spec_decode.SpeculationPolicy).
+    may_speculate: bool = False
+    spec_acceptance: float = 0.6
 
 
 class InputBatch:
@@ -76,6 +81,7 @@ class InputBatch:
                 list(new.prompt_token_ids),
                 new.sampling_params,
                 pooling_params=new.pooling_params,
+                may_speculate=new.pooling_params is None and may_speculate(new.sampling_params),
             )
             self.add(state, new.block_ids, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
@@ -154,7 +160,9 @@ class InputBatch:
         num_rows: int,
         step_seed: int,
         grammar_bitmask: dict[int, np.ndarray] | None = None,
+        drafts: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """The sampler's inputs for these slots, padded to `num_rows` (plus the
-        structured-output bitmask rows, by position in `slots`)."""
-        return self.sampling.metadata(slots, num_rows, step_seed, grammar_bitmask)
+        structured-output bitmask rows, by position in `slots`, and the proposed tokens
+        of speculative decoding: SamplingRows.metadata)."""
+        return self.sampling.metadata(slots, num_rows, step_seed, grammar_bitmask, drafts)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from xlm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.mesh import fetch, put_replicated, replicated
 from xlm.logger import init_logger
 from xlm.metrics import startup
-from xlm.worker import pooler, prompt_logprobs
+from xlm.worker import pooler, prompt_logprobs, spec_decode
 from xlm.worker import sampler as sampler_lib
 from xlm.worker.buckets import Buckets
 from xlm.worker.compilation import (
@@ -59,6 +60,13 @@ class _StepInFlight:
     hidden: jax.Array | None  # kept only when prompt logprobs read it
     prompt_plan: prompt_logprobs.PromptLogprobsPlan | None
     pooled: jax.Array | None = None  # pooling runner: [rows, hidden] vectors (device)
+    # Sampler rows per request (several with speculative decoding), in order.
+    row_counts: np.ndarray | None = None
+    # Speculative decoding: proposals verified per request, the step's token bucket and
+    # when it was dispatched (the policy times steps by bucket).
+    spec_lens: np.ndarray | None = None
+    bucket: int = 0
+    started: float = 0.0
 
 
 def _allocate(spec: list[jax.ShapeDtypeStruct], result: Future) -> None:
@@ -140,6 +148,14 @@ class ModelRunner:
             else self._put(np.zeros(self._max_rows, np.int32))
         )
         self._prev_rows: dict[str, int] = {}
+        # Speculative decoding: proposals after each step (xlm.worker.spec_decode).
+        self.spec_config = config.speculative_config
+        self.proposer = None
+        if self.spec_config is not None:
+            self.proposer = spec_decode.make_proposer(self.spec_config)
+            self.spec_policy = spec_decode.SpeculationPolicy(
+                self.spec_config, self.buckets.token_bucket
+            )
         self._startup_programs = "all"
         self.compiler = Compiler(
             ExecutableCache(
@@ -256,7 +272,7 @@ class ModelRunner:
         return ProgramSpec(self._model_fn, args, layout, out_tree, self.device_mesh)
 
     def _sampler_spec(self, logits: Any, packed: Any, layout: Any) -> ProgramSpec:
-        out_tree = jax.tree_util.tree_structure(sampler_lib.SamplerOutput(0, 0, 0, 0, 0))
+        out_tree = jax.tree_util.tree_structure(sampler_lib.SamplerOutput(0, 0, 0, 0, 0, 0))
         return ProgramSpec(self._sample_fn, (logits, packed), layout, out_tree, self.device_mesh)
 
     def _abstract_pooler_spec(self, model_spec: ProgramSpec, query_start_loc: Any) -> ProgramSpec:
@@ -295,7 +311,8 @@ class ModelRunner:
         num_scheduled: list[int],
         num_tokens_padded: int,
         so: SchedulerOutput | None = None,
-    ) -> tuple[dict[str, Any], Any, np.ndarray]:
+        spec_lens: np.ndarray | None = None,
+    ) -> tuple[dict[str, Any], Any, np.ndarray, np.ndarray]:
         """Build the padded ragged batch (xlm.worker.step_inputs) and count the step."""
         out = prepare_inputs(
             self.input_batch,
@@ -307,6 +324,7 @@ class ModelRunner:
             num_scheduled,
             num_tokens_padded,
             so,
+            spec_lens,
         )
         self.step_count += 1
         return out
@@ -367,6 +385,7 @@ class ModelRunner:
         previous one is collected (async scheduling) reads that step's sampled tokens on
         the device where its scheduler counted a token in flight.
         """
+        started = time.perf_counter()
         batch = self.input_batch
         batch.update(so)
         req_ids = list(so.num_scheduled_tokens)
@@ -376,8 +395,9 @@ class ModelRunner:
             return
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
         num_tokens_padded = self._ready_bucket(so.total_num_scheduled_tokens)
-        inputs, sampling, samples = self._prepare_inputs(
-            req_ids, num_scheduled, num_tokens_padded, so
+        spec_lens = self._write_proposals(req_ids, so.scheduled_spec_decode_tokens)
+        inputs, sampling, samples, row_counts = self._prepare_inputs(
+            req_ids, num_scheduled, num_tokens_padded, so, spec_lens
         )
         if self.pooling:
             _, hidden = self._run_model(num_tokens_padded, inputs)
@@ -393,8 +413,37 @@ class ModelRunner:
         self._prev_sampled = sampled.sampled_token_ids
         self._prev_rows = {r: i for i, r in enumerate(req_ids) if samples[i]}
         self._in_flight.append(
-            _StepInFlight(req_ids, samples, sampled, hidden if plan.rows else None, plan)
+            _StepInFlight(
+                req_ids,
+                samples,
+                sampled,
+                hidden if plan.rows else None,
+                plan,
+                None,
+                row_counts,
+                spec_lens,
+                num_tokens_padded,
+                started,
+            )
         )
+
+    def _write_proposals(
+        self, req_ids: list[str], proposals: dict[str, list[int]]
+    ) -> np.ndarray | None:
+        """Put each request's scheduled proposals in its token row past its known tokens
+        (where step_inputs reads them); their counts, or None without any."""
+        if not proposals:
+            return None
+        batch = self.input_batch
+        spec_lens = np.zeros(len(req_ids), np.int32)
+        for i, req_id in enumerate(req_ids):
+            tokens = proposals.get(req_id)
+            if tokens:
+                slot = batch.requests[req_id].slot
+                n = batch.num_tokens[slot]
+                batch.token_ids[slot, n : n + len(tokens)] = tokens
+                spec_lens[i] = len(tokens)
+        return spec_lens
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest dispatched step; record and return its sampled tokens."""
@@ -409,40 +458,67 @@ class ModelRunner:
             step.prompt_plan, step.hidden, self._run_prompt_logprobs
         )
         token_ids = np.asarray(sampled.sampled_token_ids)
+        accepted = np.asarray(sampled.accepted)
         sampled_token_ids: list[list[int]] = []
         logprobs: list[LogprobsLists | None] = []
         any_logprobs = False
+        row_counts = step.row_counts
+        row = 0
         for i, req_id in enumerate(step.req_ids):
+            first = row
+            row += 1 if row_counts is None else int(row_counts[i])
             if not step.samples[i]:
                 sampled_token_ids.append([])
                 logprobs.append(None)
                 continue
-            token = int(token_ids[i])
-            sampled_token_ids.append([token])
+            # Accepted proposals, then the first row's own token that was not one (the
+            # correction, or the bonus token after all were accepted).
+            last = first
+            while last < row - 1 and accepted[last]:
+                last += 1
+            tokens = token_ids[first : last + 1].tolist()
+            sampled_token_ids.append(tokens)
             state = batch.requests.get(req_id)
+            if step.spec_lens is not None and step.spec_lens[i] and state is not None:
+                self.spec_policy.record_verification(state, int(step.spec_lens[i]), last - first)
             # Finished (forgotten) or preempted since the dispatch: the scheduler decides;
             # a resumed request gets its outputs anew.
             if state is not None and state.slot >= 0:
-                batch.append_sampled(state, token)
+                for token in tokens:
+                    batch.append_sampled(state, token)
             num_logprobs = state.sampling_params.logprobs if state is not None else None
             if num_logprobs is None:
                 logprobs.append(None)
                 continue
             any_logprobs = True
+            end = last + 1
             logprobs.append(
                 LogprobsLists.from_sampler(
-                    [token],
-                    sampled.logprobs[i : i + 1],
-                    sampled.ranks[i : i + 1],
-                    sampled.topk_ids[i : i + 1, :num_logprobs],
-                    sampled.topk_logprobs[i : i + 1, :num_logprobs],
+                    tokens,
+                    sampled.logprobs[first:end],
+                    sampled.ranks[first:end],
+                    sampled.topk_ids[first:end, :num_logprobs],
+                    sampled.topk_logprobs[first:end, :num_logprobs],
                 )
+            )
+        spec_token_ids = None
+        if self.proposer is not None:
+            # Synchronous steps (speculation turns async scheduling off): dispatch to here
+            # is the step's time.
+            self.spec_policy.record_step(step.bucket, time.perf_counter() - step.started)
+            spec_token_ids = spec_decode.propose_for_batch(
+                self.proposer,
+                self.spec_policy,
+                self.spec_config,
+                batch,
+                [r if step.samples[i] else "" for i, r in enumerate(step.req_ids)],
             )
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs if any_logprobs else None,
             prompt_logprobs=prompt_lps,
+            spec_token_ids=spec_token_ids,
         )
 
     def _collect_pooled(self, step: _StepInFlight) -> ModelRunnerOutput:
@@ -467,7 +543,7 @@ class ModelRunner:
         bucket (the sampler's rows follow the bucket), and the prompt-logprobs program."""
         specs: dict[ProgramKey, ProgramSpec] = {}
         for bucket in self.buckets.token_buckets:
-            inputs, sampling, _ = self._prepare_inputs([], [], bucket)
+            inputs, sampling, _, _ = self._prepare_inputs([], [], bucket)
             packed, layout = pack(inputs)
             packed = self._abstract(packed.shape, packed.dtype)
             prev_sampled = self._abstract((self._max_rows,), jnp.int32)
@@ -480,7 +556,7 @@ class ModelRunner:
                 continue
             packed, layout = pack(sampling)
             packed = self._abstract(packed.shape, packed.dtype)
-            rows = self.buckets.sampler_bucket(self.buckets.rows_for_tokens(bucket))
+            rows = self.buckets.sampler_bucket(self.buckets.logit_rows_for_tokens(bucket))
             logits = self._abstract((rows, self.vocab_size), jnp.float32)
             specs[self._key(ProgramKind.SAMPLER, rows)] = self._sampler_spec(logits, packed, layout)
         if self.pooling:  # no sampler, no prompt logprobs: the pooler replaces them
@@ -501,7 +577,7 @@ class ModelRunner:
         its pooler)."""
         if self.pooling:
             return [self._key(ProgramKind.MODEL, bucket), self._key(ProgramKind.POOLER, bucket)]
-        rows = self.buckets.sampler_bucket(self.buckets.rows_for_tokens(bucket))
+        rows = self.buckets.sampler_bucket(self.buckets.logit_rows_for_tokens(bucket))
         return [self._key(ProgramKind.MODEL, bucket), self._key(ProgramKind.SAMPLER, rows)]
 
     def _ready_bucket(self, num_tokens: int) -> int:

@@ -147,7 +147,7 @@ def decode_keys(worker: Worker, batch: int) -> list[ProgramKey]:
     if runner.pooling:
         keys.append(runner._key(ProgramKind.POOLER, tokens))
     else:
-        rows = runner.buckets.sampler_bucket(runner.buckets.rows_for_tokens(tokens))
+        rows = runner.buckets.sampler_bucket(runner.buckets.logit_rows_for_tokens(tokens))
         keys.append(runner._key(ProgramKind.SAMPLER, rows))
     return keys
 

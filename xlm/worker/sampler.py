@@ -83,6 +83,9 @@ class SamplingMetadata:
     # -1 (all allowed) on free rows.
     grammar_bitmask: Any
     step_seed: Any  # u32[2]: the engine's per-step seed for unseeded rows
+    # Speculative decoding: the proposed token this row verifies (-1: none; the row then
+    # samples as usual). See ``sample``.
+    draft_token_ids: Any  # i32[R]
     # Device-side feature switches (bool scalars): select lax.cond branches at run time.
     all_greedy: Any
     any_filters: Any
@@ -91,6 +94,7 @@ class SamplingMetadata:
     any_mask: Any
     any_grammar: Any
     any_logprobs: Any
+    any_draft: Any
 
 
 @jax.tree_util.register_dataclass
@@ -103,6 +107,9 @@ class SamplerOutput:
     ranks: Any  # i32[R]: 1-based rank of the sampled token
     topk_ids: Any  # i32[R, K]
     topk_logprobs: Any  # f32[R, K]
+    # Speculative decoding: whether the row's proposed token was accepted (then it is the
+    # row's token); False on rows without one.
+    accepted: Any  # bool[R]
 
 
 # -- host side: xlm.worker.sampling_rows builds SamplingMetadata from per-slot rows -----------
@@ -244,6 +251,42 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(idx, V - 1).astype(jnp.int32)
 
 
+def _sampling_keys(md: SamplingMetadata) -> jax.Array:
+    """Each row's key for this token: its seed's (or the step's, by row) and its output
+    length folded in, so a seeded request draws the same at the same position."""
+    R = md.output_lens.shape[0]
+    rows = jnp.arange(R, dtype=jnp.uint32)
+    unseeded = _row_keys(jnp.broadcast_to(md.step_seed, (R, 2)), rows)
+    keys = jnp.where(md.has_seed[:, None], _row_keys(md.seeds, jnp.zeros(R, jnp.uint32)), unseeded)
+    return jax.vmap(jax.random.fold_in)(keys, md.output_lens.astype(jnp.uint32))
+
+
+# Folded into a row's key for the uniform that accepts or rejects its proposed token
+# (independent of the draw that samples the row's token).
+_ACCEPT_SALT = 0x5EC
+
+
+def _verify_random(x: jax.Array, md: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
+    """Rejection sampling of deterministic proposals (xlm's proposers propose one token
+    per position, a point mass q): accept draft d with probability min(1, p(d)/q(d)) =
+    p(d); on rejection draw from the residual max(0, p - q), which is p without d,
+    renormalized. Returns (the logits to draw the row's token from, accepted)."""
+    V = x.shape[-1]
+    draft = md.draft_token_ids
+    has_draft = draft >= 0
+    safe = jnp.maximum(draft, 0)
+    logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
+    p_draft = jnp.exp(jnp.take_along_axis(logp, safe[:, None], axis=-1)[:, 0])
+    keys = jax.vmap(jax.random.fold_in)(_sampling_keys(md), jnp.full_like(draft, _ACCEPT_SALT))
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    accepted = has_draft & (u < p_draft)
+    is_draft = has_draft[:, None] & (jnp.arange(V)[None, :] == draft[:, None])
+    residual = jnp.where(is_draft, -jnp.inf, x)
+    # p(d) = 1 leaves no residual; the draft is then always accepted and the draw unused.
+    empty = ~jnp.any(residual > -jnp.inf, axis=-1, keepdims=True)
+    return jnp.where(empty, x, residual), accepted
+
+
 def _sample_random(x: jax.Array, md: SamplingMetadata) -> jax.Array:
     """Inverse-CDF sampling with one uniform draw per row from its own key.
 
@@ -251,11 +294,7 @@ def _sample_random(x: jax.Array, md: SamplingMetadata) -> jax.Array:
     XLA:CPU runs ~10x slower.
     """
     R, V = x.shape
-    rows = jnp.arange(R, dtype=jnp.uint32)
-    unseeded = _row_keys(jnp.broadcast_to(md.step_seed, (R, 2)), rows)
-    keys = jnp.where(md.has_seed[:, None], _row_keys(md.seeds, jnp.zeros(R, jnp.uint32)), unseeded)
-    keys = jax.vmap(jax.random.fold_in)(keys, md.output_lens.astype(jnp.uint32))
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(_sampling_keys(md))
     num_blocks = min(256, V)
     block = -(-V // num_blocks)
     unnorm = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
@@ -312,15 +351,26 @@ def sample(logits: jax.Array, md: SamplingMetadata, config: SamplerConfig) -> Sa
     greedy_ids = _argmax(logits)
     processed_mode = config.logprobs_mode == "processed_logprobs"
 
-    def random_branch() -> tuple[jax.Array, jax.Array]:
+    no_accept = jnp.zeros(logits.shape[0], jnp.bool_)
+
+    def random_branch() -> tuple[jax.Array, jax.Array, jax.Array]:
         x = _random_logits(logits, md, config.top_k_cap)
-        return _sample_random(x, md), x
+        draw_from, accepted = jax.lax.cond(
+            md.any_draft, _verify_random, lambda x, _: (x, no_accept), x, md
+        )
+        return _sample_random(draw_from, md), x, accepted
 
-    def greedy_branch() -> tuple[jax.Array, jax.Array]:
-        return greedy_ids, logits
+    def greedy_branch() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return greedy_ids, logits, no_accept
 
-    random_ids, scaled = jax.lax.cond(md.all_greedy, greedy_branch, random_branch)
+    random_ids, scaled, random_accepted = jax.lax.cond(md.all_greedy, greedy_branch, random_branch)
+    # Speculative decoding: a greedy row accepts its proposal when it is the argmax; a
+    # row's token is its accepted proposal, else what it drew (the correction, or the
+    # bonus token of a row with no proposal).
+    draft = md.draft_token_ids
+    accepted = jnp.where(md.is_greedy, (draft >= 0) & (greedy_ids == draft), random_accepted)
     sampled = jnp.where(md.is_greedy, greedy_ids, random_ids)
+    sampled = jnp.where(accepted, draft, sampled)
 
     def with_logprobs() -> tuple[jax.Array, ...]:
         if processed_mode:
@@ -341,7 +391,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, config: SamplerConfig) -> Sa
         )
 
     lp, ranks, top_ids, top_lps = jax.lax.cond(md.any_logprobs, with_logprobs, without_logprobs)
-    return SamplerOutput(sampled, lp, ranks, top_ids, top_lps)
+    return SamplerOutput(sampled, lp, ranks, top_ids, top_lps, accepted)
 
 
 sample_jit = jax.jit(sample, static_argnames=("config",))

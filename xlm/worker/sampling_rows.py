@@ -147,11 +147,14 @@ class SamplingRows:
         num_rows: int,
         step_seed: int,
         grammar_bitmask: dict[int, np.ndarray] | None = None,
+        drafts: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """The padded SamplingMetadata of these slots (in this order) plus padding rows.
 
         ``grammar_bitmask`` maps a position in ``rows`` to its structured-output bitmask
-        (int32 words); every other row allows all tokens.
+        (int32 words); every other row allows all tokens. ``drafts`` (speculative
+        decoding; a slot then fills several rows in a row, one per position) gives each
+        row its proposed token (-1: none) and its offset past the slot's output length.
         """
         if len(rows) > num_rows:
             raise ValueError(f"{len(rows)} requests do not fit num_padded_reqs={num_rows}")
@@ -170,6 +173,11 @@ class SamplingRows:
             grammar = grammar.copy()
             for i, words in grammar_bitmask.items():
                 grammar[i] = words
+        output_lens = self.output_lens[idx]
+        draft_ids = np.full(num_rows, -1, np.int32)
+        if drafts is not None:
+            draft_ids[: len(rows)], offsets = drafts
+            output_lens[: len(rows)] += offsets
         return SamplingMetadata(
             temperature=self.temperature[idx],
             is_greedy=self.is_greedy[idx],
@@ -178,7 +186,7 @@ class SamplingRows:
             min_p=self.min_p[idx],
             seeds=self.seeds[idx],
             has_seed=self.has_seed[idx],
-            output_lens=self.output_lens[idx],
+            output_lens=output_lens,
             presence_penalty=self.presence_penalty[idx],
             frequency_penalty=self.frequency_penalty[idx],
             repetition_penalty=self.repetition_penalty[idx],
@@ -189,6 +197,7 @@ class SamplingRows:
             token_mask=mask,
             grammar_bitmask=grammar,
             step_seed=np.array(split_seed(step_seed), np.uint32),
+            draft_token_ids=draft_ids,
             all_greedy=np.bool_(self.is_greedy[idx].all()),
             any_filters=np.bool_(self.has_filters[idx].any()),
             any_penalties=np.bool_(any_penalties),
@@ -196,6 +205,7 @@ class SamplingRows:
             any_mask=np.bool_(any_mask),
             any_grammar=np.bool_(bool(grammar_bitmask)),
             any_logprobs=np.bool_(self.wants_logprobs[idx].any()),
+            any_draft=np.bool_(bool((draft_ids >= 0).any())),
         )
 
     def _token_mask(self, idx: np.ndarray) -> tuple[np.ndarray, bool]:

@@ -4,6 +4,11 @@ A step of T tokens over R requests is padded up to its token bucket (and R to th
 that bucket); padding tokens write to the null block. Tokens the host does not know yet
 (async scheduling: sampled by the step still in flight) are marked in ``prev_src`` with
 the row of that step's sampler output the program reads them from.
+
+With speculative decoding a request's proposed tokens sit in its token row past its
+known tokens (``spec_lens`` of them) and are computed like known ones; it then has one
+logit row per proposed token plus one (xlm.worker.sampler verifies them), so logit rows
+follow requests' token spans rather than one per request.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ def prepare_inputs(
     num_scheduled: list[int],
     num_tokens_padded: int,
     so: SchedulerOutput | None = None,
-) -> tuple[dict[str, Any], Any, np.ndarray]:
-    """Build the padded ragged batch; returns the arrays, the sampling rows and which
-    requests sample this step.
+    spec_lens: np.ndarray | None = None,
+) -> tuple[dict[str, Any], Any, np.ndarray, np.ndarray]:
+    """Build the padded ragged batch; returns the arrays, the sampling rows, which
+    requests sample this step and how many logit rows each has (in order).
 
     ``prev_rows`` maps each request that sampled in the step in flight to its sampler
     row there; ``step_count`` seeds unseeded requests' random keys.
@@ -53,7 +59,10 @@ def prepare_inputs(
     # Tokens past what the host knows were sampled by the step in flight: the program
     # reads them from its output row (-1: the host's token).
     prev_src = np.full(num_tokens_padded, -1, dtype=np.int32)
-    unknown = np.flatnonzero(positions[:total] >= batch.num_tokens[token_slots])
+    known = batch.num_tokens[token_slots]
+    if spec_lens is not None:
+        known = known + spec_lens[req_of_token]
+    unknown = np.flatnonzero(positions[:total] >= known)
     if unknown.size:
         prev_src[unknown] = [prev_rows[req_ids[r]] for r in req_of_token[unknown]]
     seq_lens = np.zeros(num_reqs_padded, dtype=np.int32)
@@ -61,15 +70,37 @@ def prepare_inputs(
     attn = _attention_metadata(
         batch, block_size, slots, token_slots, positions, total, cu, seq_lens, num_reqs
     )
-    logits_indices = np.zeros(num_reqs_padded, dtype=np.int32)
-    logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
     # A request samples when this step computes its last known token.
     samples = seq_lens[:num_reqs] >= batch.num_tokens[slots]
-    rows = buckets.sampler_bucket(num_reqs_padded)
-    sampling = batch.sampling_metadata(slots, rows, step_count, _grammar_rows(req_ids, so))
+    logits_indices = np.zeros(buckets.logit_rows_for_tokens(num_tokens_padded), np.int32)
+    ends = cu[1 : num_reqs + 1] - 1
+    if spec_lens is None or not spec_lens.any():
+        row_counts = np.ones(num_reqs, np.int32)
+        row_slots, drafts = slots, None
+        logits_indices[:num_reqs] = ends
+    else:
+        # Rows of request r: its last spec_lens[r] + 1 tokens' logits; row j verifies
+        # the proposal at position num_tokens + j (none on the last row).
+        row_counts = (spec_lens + 1).astype(np.int32)
+        num_rows = int(row_counts.sum())
+        row_req = np.repeat(np.arange(num_reqs), row_counts)
+        row_start = np.zeros(num_reqs, np.int32)
+        np.cumsum(row_counts[:-1], out=row_start[1:])
+        offsets = np.arange(num_rows, dtype=np.int32) - row_start[row_req]
+        logits_indices[:num_rows] = ends[row_req] - spec_lens[row_req] + offsets
+        row_slots = slots[row_req]
+        next_pos = np.minimum(batch.num_tokens[row_slots] + offsets, batch.max_model_len - 1)
+        draft_ids = np.where(
+            offsets < spec_lens[row_req], batch.token_ids[row_slots, next_pos], -1
+        ).astype(np.int32)
+        drafts = (draft_ids, offsets)
+    rows = buckets.sampler_bucket(len(logits_indices))
+    grammar = _grammar_rows(req_ids, so, row_counts)
+    sampling = batch.sampling_metadata(row_slots, rows, step_count, grammar, drafts)
     if unknown.size:
         # Those requests' sampling counts the token in flight too (a seeded row's
-        # random key folds in its output length).
+        # random key folds in its output length; async scheduling has no proposals, so
+        # one row per request).
         sampling.output_lens[req_of_token[unknown]] += 1
     inputs = {
         "input_ids": input_ids,
@@ -77,7 +108,7 @@ def prepare_inputs(
         "attn": attn,
         "logits_indices": logits_indices,
     }
-    return inputs, sampling, samples
+    return inputs, sampling, samples, row_counts
 
 
 def _attention_metadata(
@@ -113,10 +144,14 @@ def _attention_metadata(
     )
 
 
-def _grammar_rows(req_ids: list[str], so: SchedulerOutput | None) -> dict[int, Any] | None:
-    """Structured-output bitmask rows (from the scheduler) by position in this step."""
+def _grammar_rows(
+    req_ids: list[str], so: SchedulerOutput | None, row_counts: np.ndarray
+) -> dict[int, Any] | None:
+    """Structured-output bitmask rows (from the scheduler) by sampler row of this step
+    (a constrained request is proposed nothing: one row)."""
     if so is None or not so.structured_output_request_ids:
         return None
-    row_of = {r: i for i, r in enumerate(req_ids)}
+    starts = np.concatenate(([0], np.cumsum(row_counts)[:-1]))
+    row_of = {r: int(starts[i]) for i, r in enumerate(req_ids)}
     ids = so.structured_output_request_ids
     return {row_of[r]: so.grammar_bitmask[i] for i, r in enumerate(ids)}

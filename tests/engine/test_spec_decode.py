@@ -1,0 +1,142 @@
+"""Speculative decoding (n-gram) through the engine: greedy output equal token for token
+to the engine without it, in a preempting batch with prefix caching; no compilation after
+warm-up; proposals counted in the stats; requests it must not touch left alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import xlm
+from tests.engine.reference import SMOLLM2_ENGINE, TINY_ENGINE, num_preemptions
+from xlm.sampling_params import SamplingParams
+
+# Speculate at any batch size (so the 32-request batch verifies proposals while it
+# preempts); proposals of up to 3 tokens from suffixes of 1 to 3 tokens.
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": None,
+}
+
+
+def word_prompts(n: int) -> list[str]:
+    """Prompts of the tiny tokenizer's words, some repeating spans (n-gram food), with
+    shared prefixes (prefix-cache hits)."""
+    prompts = []
+    for i in range(n):
+        span = " ".join(f"w{(5 * i + j) % 60}" for j in range(4 + i % 5))
+        shared = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17" if i % 3 else ""
+        prompts.append(f"{shared} {span} w{i} {span}".strip())
+    return prompts
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt2"])
+def test_greedy_with_ngram_proposals_equals_without(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    prompts = word_prompts(32)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24 + 4 * (i % 5), ignore_eos=True)
+        for i in range(32)
+    ]
+    want = xlm.LLM(model=path, **TINY_ENGINE).generate(prompts, params, use_tqdm=False)
+    llm = xlm.LLM(model=path, speculative_config=SPEC, **TINY_ENGINE)
+    compiled = llm.llm_engine.num_compilations
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.num_compilations == compiled, "a program compiled after warm-up"
+    assert token_ids(got) == token_ids(want)
+    stats = llm.get_stats()
+    assert stats.spec_num_accepted_tokens > 0, stats
+    assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+    assert num_preemptions(llm) > 0, "the batch did not preempt"
+    assert stats.prefix_cache_hits > 0
+    # The pool is whole again: rolled-back proposals left no block behind.
+    kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    assert kv.usage == 0.0
+
+
+@pytest.fixture(scope="module")
+def spec_smollm2(smollm2_gguf):
+    return xlm.LLM(
+        model=smollm2_gguf,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        **SMOLLM2_ENGINE,
+    )
+
+
+# Input-grounded prompts: the answer copies spans of the prompt.
+GROUNDED = [
+    "Copy this sentence exactly: The quick brown fox jumps over the lazy dog near the river "
+    "bank.\nCopy: The quick brown fox",
+    "Names: Alice Smith, Bob Jones, Carol White, David Brown. Repeat the names: Alice Smith,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Once upon a time there was a king. Once upon a time there was a queen. Once upon a",
+]
+
+
+def test_smollm2_greedy_and_logprobs_equal_with_speculation(smollm2_llm, spec_smollm2):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    want = smollm2_llm.generate(GROUNDED, params, use_tqdm=False)
+    compiled = spec_smollm2.llm_engine.num_compilations
+    before = spec_smollm2.get_stats()
+    got = spec_smollm2.generate(GROUNDED, params, use_tqdm=False)
+    assert spec_smollm2.llm_engine.num_compilations == compiled
+    assert token_ids(got) == token_ids(want)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    # Each position's logprobs, top-2 included, come from its own verifying row.
+    for g, w in zip(got, want):
+        for lp_g, lp_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert lp_g.keys() == lp_w.keys()
+            np.testing.assert_allclose(
+                [lp_g[t].logprob for t in lp_g], [lp_w[t].logprob for t in lp_w], atol=2e-3
+            )
+    after = spec_smollm2.get_stats()
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    # Copying text: most of the 4 x 40 tokens come from accepted proposals.
+    assert accepted > 40, after
+    assert after.spec_mean_accepted_length > 1.5
+
+
+def test_sampled_requests_are_reproducible_and_penalised_ones_never_proposed(spec_smollm2):
+    seeded = SamplingParams(temperature=0.8, top_k=40, seed=17, max_tokens=32, ignore_eos=True)
+    first = spec_smollm2.generate(GROUNDED, seeded, use_tqdm=False)
+    again = spec_smollm2.generate(GROUNDED, seeded, use_tqdm=False)
+    assert token_ids(first) == token_ids(again)
+    assert all(len(ids) == 32 for ids in token_ids(first))
+    before = spec_smollm2.get_stats()
+    penalised = SamplingParams(
+        temperature=0.0, max_tokens=16, repetition_penalty=1.3, ignore_eos=True
+    )
+    out = spec_smollm2.generate(GROUNDED, penalised, use_tqdm=False)
+    assert all(len(ids) == 16 for ids in token_ids(out))
+    assert spec_smollm2.get_stats().spec_num_draft_tokens == before.spec_num_draft_tokens
+
+
+def test_speculation_with_the_pooling_runner_is_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="speculative_config is invalid with the pooling"):
+        xlm.LLM(model=tiny_checkpoint("llama"), runner="pooling", speculative_config=SPEC)
+
+
+def test_the_cli_flag_takes_vllm_json_and_turns_async_scheduling_off(tiny_checkpoint):
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.entrypoints.cli import build_parser
+
+    flag = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'
+    args = build_parser("serve").parse_args(
+        ["serve", tiny_checkpoint("llama"), "--speculative-config", flag]
+    )
+    config = EngineArgs.from_cli_args(args).create_config()
+    spec = config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 5, 3)
+    assert not config.scheduler_config.async_scheduling
+    bad = build_parser("serve").parse_args(
+        ["serve", tiny_checkpoint("llama"), "--speculative-config", '{"method": "medusa"}']
+    )
+    with pytest.raises(ValueError, match="SpeculativeConfig.method='medusa' is invalid"):
+        EngineArgs.from_cli_args(bad).create_config()
