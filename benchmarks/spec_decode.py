@@ -1,7 +1,10 @@
-"""Speculative decoding (n-gram) on vs off: one request at a time, and a batch of 64.
+"""Speculative decoding (n-gram, draft model) on vs off: one request, and a batch of 64.
 
 Each mode runs in its own process (`--one MODE` is that process) on the built-in model,
-every program compiled before anything is timed, one untimed warm-up pass. Workloads,
+every program compiled before anything is timed, one untimed warm-up pass. With
+`--llama-python PYTHON` (a venv with llama-cpp-python), llama.cpp runs the same single
+requests on an F32 GGUF of the same weights, without and with its prompt-lookup decoding
+(`LlamaPromptLookupDecoding`), as the peer a user would pick instead. Workloads,
 built from the real passages of `peers_prompts.txt` through the model's chat template:
 
 - `grounded`: the answer copies spans of the prompt (repeat a passage, correct the
@@ -11,30 +14,68 @@ built from the real passages of `peers_prompts.txt` through the model's chat tem
 - `batch`: 64 passages as completion prompts, 128 tokens each, EOS ignored.
 
 Single requests are greedy with EOS on, at most 128 tokens; decode tok/s of a request is
-(tokens - 1) / (finish - first token) from the engine's own timestamps. Greedy outputs are
-compared across modes (they must be equal).
+(tokens - 1) / (finish - first token) from the engine's own timestamps (llama.cpp: the
+request's time less a 1-token request's time on the same prompt, each from an empty
+context). xlm's greedy outputs are compared across modes (they must be equal).
 
-    python benchmarks/spec_decode.py [--modes off,ngram4,ngram2] [--out benchmarks/spec_decode.json]
+    python benchmarks/spec_decode.py [--modes off,ngram3,ngram5] \
+        [--llama-python /path/venv/bin/python] [--out benchmarks/spec_decode.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = os.path.join(HERE, "peers_prompts.txt")
 
 MODES = {
     "off": None,
-    "ngram4": {"method": "ngram", "num_speculative_tokens": 4},
-    "ngram2": {"method": "ngram", "num_speculative_tokens": 2},
+    "ngram3": {"method": "ngram", "num_speculative_tokens": 3},
+    "ngram5": {"method": "ngram", "num_speculative_tokens": 5},
+    # Draft models: the first 8 of SmolLM2's 30 layers with its own final norm and head
+    # (no smaller model shares its tokenizer here), and the model drafting for itself
+    # (every proposal accepted, at the full model's cost: the upper bound of acceptance).
+    "draft8": {"method": "draft_model", "model": "truncated:8", "num_speculative_tokens": 3},
+    "draft-self": {"method": "draft_model", "model": "self", "num_speculative_tokens": 3},
 }
+# llama.cpp modes: its own decoding, and its prompt lookup (3 tokens from 3-grams).
+LLAMA_MODES = {"llama-off": None, "llama-lookup": {"num_pred_tokens": 3, "max_ngram_size": 3}}
+
+LLAMA_SCRIPT = """
+import json, sys, time
+from llama_cpp import Llama, __version__
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+job = json.load(sys.stdin)
+draft = LlamaPromptLookupDecoding(**job["lookup"]) if job["lookup"] else None
+llm = Llama(model_path=job["gguf"], n_ctx=2048, n_threads=job["threads"], verbose=False,
+            draft_model=draft)
+def run(messages, max_tokens):
+    llm.reset()  # an empty context: no prefix kept from the previous request
+    start = time.perf_counter()
+    out = llm.create_chat_completion(messages, max_tokens=max_tokens, temperature=0.0)
+    return time.perf_counter() - start, out["usage"]["completion_tokens"]
+result = {"version": __version__}
+for name, conversations in job["workloads"].items():
+    run(conversations[0], 8)  # warm-up
+    rows = []
+    for messages in conversations:
+        ttft, _ = run(messages, 1)
+        total, n = run(messages, job["max_tokens"])
+        decode = total - ttft
+        rows.append({"tokens": n, "ttft_s": ttft, "decode_s": decode,
+                     "tok_s": (n - 1) / decode if n > 1 and decode > 0 else None})
+    result[name] = rows
+print(json.dumps(result))
+"""
 
 CHAT = [
     "What are three good habits for staying healthy? Explain each briefly.",
@@ -86,10 +127,104 @@ def grounded_prompts() -> list[str]:
     ]
 
 
+def summarize(rows: list[dict]) -> dict:
+    total_tokens = sum(r["tokens"] - 1 for r in rows)
+    total_s = sum(r["decode_s"] for r in rows)
+    return {
+        "rows": rows,
+        "decode_tok_s": total_tokens / total_s,
+        "median_tok_s": statistics.median(r["tok_s"] for r in rows if r["tok_s"]),
+    }
+
+
+def f32_gguf(model: str) -> str:
+    """An F32 GGUF of the model's weights for llama.cpp (benchmarks/peers.py makes it)."""
+    spec = importlib.util.spec_from_file_location("peers", os.path.join(HERE, "peers.py"))
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    work = Path(os.environ.get("XLM_PEERS_DIR", "/tmp/xlm-peers"))
+    work.mkdir(parents=True, exist_ok=True)
+    return peers.prepare_weights(model, work)["gguf_f32"]
+
+
+def run_llama(mode: str, args: argparse.Namespace) -> dict:
+    workloads = {
+        name: [[{"role": "user", "content": p}] for p in prompts]
+        for name, prompts in (("grounded", grounded_prompts()), ("chat", CHAT))
+    }
+    job = {
+        "gguf": f32_gguf(args.model),
+        "threads": os.cpu_count(),
+        "lookup": LLAMA_MODES[mode],
+        "max_tokens": args.single_len,
+        "workloads": workloads,
+    }
+    out = subprocess.run(
+        [args.llama_python, "-c", LLAMA_SCRIPT],
+        input=json.dumps(job),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    raw = json.loads(out.strip().splitlines()[-1])
+    result: dict = {"mode": mode, "speculative_config": LLAMA_MODES[mode]}
+    result["llama_cpp_python"] = raw["version"]
+    for name in workloads:
+        result[name] = summarize(raw[name])
+    return result
+
+
+def truncated_draft(model: str, layers: int) -> str:
+    """A checkpoint of the model's first `layers` layers, with its embedding, final norm
+    and head (from the HF directory benchmarks/peers.py converts the GGUF to)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    spec = importlib.util.spec_from_file_location("peers", os.path.join(HERE, "peers.py"))
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    work = Path(os.environ.get("XLM_PEERS_DIR", "/tmp/xlm-peers"))
+    work.mkdir(parents=True, exist_ok=True)
+    hf_dir = Path(peers.prepare_weights(model, work)["hf_dir"])
+    out = work / f"{hf_dir.name}.first{layers}"
+    if (out / "model.safetensors").exists():
+        return str(out)
+    out.mkdir(exist_ok=True)
+    tensors = {}
+    for file in hf_dir.glob("*.safetensors"):
+        for name, value in load_file(file).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                continue
+            tensors[name] = value
+    for file in hf_dir.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, out / file.name)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(tensors, str(out / "model.safetensors"))
+    return str(out)
+
+
+def resolve_draft(spec: dict | None, model: str) -> dict | None:
+    """The mode's draft model as a path ("self": the model; "truncated:N": its first N
+    layers)."""
+    if spec is None or spec.get("method") != "draft_model":
+        return spec
+    draft = spec["model"]
+    if draft == "self":
+        draft = model
+    elif draft.startswith("truncated:"):
+        draft = truncated_draft(model, int(draft.split(":")[1]))
+    return {**spec, "model": draft}
+
+
 def run_one(mode: str, args: argparse.Namespace) -> dict:
     import xlm
 
-    spec = MODES[mode]
+    spec = resolve_draft(MODES[mode], args.model)
     start = time.perf_counter()
     llm = xlm.LLM(
         model=args.model,
@@ -123,12 +258,8 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
         drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
         accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
         verifications = after.spec_num_drafts - before.spec_num_drafts
-        total_tokens = sum(r["tokens"] - 1 for r in rows)
-        total_s = sum(r["decode_s"] for r in rows)
         result[name] = {
-            "rows": rows,
-            "decode_tok_s": total_tokens / total_s,
-            "median_tok_s": statistics.median(r["tok_s"] for r in rows if r["tok_s"]),
+            **summarize(rows),
             "proposed": drafts,
             "accepted": accepted,
             "acceptance_rate": accepted / drafts if drafts else None,
@@ -157,7 +288,13 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--modes", default="off,ngram4,ngram2")
+    parser.add_argument("--modes", default="off,ngram3,ngram5,draft8,draft-self")
+    parser.add_argument(
+        "--llama-python",
+        default=None,
+        help="python of a venv with llama-cpp-python: also run llama.cpp without and with "
+        "its prompt-lookup decoding",
+    )
     parser.add_argument("--single-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batch-len", type=int, default=128)
@@ -175,8 +312,9 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_one(args.one, args)))
         return
+    modes = args.modes.split(",") + (list(LLAMA_MODES) if args.llama_python else [])
     results = []
-    for mode in args.modes.split(","):
+    for mode in modes:
         cmd = [sys.executable, __file__, "--one", mode, "--model", args.model]
         cmd += ["--single-len", str(args.single_len), "--batch", str(args.batch)]
         cmd += ["--batch-len", str(args.batch_len), "--repeats", str(args.repeats)]
@@ -184,8 +322,11 @@ def main() -> None:
         while os.getloadavg()[0] >= args.settle and time.monotonic() < deadline:
             time.sleep(5)
         load = os.getloadavg()[0]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        result = json.loads(out.strip().splitlines()[-1])
+        if mode in LLAMA_MODES:
+            result = run_llama(mode, args)
+        else:
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            result = json.loads(out.strip().splitlines()[-1])
         result["load_before"] = load
         results.append(result)
     base = results[0]
@@ -194,16 +335,25 @@ def main() -> None:
         "mean accepted length | greedy equal to off |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    llama_base = next((r for r in results if r["mode"] == "llama-off"), base)
     for r in results:
+        llama = r["mode"] in LLAMA_MODES
         for name in ("grounded", "chat"):
-            w, b = r[name], base[name]
-            same = [x["token_ids"] for x in w["rows"]] == [x["token_ids"] for x in b["rows"]]
-            rate = f"{w['accepted']}/{w['proposed']}" if w["proposed"] else "-"
-            mal = f"{w['mean_accepted_length']:.2f}" if w["mean_accepted_length"] else "-"
+            # "vs off": each engine against itself without speculation.
+            w, b = r[name], (llama_base if llama else base)[name]
+            same = (
+                "-"
+                if llama
+                else [x["token_ids"] for x in w["rows"]] == [x["token_ids"] for x in b["rows"]]
+            )
+            rate = f"{w['accepted']}/{w['proposed']}" if w.get("proposed") else "-"
+            mal = f"{w['mean_accepted_length']:.2f}" if w.get("mean_accepted_length") else "-"
             print(
                 f"| {r['mode']} | {name} | {w['decode_tok_s']:.1f} | {w['median_tok_s']:.1f} | "
                 f"{w['decode_tok_s'] / b['decode_tok_s']:.2f}x | {rate} | {mal} | {same} |"
             )
+        if llama:
+            continue
         bb = r["batch"]
         same = bb["token_ids"] == base["batch"]["token_ids"]
         print(
@@ -215,8 +365,9 @@ def main() -> None:
         for r in results:
             for name in ("grounded", "chat"):
                 for row in r[name]["rows"]:
-                    row.pop("token_ids")
-            r["batch"].pop("token_ids")
+                    row.pop("token_ids", None)
+            if "batch" in r:
+                r["batch"].pop("token_ids")
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -349,7 +349,7 @@ class CompilationConfig:
                 setattr(self, name, sorted(set(buckets)))
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -364,6 +364,10 @@ class SpeculativeConfig:
     (xlm.worker.sampler). No request is proposed tokens while more than
     ``disable_by_batch_size`` requests run: a full batch is bound by compute, not by
     reading the weights, and verifying k tokens per request costs k times the rows.
+
+    ``draft_model``: ``model`` (a path or name, like the target's; its vocabulary must be
+    the target's) runs greedily beside the target on a KV cache of its own, k steps per
+    verification (xlm.worker.spec_decode.DraftModelProposer).
     """
 
     method: str = "ngram"
@@ -372,6 +376,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # None: speculate at any batch size.
     disable_by_batch_size: int | None = 8
+    # The draft model of method "draft_model" (vLLM's key).
+    model: str | None = None
+    # Set by EngineArgs.create_config: the draft's ModelConfig (resolved path, HF config).
+    draft_model_config: Any = field(default=None, repr=False)
 
     @classmethod
     def from_dict(cls, value: Any) -> SpeculativeConfig | None:
@@ -389,7 +397,7 @@ class SpeculativeConfig:
                 ) from None
         if not isinstance(value, dict):
             raise _invalid("EngineArgs", "speculative_config", value, "a dict or its JSON text")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"draft_model_config"}
         unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(
@@ -424,6 +432,13 @@ class SpeculativeConfig:
             f"<= prompt_lookup_max ({self.prompt_lookup_max})",
         )
         _positive_int(owner, "disable_by_batch_size", self.disable_by_batch_size, optional=True)
+        _require(
+            (self.method == "draft_model") == (self.model is not None),
+            owner,
+            "model",
+            self.model,
+            "the draft model's path or name with method 'draft_model', else None",
+        )
 
     @property
     def max_rows_per_request(self) -> int:

@@ -4,12 +4,15 @@ warm-up; proposals counted in the stats; requests it must not touch left alone."
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import xlm
-from tests.engine.reference import SMOLLM2_ENGINE, TINY_ENGINE, num_preemptions
-from xlm.sampling_params import SamplingParams
+from tests.conftest import TINY_CONFIGS
+from tests.engine.reference import SMOLLM2_ENGINE, TINY_ENGINE, num_preemptions, scheduler
+from xlm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Speculate at any batch size (so the 32-request batch verifies proposals while it
 # preempts); proposals of up to 3 tokens from suffixes of 1 to 3 tokens.
@@ -37,37 +40,100 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt2"])
-def test_greedy_with_ngram_proposals_equals_without(tiny_checkpoint, arch):
-    path = tiny_checkpoint(arch)
+def draft_spec(model: str) -> dict:
+    """Speculate with a draft model at any batch size."""
+    return {
+        "method": "draft_model",
+        "model": model,
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": None,
+    }
+
+
+_references: dict[str, list[list[int]]] = {}
+
+
+def batch_of_32() -> tuple[list[str], list[SamplingParams]]:
     prompts = word_prompts(32)
     params = [
         SamplingParams(temperature=0.0, max_tokens=24 + 4 * (i % 5), ignore_eos=True)
         for i in range(32)
     ]
-    want = xlm.LLM(model=path, **TINY_ENGINE).generate(prompts, params, use_tqdm=False)
-    llm = xlm.LLM(model=path, speculative_config=SPEC, **TINY_ENGINE)
+    return prompts, params
+
+
+def reference_ids(path: str) -> list[list[int]]:
+    """The engine's greedy ids without speculation for the 32-request batch (once per
+    checkpoint: both proposers' tests compare with it)."""
+    if path not in _references:
+        prompts, params = batch_of_32()
+        llm = xlm.LLM(model=path, **TINY_ENGINE)
+        _references[path] = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    return _references[path]
+
+
+def check_speculating_batch(path: str, spec: dict, *, accepts: bool = True) -> None:
+    """The 32-request batch (it preempts, with prefix-cache hits) with `spec` equals the
+    engine without it token for token, compiles nothing after warm-up, and leaves the KV
+    pool whole (rolled-back proposals kept no block)."""
+    prompts, params = batch_of_32()
+    want = reference_ids(path)
+    llm = xlm.LLM(model=path, speculative_config=spec, **TINY_ENGINE)
     compiled = llm.llm_engine.num_compilations
     got = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.num_compilations == compiled, "a program compiled after warm-up"
-    assert token_ids(got) == token_ids(want)
+    assert token_ids(got) == want
     stats = llm.get_stats()
-    assert stats.spec_num_accepted_tokens > 0, stats
+    assert stats.spec_num_draft_tokens > 0, stats
+    if accepts:
+        assert stats.spec_num_accepted_tokens > 0, stats
     assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
     assert num_preemptions(llm) > 0, "the batch did not preempt"
     assert stats.prefix_cache_hits > 0
-    # The pool is whole again: rolled-back proposals left no block behind.
-    kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
-    assert kv.usage == 0.0
+    assert scheduler(llm).kv_cache_manager.usage == 0.0
 
 
-@pytest.fixture(scope="module")
-def spec_smollm2(smollm2_gguf):
-    return xlm.LLM(
-        model=smollm2_gguf,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-        **SMOLLM2_ENGINE,
-    )
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_greedy_with_ngram_proposals_equals_without(tiny_checkpoint, arch):
+    check_speculating_batch(tiny_checkpoint(arch), SPEC)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_greedy_with_a_draft_model_equals_without(tiny_checkpoint, arch):
+    """The checkpoint drafting for itself: nearly every proposal is accepted, so the
+    draft's kept K/V (and its recomputation after a rejection) are exercised in every
+    family, sliding windows and KV cache groups included."""
+    path = tiny_checkpoint(arch)
+    check_speculating_batch(path, draft_spec(path))
+
+
+def test_a_draft_that_disagrees_changes_nothing(tiny_checkpoint, tmp_path):
+    """An unrelated one-layer draft: its proposals are almost all rejected, and the output
+    is still exactly the target's."""
+    from tests.conftest import write_tiny_checkpoint
+
+    draft = write_tiny_checkpoint("llama", str(tmp_path / "draft"), seed=7, num_hidden_layers=1)
+    check_speculating_batch(tiny_checkpoint("llama"), draft_spec(draft), accepts=False)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(tiny_checkpoint, tmp_path):
+    from tests.conftest import write_tiny_checkpoint
+
+    draft = write_tiny_checkpoint("llama", str(tmp_path / "draft"), vocab_size=300)
+    with pytest.raises(ValueError, match="its vocab_size 300 is not the target model's 256"):
+        xlm.LLM(model=tiny_checkpoint("llama"), speculative_config=draft_spec(draft))
+    with pytest.raises(ValueError, match="SpeculativeConfig.model=None is invalid"):
+        xlm.LLM(model=tiny_checkpoint("llama"), speculative_config={"method": "draft_model"})
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def spec_smollm2(request, smollm2_gguf):
+    """SmolLM2 speculating with prompt lookup, or with itself as the draft model."""
+    if request.param == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 4}
+    else:
+        spec = {"method": "draft_model", "model": smollm2_gguf, "num_speculative_tokens": 4}
+    return xlm.LLM(model=smollm2_gguf, speculative_config=spec, **SMOLLM2_ENGINE)
 
 
 # Input-grounded prompts: the answer copies spans of the prompt.
@@ -101,6 +167,26 @@ def test_smollm2_greedy_and_logprobs_equal_with_speculation(smollm2_llm, spec_sm
     # Copying text: most of the 4 x 40 tokens come from accepted proposals.
     assert accepted > 40, after
     assert after.spec_mean_accepted_length > 1.5
+
+
+def test_constrained_requests_beside_speculating_ones(smollm2_llm, spec_smollm2):
+    """A grammar-constrained request is never proposed tokens (its mask depends on every
+    token before), yet shares the steps of requests that are: all outputs equal the
+    engine without speculation, and the constrained one matches its regex."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    regex = r"[A-Z][a-z]{2,8}( [A-Z][a-z]{2,8}){1,3}"
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    prompts = [*GROUNDED, "Names of three cities:"]
+    params = [greedy] * len(GROUNDED) + [constrained]
+    want = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    before = spec_smollm2.get_stats()
+    got = spec_smollm2.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    assert re.fullmatch(regex, got[-1].outputs[0].text), got[-1].outputs[0].text
+    after = spec_smollm2.get_stats()
+    assert after.spec_num_accepted_tokens > before.spec_num_accepted_tokens
 
 
 def test_sampled_requests_are_reproducible_and_penalised_ones_never_proposed(spec_smollm2):

@@ -202,3 +202,10 @@ def test_policy_proposes_what_pays_for_the_longer_step():
         cheap.record_step(bucket, 0.01)
         cheap.record_step(bucket, 0.01)
     assert cheap.num_to_propose(SimpleNamespace(spec_acceptance=0.2), 1) == 3
+    # A draft model's step per proposed token counts too: at 0.9 acceptance with free
+    # verification, a draft step costing a full step pays for fewer tokens (3.44 tokens
+    # for 4x the time at k=3, 2.71 for 3x at k=2, 1.9 for 2x at k=1: none beats 1 token
+    # for 1x), a cheap one (a tenth of a step) for all three.
+    eager = SimpleNamespace(spec_acceptance=0.9)
+    assert cheap.num_to_propose(eager, 1, round_s=0.01) == 0
+    assert cheap.num_to_propose(eager, 1, round_s=0.001) == 3

@@ -74,8 +74,9 @@ _HELP = {
     "instead of running on the local devices; nothing is allocated or run",
     "structured_outputs_enable_in_reasoning": "apply structured-output constraints from the "
     "first token, reasoning included",
-    "speculative_config": "speculative decoding, a JSON object with method (ngram), "
-    "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max and disable_by_batch_size "
+    "speculative_config": "speculative decoding, a JSON object with method (ngram or "
+    "draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (ngram), "
+    "model (draft_model: a smaller model with the same vocabulary) and disable_by_batch_size "
     "(async scheduling is turned off with it)",
 }
 
@@ -191,15 +192,12 @@ class EngineArgs:
             target_topology=self.target_topology,
         )
 
-    def create_config(self) -> XlmConfig:
-        """Validate, resolve the model, read its config and apply platform defaults."""
+    def _model_config(self, model: str, tokenizer: str | None, runner: str) -> ModelConfig:
+        """A model's config: its path or name resolved, its HF config read, its runner."""
         from xlm.models.loader import load_hf_config
 
         hub = dict(revision=self.revision, download_dir=self.download_dir)
-        model_path = resolve_model_name(self.model, load_format=self.load_format, **hub)
-        tokenizer = self.tokenizer
-        if tokenizer is not None:
-            tokenizer = resolve_model_name(tokenizer, load_format="dummy", **hub)
+        model_path = resolve_model_name(model, load_format=self.load_format, **hub)
         model_config = ModelConfig(
             model=model_path,
             tokenizer=tokenizer,
@@ -207,12 +205,35 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             load_format=self.load_format,
-            served_model_name=self.served_model_name or self.model,
+            served_model_name=self.served_model_name or model,
             generation_config=self.generation_config,
         )
         model_config.hf_config = load_hf_config(model_path, self.load_format)
         architectures = getattr(model_config.hf_config, "architectures", None)
-        model_config.runner = resolve_runner(self.runner, model_path, architectures)
+        model_config.runner = resolve_runner(runner, model_path, architectures)
+        return model_config
+
+    def _draft_model_config(self, draft: str, target: ModelConfig) -> ModelConfig:
+        """The draft model's config (speculative_config.model): read like the target's,
+        and refused unless its vocabulary is the target's (its proposals are token ids)."""
+        config = self._model_config(draft, target.tokenizer or target.model, "generate")
+        have = config.hf_config.vocab_size
+        want = target.hf_config.vocab_size
+        if have != want:
+            raise ValueError(
+                f"speculative_config.model={draft!r} is invalid: its vocab_size {have} is not "
+                f"the target model's {want} (a draft must share the target's tokenizer)"
+            )
+        return config
+
+    def create_config(self) -> XlmConfig:
+        """Validate, resolve the model, read its config and apply platform defaults."""
+        hub = dict(revision=self.revision, download_dir=self.download_dir)
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            tokenizer = resolve_model_name(tokenizer, load_format="dummy", **hub)
+        model_config = self._model_config(self.model, tokenizer, self.runner)
+        model_path = model_config.model
         async_scheduling = self.async_scheduling
         if model_config.is_pooling:
             model_config.default_pooling = default_pooling_params(model_path)
@@ -226,6 +247,10 @@ class EngineArgs:
                 raise ValueError(
                     "speculative_config is invalid with the pooling runner: nothing is decoded"
                 )
+            if speculative.method == "draft_model":
+                speculative.draft_model_config = self._draft_model_config(
+                    speculative.model, model_config
+                )
             if async_scheduling:
                 # The next step's tokens depend on how many proposals this one accepts.
                 logger.info("Speculative decoding: async scheduling off.")
@@ -237,6 +262,15 @@ class EngineArgs:
                 f"max_model_len={max_model_len} is larger than the model's "
                 f"maximum context length {model_max}"
             )
+        draft = speculative.draft_model_config if speculative is not None else None
+        if draft is not None:
+            draft_max = _model_max_len(draft.hf_config)
+            if draft_max < max_model_len:
+                raise ValueError(
+                    f"speculative_config.model={speculative.model!r} is invalid: its maximum "
+                    f"context length {draft_max} is below max_model_len={max_model_len}"
+                )
+            draft.max_model_len = max_model_len
         config = XlmConfig(
             model_config=model_config,
             cache_config=CacheConfig(

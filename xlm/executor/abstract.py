@@ -57,12 +57,11 @@ class Executor(ABC):
 
     def programs_ready(self) -> tuple[int, int]:
         """(ready, registered) step programs: the rest compile in the background."""
-        compiler = self.worker.model_runner.compiler
-        return compiler.num_ready, compiler.num_registered
+        return self.worker.model_runner.programs_ready()
 
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         """Wait for the background compilation; whether every program is ready."""
-        return self.worker.model_runner.compiler.wait(timeout)
+        return self.worker.model_runner.wait_for_programs(timeout)
 
     @abstractmethod
     def shutdown(self) -> None:

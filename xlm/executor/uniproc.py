@@ -32,4 +32,4 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         """Stop background compilation (the worker's arrays go with this process)."""
-        self.worker.model_runner.compiler.shutdown()
+        self.worker.model_runner.shutdown()

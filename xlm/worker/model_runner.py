@@ -88,6 +88,7 @@ class ModelRunner:
         kv_dtype: jnp.dtype,
         mesh: jax.sharding.Mesh | None = None,
         abstract: bool = False,
+        proposer: spec_decode.Proposer | None = None,
     ) -> None:
         self.config = config
         # A compile target's runner (xlm plan): ShapeDtypeStructs on the target's mesh, for
@@ -150,9 +151,10 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         # Speculative decoding: proposals after each step (xlm.worker.spec_decode).
         self.spec_config = config.speculative_config
-        self.proposer = None
+        self.proposer = proposer
         if self.spec_config is not None:
-            self.proposer = spec_decode.make_proposer(self.spec_config)
+            if proposer is None:
+                self.proposer = spec_decode.make_ngram_proposer(self.spec_config)
             self.spec_policy = spec_decode.SpeculationPolicy(
                 self.spec_config, self.buckets.token_bucket
             )
@@ -170,8 +172,28 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Programs compiled or loaded so far; after warm-up it must not move."""
-        return self.compiler.num_compilations
+        """Programs compiled or loaded so far (a draft model's included); after warm-up it
+        must not move."""
+        draft = getattr(self.proposer, "runner", None)
+        return self.compiler.num_compilations + (draft.num_compilations if draft else 0)
+
+    def _compilers(self) -> list[Compiler]:
+        draft = getattr(self.proposer, "runner", None)
+        return [self.compiler] + ([draft.compiler] if draft is not None else [])
+
+    def programs_ready(self) -> tuple[int, int]:
+        """(ready, registered) step programs, a draft model's included."""
+        compilers = self._compilers()
+        return sum(c.num_ready for c in compilers), sum(c.num_registered for c in compilers)
+
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait for the background compilation; whether every program is ready."""
+        return all([c.wait(timeout) for c in self._compilers()])
+
+    def shutdown(self) -> None:
+        """Stop background compilation (a draft model's too)."""
+        for compiler in self._compilers():
+            compiler.shutdown()
 
     # ---- the jitted programs ---------------------------------------------------------
     def _model_step(
@@ -616,6 +638,9 @@ class ModelRunner:
         bucket's with the rest compiled in the background ("largest"), or none until the
         first step, whose bucket is compiled then and the rest in the background
         ("first-use") or each when a step first needs it ("used")."""
+        draft = getattr(self.proposer, "runner", None)
+        if draft is not None:
+            draft.warmup(startup_programs)
         specs = self.program_specs()
         self._startup_programs = startup_programs
         if startup_programs == "all":

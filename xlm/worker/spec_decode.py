@@ -6,26 +6,35 @@ request's last token (``SchedulerOutput.scheduled_spec_decode_tokens``), the mod
 computes them like known tokens, and the sampler verifies them
 (``xlm.worker.sampler._verify_random``; greedy rows compare with the argmax).
 
-A proposer is anything with ``propose(tokens, k) -> list[int]`` over one request's known
-tokens: ``NgramProposer`` is prompt lookup. A proposer that needs the device (a draft
-model, EAGLE-style heads reading the target's hidden states) takes the same seam with a
-batched ``propose_batch``.
+A proposer is anything with ``propose_batch(batch, wanted) -> {req_id: tokens}`` over the
+runner's persistent batch: ``NgramProposer`` is prompt lookup, one request at a time on
+the host; ``DraftModelProposer`` runs a smaller model greedily on the device, all
+requests together, on a KV cache of its own. EAGLE-style heads, which read the target's
+hidden states, would take the same seam with the step's hidden states added.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import numpy as np
 
 from xlm.config import SpeculativeConfig
-from xlm.sampling_params import uses_output_bans, uses_penalties
+from xlm.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from xlm.sampling_params import SamplingParams, uses_output_bans, uses_penalties
 
 
 class Proposer(Protocol):
-    """Proposes up to k tokens to follow a request's known tokens."""
+    """Proposes tokens to follow the known tokens of requests of the runner's batch."""
 
-    def propose(self, tokens: np.ndarray, k: int) -> list[int]: ...
+    def propose_batch(self, batch: Any, wanted: dict[str, int]) -> dict[str, list[int]]:
+        """Up to `wanted[req_id]` tokens for each request (fewer, or none, allowed)."""
+        ...
+
+    def seconds_per_round(self, num_requests: int) -> float:
+        """What proposing one more token to each of `num_requests` requests costs."""
+        ...
 
 
 class NgramProposer:
@@ -52,12 +61,196 @@ class NgramProposer:
                 return tokens[start : start + k].tolist()
         return []
 
+    def propose_batch(self, batch: Any, wanted: dict[str, int]) -> dict[str, list[int]]:
+        out = {}
+        for req_id, k in wanted.items():
+            slot = batch.requests[req_id].slot
+            out[req_id] = self.propose(batch.token_ids[slot, : batch.num_tokens[slot]], k)
+        return out
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of a speculative config (only "ngram" exists yet)."""
-    if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"SpeculativeConfig.method={config.method!r} has no proposer")
+    def seconds_per_round(self, num_requests: int) -> float:
+        return 0.0  # a host lookup: nothing next to a step
+
+
+class DraftModelProposer:
+    """A smaller model with the target's vocabulary proposes k tokens greedily: k steps of
+    its own runner (``xlm.worker.model_runner.ModelRunner``, its own programs and KV
+    cache), every proposing request in each step.
+
+    The draft keeps each request's tokens and K/V between proposals. At the next one, the
+    tokens it computed that the target has since confirmed (the accepted proposals) stay;
+    the rest are recomputed from the target's known tokens: the request is handed to the
+    draft runner as resumed from preemption with its computed count set to the agreeing
+    prefix, so the first of the k steps computes just the new tokens (the whole prompt, the
+    first time, chunked by the step budget). Its blocks come from a pool of its own,
+    freed when the target drops the request (finished or preempted).
+    """
+
+    def __init__(self, runner: Any, block_pool: Any, num_groups: int) -> None:
+        self.runner = runner
+        self.pool = block_pool
+        self.num_groups = num_groups  # 0: one block table; else one per KV cache group
+        self.block_size = runner.block_size
+        self.budget = runner.buckets.token_buckets[-1]
+        self.greedy = SamplingParams(temperature=0.0, max_tokens=runner.max_model_len)
+        # req_id -> (the prompt it was added with, its blocks per group)
+        self._held: dict[str, tuple[list[int], list[list[Any]]]] = {}
+        self._round_s: dict[int, float] = {}
+
+    # ---- cost (what SpeculationPolicy weighs) ------------------------------------------
+    def seconds_per_round(self, num_requests: int) -> float:
+        return self._round_s.get(self.runner.buckets.token_bucket(num_requests), 0.0)
+
+    def _record_round(self, num_requests: int, seconds: float) -> None:
+        bucket = self.runner.buckets.token_bucket(num_requests)
+        old = self._round_s.get(bucket)
+        self._round_s[bucket] = seconds if old is None else old + 0.3 * (seconds - old)
+
+    # ---- blocks ----------------------------------------------------------------------
+    def _grow(self, req_id: str, num_tokens: int) -> list[Any] | None:
+        """Blocks for `num_tokens` positions: the newly added ids (per group when there are
+        groups), or None when the pool cannot give them (the request is not proposed)."""
+        blocks = self._held[req_id][1]
+        need = -(-num_tokens // self.block_size) - len(blocks[0])
+        if need <= 0:
+            return [[] for _ in blocks]
+        if need * len(blocks) > self.pool.get_num_free_blocks():
+            return None
+        new = [self.pool.get_new_blocks(need) for _ in blocks]
+        for have, more in zip(blocks, new):
+            have.extend(more)
+        return [[b.block_id for b in more] for more in new]
+
+    def _ids(self, per_group: list[list[Any]]) -> Any:
+        ids = [[b if isinstance(b, int) else b.block_id for b in g] for g in per_group]
+        return tuple(ids) if self.num_groups else ids[0]
+
+    def _drop(self, req_id: str) -> None:
+        _, blocks = self._held.pop(req_id)
+        for group in blocks:
+            self.pool.free_blocks(group)
+
+    # ---- proposing -------------------------------------------------------------------
+    def propose_batch(self, batch: Any, wanted: dict[str, int]) -> dict[str, list[int]]:
+        draft = self.runner.input_batch
+        # Requests the target no longer runs (finished, preempted): free their blocks.
+        gone = {r for r in self._held if r not in batch.requests or batch.requests[r].slot < 0}
+        for req_id in gone:
+            self._drop(req_id)
+            draft.release(req_id, forget=True)
+        new_reqs: list[Any] = []
+        cached = CachedRequestData()
+        todo: dict[str, int] = {}  # tokens each request computes before its first proposal
+        for req_id, k in wanted.items():
+            slot = batch.requests[req_id].slot
+            n = int(batch.num_tokens[slot])
+            tokens = batch.token_ids[slot, :n]
+            if req_id not in self._held:
+                self._held[req_id] = (tokens.tolist(), [[] for _ in range(self.num_groups or 1)])
+                agree = 0
+            else:
+                state = draft.requests[req_id]
+                have = draft.token_ids[state.slot, : draft.num_computed_tokens[state.slot]]
+                m = min(len(have), n)
+                diff = np.flatnonzero(have[:m] != tokens[:m])
+                agree = int(diff[0]) if diff.size else m
+            # K/V for the known tokens and the k - 1 proposals fed back.
+            if self._grow(req_id, n + k - 1) is None:
+                self._drop(req_id)
+                if req_id in draft.requests:
+                    draft.release(req_id, forget=True)
+                continue
+            prompt, blocks = self._held[req_id]
+            agree = min(agree, n - 1)  # the last known token is computed here
+            if req_id in draft.requests:
+                cached.req_ids.append(req_id)
+                cached.resumed_from_preemption.append(True)
+                cached.new_block_ids.append(self._ids(blocks))
+                cached.num_computed_tokens.append(agree)
+                cached.new_token_ids.append(tokens[len(prompt) :].tolist())
+            else:
+                new_reqs.append(
+                    NewRequestData(req_id, prompt, self.greedy, self._ids(blocks), agree)
+                )
+            todo[req_id] = n - agree
+        out: dict[str, list[int]] = {r: [] for r in wanted}
+        started = time.perf_counter()
+        rounds = 0
+        # First the known tokens each request has not computed (chunked by the budget),
+        # then one token a step: each step's sampled tokens are the proposals.
+        while todo:
+            step: dict[str, int] = {}
+            left = self.budget
+            for req_id, count in todo.items():
+                if left == 0:
+                    break
+                step[req_id] = min(count, left)
+                left -= step[req_id]
+            so = SchedulerOutput(
+                scheduled_new_reqs=[r for r in new_reqs if r.req_id in step],
+                scheduled_cached_reqs=_only(cached, step),
+                num_scheduled_tokens=step,
+                total_num_scheduled_tokens=sum(step.values()),
+                finished_req_ids=set(),
+                preempted_req_ids=set(),
+            )
+            new_reqs = [r for r in new_reqs if r.req_id not in step]
+            cached = _without(cached, step)
+            result = self.runner.execute_model(so)
+            rounds += 1
+            for req_id, sampled, count in zip(
+                result.req_ids, result.sampled_token_ids, (step[r] for r in result.req_ids)
+            ):
+                todo[req_id] -= count
+                if not sampled:  # a chunk of its known tokens: more to compute first
+                    self._continue(cached, req_id)
+                    continue
+                out[req_id].extend(sampled)
+                if len(out[req_id]) < wanted[req_id]:
+                    todo[req_id] = 1  # feed the proposal back
+                    self._continue(cached, req_id)
+                else:
+                    del todo[req_id]
+        if rounds:
+            self._record_round(len(wanted), (time.perf_counter() - started) / rounds)
+        return out
+
+    def _continue(self, cached: Any, req_id: str) -> None:
+        """Schedule a request the draft runner holds for one more token (no new blocks:
+        `_grow` gave it room for all k)."""
+        draft = self.runner.input_batch
+        slot = draft.requests[req_id].slot
+        cached.req_ids.append(req_id)
+        cached.resumed_from_preemption.append(False)
+        cached.new_block_ids.append(self._ids([[] for _ in range(self.num_groups or 1)]))
+        cached.num_computed_tokens.append(int(draft.num_computed_tokens[slot]))
+        cached.new_token_ids.append([])
+
+
+def _only(cached: Any, step: dict[str, int]) -> Any:
+    """The rows of `cached` whose requests run in this step."""
+    keep = [i for i, r in enumerate(cached.req_ids) if r in step]
+    return CachedRequestData(
+        [cached.req_ids[i] for i in keep],
+        [cached.resumed_from_preemption[i] for i in keep],
+        [cached.new_block_ids[i] for i in keep],
+        [cached.num_computed_tokens[i] for i in keep],
+        [cached.new_token_ids[i] for i in keep],
+    )
+
+
+def _without(cached: Any, step: dict[str, int]) -> Any:
+    """The rows of `cached` not yet handed to the draft runner."""
+    rest = {r: 0 for r in cached.req_ids if r not in step}
+    return _only(cached, rest)
+
+
+def make_ngram_proposer(config: SpeculativeConfig) -> Proposer:
+    """Prompt lookup with the config's n-gram sizes (a draft model's proposer needs its own
+    runner: xlm.worker.worker builds it)."""
+    if config.method != "ngram":
+        raise ValueError(f"SpeculativeConfig.method={config.method!r} is not 'ngram'")
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 def may_speculate(sampling_params: Any) -> bool:
@@ -107,15 +300,16 @@ class SpeculationPolicy:
     def record_verification(self, state: Any, proposed: int, accepted: int) -> None:
         state.spec_acceptance += self.WEIGHT * (accepted / proposed - state.spec_acceptance)
 
-    def num_to_propose(self, state: Any, num_rows: int) -> int:
-        """The k for this request in a step of `num_rows` tokens without proposals."""
+    def num_to_propose(self, state: Any, num_rows: int, round_s: float = 0.0) -> int:
+        """The k for this request in a step of `num_rows` tokens without proposals, when
+        proposing each token costs `round_s` (a draft model's step; 0 for a lookup)."""
         a = state.spec_acceptance
         t0 = self.step_s.get(self.bucket_of(num_rows))
         best_k, best_gain, expected = 0, 1.0, 0.0
         for k in range(1, self.k + 1):
             expected += a**k
             t = self.step_s.get(self.bucket_of(num_rows + k))
-            ratio = t / t0 if t is not None and t0 else 1.0
+            ratio = (t + k * round_s) / t0 if t is not None and t0 else 1.0
             gain = (1.0 + expected) / ratio
             if gain > best_gain:
                 best_k, best_gain = k, gain
@@ -141,14 +335,17 @@ def propose_for_batch(
     num_rows = len(batch)
     if limit is not None and num_rows > limit:
         return [[] for _ in req_ids]
-    out: list[list[int]] = []
     states = batch.requests
-    for req_id in req_ids:
-        state = states.get(req_id)
-        if state is None or state.slot < 0 or not state.may_speculate:
-            out.append([])
-            continue
-        n = int(batch.num_tokens[state.slot])
-        room = min(policy.num_to_propose(state, num_rows), batch.max_model_len - n)
-        out.append(proposer.propose(batch.token_ids[state.slot, :n], room) if room > 0 else [])
-    return out
+    candidates = [
+        r for r in req_ids if r in states and states[r].slot >= 0 and states[r].may_speculate
+    ]
+    round_s = proposer.seconds_per_round(len(candidates)) if candidates else 0.0
+    wanted: dict[str, int] = {}
+    for req_id in candidates:
+        state = states[req_id]
+        room = batch.max_model_len - int(batch.num_tokens[state.slot])
+        k = min(policy.num_to_propose(state, num_rows, round_s), room)
+        if k > 0:
+            wanted[req_id] = k
+    proposals = proposer.propose_batch(batch, wanted) if wanted else {}
+    return [proposals.get(r, []) for r in req_ids]

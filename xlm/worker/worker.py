@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
 from xlm import envs, platforms
 from xlm.config import XlmConfig
+from xlm.core.block_pool import BlockPool
 from xlm.core.kv_cache_groups import KVCacheGroupSpec, blocks_for_request, group_layers
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.coordination import agree_min
@@ -17,6 +20,7 @@ from xlm.models.loader import get_model, resolve_dtype
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
 from xlm.platforms.target import CompileTarget, compile_target
 from xlm.worker.model_runner import ModelRunner
+from xlm.worker.spec_decode import DraftModelProposer
 
 logger = init_logger(__name__)
 
@@ -52,6 +56,16 @@ def shared_sliding_window(model) -> int | None:
     or a model that does not report its windows)."""
     windows = set(model.sliding_windows()) if hasattr(model, "sliding_windows") else {None}
     return windows.pop() if len(windows) == 1 else None
+
+
+def use_kv_cache_groups(model) -> list[KVCacheGroupSpec] | None:
+    """Give a model of several attention windows one block table per group (arrays shared
+    across groups, so a block costs one group's layers); the groups, or None for one."""
+    groups = kv_cache_groups(model)
+    if len(groups) > 1:
+        model.use_kv_cache_groups(groups)
+        return groups
+    return None
 
 
 def kv_cache_groups(model) -> list[KVCacheGroupSpec]:
@@ -92,12 +106,22 @@ class Worker:
             if cache_dtype == "auto"
             else jnp.dtype(cache_dtype)
         )
-        groups = kv_cache_groups(self.model)
-        if len(groups) > 1:
-            # Layers of several windows: one block table per group, arrays shared across
-            # groups, so a block costs one group's layers (set before sizing the cache).
-            self.model.use_kv_cache_groups(groups)
-        config.cache_config.kv_cache_groups = groups if len(groups) > 1 else None
+        config.cache_config.kv_cache_groups = use_kv_cache_groups(self.model)
+        # Speculative decoding with a draft model: its weights beside the target's (before
+        # the cache is sized, which counts the draft's K/V in each block).
+        spec = config.speculative_config
+        self.draft_model = self.draft_config = None
+        if spec is not None and spec.method == "draft_model":
+            self.draft_config = config.replace(
+                model_config=spec.draft_model_config,
+                cache_config=dataclasses.replace(config.cache_config),
+                speculative_config=None,
+            )
+            with startup.phase("draft weights"):
+                self.draft_model = get_model(
+                    self.draft_config, mesh=self.mesh, abstract=self.target is not None
+                )
+            self.draft_config.cache_config.kv_cache_groups = use_kv_cache_groups(self.draft_model)
         self.num_blocks = self._determine_num_blocks()
         config.cache_config.num_blocks = self.num_blocks
         config.cache_config.sliding_window = shared_sliding_window(self.model)
@@ -109,7 +133,40 @@ class Worker:
                 self.kv_dtype,
                 mesh=self.mesh,
                 abstract=self.target is not None,
+                proposer=self._draft_proposer(),
             )
+
+    def _draft_groups(self) -> int:
+        """The draft model's KV cache groups (1 without groups)."""
+        return len(self.draft_config.cache_config.kv_cache_groups or ()) or 1
+
+    def _draft_proposer(self) -> DraftModelProposer | None:
+        """A draft model's proposer: its own runner on a pool of blocks for every target
+        block, per draft group, and room for k more tokens per request."""
+        if self.draft_model is None:
+            return None
+        config = self.draft_config
+        k = self.config.speculative_config.num_speculative_tokens
+        block_size = config.cache_config.block_size
+        per_request = -(-k // block_size) + 1
+        groups = self._draft_groups()
+        num_blocks = groups * (self.num_blocks + config.scheduler_config.max_num_seqs * per_request)
+        config.cache_config.num_blocks = num_blocks
+        config.cache_config.sliding_window = shared_sliding_window(self.draft_model)
+        dtype = resolve_dtype(config.model_config.dtype, config.model_config.hf_config)
+        runner = ModelRunner(
+            config,
+            self.draft_model,
+            num_blocks,
+            dtype if self.config.cache_config.cache_dtype == "auto" else self.kv_dtype,
+            mesh=self.mesh,
+            abstract=self.target is not None,
+        )
+        logger.info(
+            "Draft model %s: %d KV cache blocks of its own.", config.model_config.model, num_blocks
+        )
+        pool = BlockPool(num_blocks, enable_caching=False)
+        return DraftModelProposer(runner, pool, len(config.cache_config.kv_cache_groups or ()))
 
     def weight_bytes_per_device(self) -> int:
         """Bytes of parameters the fullest device holds (its shards, replicas included)."""
@@ -138,6 +195,10 @@ class Worker:
     def _determine_num_blocks(self) -> int:
         cache = self.config.cache_config
         per_block = kv_cache_bytes_per_block(self.model, cache.block_size, self.kv_dtype)
+        if self.draft_model is not None:  # the draft's K/V for each block's tokens
+            per_block += self._draft_groups() * kv_cache_bytes_per_block(
+                self.draft_model, cache.block_size, self.kv_dtype
+            )
         platform = platforms.current_platform
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
