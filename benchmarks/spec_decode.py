@@ -221,6 +221,41 @@ def resolve_draft(spec: dict | None, model: str) -> dict | None:
     return {**spec, "model": draft}
 
 
+def dot_costs(model: str) -> dict:
+    """XLA:CPU's float32 dot for M = 1..8 rows against the model's largest weights (the
+    LM head, hidden x vocab, and the MLP's up projection): what a step verifying M - 1
+    proposals pays per matmul. Median of 50 runs after 5."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from xlm.models.builtin import resolve_model_name
+    from xlm.models.loader import load_hf_config
+
+    config = load_hf_config(resolve_model_name(model), "auto")
+    shapes = {
+        "lm_head": (config.hidden_size, config.vocab_size),
+        "mlp_up": (config.hidden_size, config.intermediate_size),
+    }
+    out: dict = {}
+    rng = np.random.default_rng(0)
+    for name, (k, n) in shapes.items():
+        w = jnp.asarray(rng.standard_normal((k, n), np.float32))
+        dot = jax.jit(jnp.dot)
+        out[name] = {"shape": [k, n]}
+        for m in (1, 2, 4, 8):
+            x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+            for _ in range(5):
+                dot(x, w).block_until_ready()
+            times = []
+            for _ in range(50):
+                start = time.perf_counter()
+                dot(x, w).block_until_ready()
+                times.append(time.perf_counter() - start)
+            out[name][m] = statistics.median(times)
+    return out
+
+
 def run_one(mode: str, args: argparse.Namespace) -> dict:
     import xlm
 
@@ -265,6 +300,12 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
             "acceptance_rate": accepted / drafts if drafts else None,
             "mean_accepted_length": 1 + accepted / verifications if verifications else None,
         }
+    # What the policy measured: step seconds by token bucket (1 token = a plain decode
+    # step; 2-8 = one request verifying 1-7 proposals) and a draft round's seconds.
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    if spec:
+        result["policy_step_s"] = dict(sorted(runner.spec_policy.step_s.items()))
+        result["draft_round_s"] = dict(sorted(getattr(runner.proposer, "_round_s", {}).items()))
     texts = passages()
     batch_prompts = [texts[i % len(texts)][: 80 + 40 * (i % 8)] for i in range(args.batch)]
     batch = xlm.SamplingParams(temperature=0.0, max_tokens=args.batch_len, ignore_eos=True)
@@ -309,11 +350,15 @@ def main() -> None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.one == "dot":
+        print(json.dumps(dot_costs(args.model)))
+        return
     if args.one:
         print(json.dumps(run_one(args.one, args)))
         return
     modes = args.modes.split(",") + (list(LLAMA_MODES) if args.llama_python else [])
     results = []
+    dots = None
     for mode in modes:
         cmd = [sys.executable, __file__, "--one", mode, "--model", args.model]
         cmd += ["--single-len", str(args.single_len), "--batch", str(args.batch)]
@@ -322,6 +367,12 @@ def main() -> None:
         while os.getloadavg()[0] >= args.settle and time.monotonic() < deadline:
             time.sleep(5)
         load = os.getloadavg()[0]
+        if mode == "off" and dots is None:  # once, in its own process, before the modes
+            cmd_dot = [sys.executable, __file__, "--one", "dot", "--model", args.model]
+            out = subprocess.run(cmd_dot, check=True, capture_output=True, text=True).stdout
+            dots = json.loads(out.strip().splitlines()[-1])
+            dots["load_before"] = load
+            load = os.getloadavg()[0]
         if mode in LLAMA_MODES:
             result = run_llama(mode, args)
         else:
@@ -361,8 +412,23 @@ def main() -> None:
             f"{bb['tok_s'] / base['batch']['tok_s']:.2f}x | - | - | {same} |"
         )
     print("load average before each mode:", {r["mode"]: r["load_before"] for r in results})
+    if dots:
+        for name in ("lm_head", "mlp_up"):
+            d = dots[name]
+            row = ", ".join(f"M={m}: {d[str(m)] * 1e3:.2f} ms" for m in (1, 2, 4, 8))
+            print(f"XLA:CPU dot (M x {d['shape'][0]}) @ {d['shape']}: {row}")
+    for r in results:
+        if r.get("policy_step_s"):
+            steps = ", ".join(f"{b}: {t * 1e3:.1f}" for b, t in r["policy_step_s"].items())
+            print(f"{r['mode']}: step ms by token bucket {{{steps}}}", end="")
+            rounds = ", ".join(f"{b}: {t * 1e3:.1f}" for b, t in r["draft_round_s"].items())
+            print(f"; draft round ms by requests {{{rounds}}}" if rounds else "")
     if args.out:
+        if dots:
+            results.append({"mode": "dot", **dots})
         for r in results:
+            if r["mode"] == "dot":
+                continue
             for name in ("grounded", "chat"):
                 for row in r[name]["rows"]:
                     row.pop("token_ids", None)

@@ -376,6 +376,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # None: speculate at any batch size.
     disable_by_batch_size: int | None = 8
+    # Propose each request the k its measured acceptance and step costs repay
+    # (xlm.worker.spec_decode.SpeculationPolicy); False: always num_speculative_tokens.
+    adaptive: bool = True
     # The draft model of method "draft_model" (vLLM's key).
     model: str | None = None
     # Set by EngineArgs.create_config: the draft's ModelConfig (resolved path, HF config).
@@ -432,6 +435,7 @@ class SpeculativeConfig:
             f"<= prompt_lookup_max ({self.prompt_lookup_max})",
         )
         _positive_int(owner, "disable_by_batch_size", self.disable_by_batch_size, optional=True)
+        _require(isinstance(self.adaptive, bool), owner, "adaptive", self.adaptive, "true or false")
         _require(
             (self.method == "draft_model") == (self.model is not None),
             owner,

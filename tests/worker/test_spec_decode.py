@@ -149,6 +149,9 @@ def test_requests_whose_sampling_reads_their_tokens_are_not_speculated():
         ({"num_speculative_tokens": 17}, "an integer from 1 to 16"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min=5 is invalid"),
         ({"disable_by_batch_size": 0}, "disable_by_batch_size=0 is invalid"),
+        ({"method": "draft_model"}, "SpeculativeConfig.model=None is invalid"),
+        ({"model": "x"}, "SpeculativeConfig.model='x' is invalid"),
+        ({"adaptive": "no"}, "SpeculativeConfig.adaptive='no' is invalid"),
         ({"num_tokens": 3}, "unknown keys ['num_tokens']"),
         ("{not json", "not JSON"),
         (3, "speculative_config=3 is invalid"),
@@ -209,3 +212,6 @@ def test_policy_proposes_what_pays_for_the_longer_step():
     eager = SimpleNamespace(spec_acceptance=0.9)
     assert cheap.num_to_propose(eager, 1, round_s=0.01) == 0
     assert cheap.num_to_propose(eager, 1, round_s=0.001) == 3
+    # adaptive=False (vLLM's behaviour): k always, whatever it costs.
+    fixed = SpeculationPolicy(SpeculativeConfig(adaptive=False), bucket_of)
+    assert fixed.num_to_propose(SimpleNamespace(spec_acceptance=0.0), 1, round_s=1.0) == 3

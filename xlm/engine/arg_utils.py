@@ -76,8 +76,9 @@ _HELP = {
     "first token, reasoning included",
     "speculative_config": "speculative decoding, a JSON object with method (ngram or "
     "draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (ngram), "
-    "model (draft_model: a smaller model with the same vocabulary) and disable_by_batch_size "
-    "(async scheduling is turned off with it)",
+    "model (draft_model: a smaller model with the same vocabulary), disable_by_batch_size "
+    "and adaptive (false: always propose num_speculative_tokens); async scheduling is "
+    "turned off with it",
 }
 
 
@@ -307,6 +308,13 @@ class EngineArgs:
             ),
             speculative_config=speculative,
         )
+        if draft is not None and config.parallel_config.is_multihost:
+            # Each process would time its own steps and pick its own k: the draft's
+            # collectives would diverge across processes.
+            raise ValueError(
+                "speculative_config method 'draft_model' is invalid with "
+                "distributed_executor_backend='multihost': use 'ngram', or one process"
+            )
         config.set_max_model_len(max_model_len)
         platforms.current_platform.check_and_update_config(config)
         return config

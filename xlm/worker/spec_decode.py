@@ -284,6 +284,7 @@ class SpeculationPolicy:
 
     def __init__(self, config: SpeculativeConfig, bucket_of: Any) -> None:
         self.k = config.num_speculative_tokens
+        self.adaptive = config.adaptive
         self.bucket_of = bucket_of
         self.step_s: dict[int, float] = {}
         self._timed_once: set[int] = set()
@@ -303,6 +304,8 @@ class SpeculationPolicy:
     def num_to_propose(self, state: Any, num_rows: int, round_s: float = 0.0) -> int:
         """The k for this request in a step of `num_rows` tokens without proposals, when
         proposing each token costs `round_s` (a draft model's step; 0 for a lookup)."""
+        if not self.adaptive:
+            return self.k
         a = state.spec_acceptance
         t0 = self.step_s.get(self.bucket_of(num_rows))
         best_k, best_gain, expected = 0, 1.0, 0.0
