@@ -41,10 +41,11 @@ MODES = {
     "off": None,
     "ngram3": {"method": "ngram", "num_speculative_tokens": 3},
     "ngram5": {"method": "ngram", "num_speculative_tokens": 5},
-    # Draft models: the first 8 of SmolLM2's 30 layers with its own final norm and head
-    # (no smaller model shares its tokenizer here), and the model drafting for itself
+    # Draft models: the first 8 or 24 of SmolLM2's 30 layers with its own final norm and
+    # head (no smaller model shares its tokenizer here), and the model drafting for itself
     # (every proposal accepted, at the full model's cost: the upper bound of acceptance).
     "draft8": {"method": "draft_model", "model": "truncated:8", "num_speculative_tokens": 3},
+    "draft24": {"method": "draft_model", "model": "truncated:24", "num_speculative_tokens": 3},
     "draft-self": {"method": "draft_model", "model": "self", "num_speculative_tokens": 3},
 }
 # llama.cpp modes: its own decoding, and its prompt lookup (3 tokens from 3-grams).
@@ -329,7 +330,7 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--modes", default="off,ngram3,ngram5,draft8,draft-self")
+    parser.add_argument("--modes", default="off,ngram3,ngram5,draft24,draft-self")
     parser.add_argument(
         "--llama-python",
         default=None,

@@ -174,8 +174,6 @@ class DraftModelProposer:
                 )
             todo[req_id] = n - agree
         out: dict[str, list[int]] = {r: [] for r in wanted}
-        started = time.perf_counter()
-        rounds = 0
         # First the known tokens each request has not computed (chunked by the budget),
         # then one token a step: each step's sampled tokens are the proposals.
         while todo:
@@ -196,8 +194,13 @@ class DraftModelProposer:
             )
             new_reqs = [r for r in new_reqs if r.req_id not in step]
             cached = _without(cached, step)
+            started = time.perf_counter()
             result = self.runner.execute_model(so)
-            rounds += 1
+            if so.total_num_scheduled_tokens == len(step):
+                # A step of one token per request: what each further proposal costs (a
+                # request's first step also computes the tokens it has not seen: a whole
+                # prompt the first time, so it is not counted).
+                self._record_round(len(step), time.perf_counter() - started)
             for req_id, sampled, count in zip(
                 result.req_ids, result.sampled_token_ids, (step[r] for r in result.req_ids)
             ):
@@ -211,8 +214,6 @@ class DraftModelProposer:
                     self._continue(cached, req_id)
                 else:
                     del todo[req_id]
-        if rounds:
-            self._record_round(len(wanted), (time.perf_counter() - started) / rounds)
         return out
 
     def _continue(self, cached: Any, req_id: str) -> None:
