@@ -215,3 +215,14 @@ def test_policy_proposes_what_pays_for_the_longer_step():
     # adaptive=False (vLLM's behaviour): k always, whatever it costs.
     fixed = SpeculationPolicy(SpeculativeConfig(adaptive=False), bucket_of)
     assert fixed.num_to_propose(SimpleNamespace(spec_acceptance=0.0), 1, round_s=1.0) == 3
+    # A proposer that always has proposals (a draft model) never times the plain step on
+    # its own: once a longer step is timed, the policy goes without to time it, then
+    # weighs (here a 2-token step is not timed yet, so it counts as free: k=1).
+    explore = SpeculationPolicy(SpeculativeConfig(num_speculative_tokens=3), bucket_of)
+    for seconds in (99.0, 0.02):
+        explore.record_step(4, seconds)
+    eager = SimpleNamespace(spec_acceptance=0.9)
+    assert explore.num_to_propose(eager, 1) == 0
+    for seconds in (99.0, 0.01):
+        explore.record_step(1, seconds)
+    assert explore.num_to_propose(eager, 1) == 1

@@ -276,8 +276,9 @@ class SpeculationPolicy:
     by token bucket, each request keeps an estimate of how often its proposals are
     accepted, and a request is proposed the k that maximizes expected tokens per second:
     (1 + a + a^2 + ... + a^k) / (time of the longer step / time of the plain one). A bucket
-    not timed yet counts as free (so it gets tried, then timed); a request proposed
-    nothing drifts back towards the prior, so it is tried again later.
+    not timed yet counts as free (so it gets tried, then timed), except the plain step's:
+    once a longer step is timed, steps go without proposals until the plain one is too; a
+    request proposed nothing drifts back towards the prior, so it is tried again later.
     """
 
     PRIOR = 0.6  # acceptance assumed before a request's first verification
@@ -309,6 +310,12 @@ class SpeculationPolicy:
             return self.k
         a = state.spec_acceptance
         t0 = self.step_s.get(self.bucket_of(num_rows))
+        if t0 is None and any(
+            self.bucket_of(num_rows + k) in self.step_s for k in range(1, self.k + 1)
+        ):
+            # Longer steps are timed but not the plain one (a draft model always has a
+            # proposal): a step without, to time it.
+            return 0
         best_k, best_gain, expected = 0, 1.0, 0.0
         for k in range(1, self.k + 1):
             expected += a**k
