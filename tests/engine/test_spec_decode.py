@@ -79,7 +79,7 @@ def reference_ids(path: str) -> list[list[int]]:
 def check_speculating_batch(path: str, spec: dict, *, accepts: bool = True) -> None:
     """The 32-request batch (it preempts, with prefix-cache hits) with `spec` equals the
     engine without it token for token, compiles nothing after warm-up, and leaves the KV
-    pool whole (rolled-back proposals kept no block)."""
+    pool whole (rolled-back proposals kept no block); one of its requests alone too."""
     prompts, params = batch_of_32()
     want = reference_ids(path)
     llm = xlm.LLM(model=path, speculative_config=spec, **TINY_ENGINE)
@@ -95,6 +95,10 @@ def check_speculating_batch(path: str, spec: dict, *, accepts: bool = True) -> N
     assert num_preemptions(llm) > 0, "the batch did not preempt"
     assert stats.prefix_cache_hits > 0
     assert scheduler(llm).kv_cache_manager.usage == 0.0
+    # Alone, too (speculation's own batch, no neighbours).
+    (alone,) = llm.generate(prompts[5:6], params[5:6], use_tqdm=False)
+    assert list(alone.outputs[0].token_ids) == want[5]
+    assert llm.llm_engine.num_compilations == compiled
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
