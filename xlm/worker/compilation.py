@@ -13,13 +13,12 @@ since it is a bug.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import enum
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -150,43 +149,6 @@ def executable_cache_dir(config: XlmConfig) -> str | None:
     return cache_dir
 
 
-def _compile(lowered: Any) -> Any:
-    with _xla_work("compile"):
-        return lowered.compile()
-
-
-class _OneKindAtATime:
-    """Work of one kind runs in any number of threads, but never beside work of another
-    kind. XLA:CPU compiles and (de)serializes executables from several threads, and a
-    serialize running while another thread compiled crashed the process (a segfault in
-    `executable.serialize()` and one in libgcc's unwinder, twice in ~900 tests, never when
-    they were kept apart); compiles stay parallel with each other, loads with loads."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._kind: str | None = None
-        self._count = 0
-
-    @contextlib.contextmanager
-    def __call__(self, kind: str) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: self._count == 0 or self._kind == kind)
-            self._kind = kind
-            self._count += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._count -= 1
-                if self._count == 0:
-                    self._kind = None
-                    self._cond.notify_all()
-
-
-# Process-wide: every Compiler (a draft model's, other engines') shares XLA.
-_xla_work = _OneKindAtATime()
-
-
 def _shutdown_at_exit(ref: weakref.ref) -> None:
     compiler = ref()
     if compiler is not None:
@@ -297,17 +259,15 @@ class Compiler:
                     else:
                         self._install(key, program, compiled=False)
                         loaded += 1
-                futures = {key: pool.submit(_compile, low) for key, low in lowered.items()}
+                futures = {key: pool.submit(low.compile) for key, low in lowered.items()}
                 progress = tqdm(
                     futures.items(),
                     desc="Compiling",
                     disable=envs.XLM_DISABLE_PROGRESS_BARS or len(futures) < 2,
                 )
-                programs = {key: future.result() for key, future in progress}
-                # Saved once every compile of this batch is done (not beside them).
-                for key, program in programs.items():
-                    with _xla_work("serialize"):
-                        self._cache.store(key, program, self._specs[key].static)
+                for key, future in progress:
+                    program = future.result()
+                    self._cache.store(key, program, self._specs[key].static)
                     self._install(key, program, compiled=True)
         finally:
             with self._lock:
@@ -325,8 +285,7 @@ class Compiler:
 
     def _load(self, key: ProgramKey) -> Any | None:
         spec = self._specs[key]
-        with _xla_work("serialize"):
-            return self._cache.load(key, spec.in_tree(), spec.out_tree, spec.static)
+        return self._cache.load(key, spec.in_tree(), spec.out_tree, spec.static)
 
     def _lower(self, key: ProgramKey) -> Any:
         with self._trace_lock:

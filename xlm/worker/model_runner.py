@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -77,6 +78,17 @@ def _allocate(spec: list[jax.ShapeDtypeStruct], result: Future) -> None:
         result.set_exception(e)
 
 
+def _weak(method: Any) -> Any:
+    """`method` without a strong reference to its object (see ModelRunner.__init__)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        return ref()(*args)
+
+    call.__name__ = call.__qualname__ = method.__name__  # names the programs (no __wrapped__)
+    return call
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the jitted step; turns SchedulerOutputs into tokens."""
 
@@ -132,10 +144,14 @@ class ModelRunner:
             ).start()
         # Unseeded requests draw from the engine seed folded with the step count.
         self.step_count = config.model_config.seed << 20
-        self._model_fn = jax.jit(self._model_step, static_argnums=(4,), donate_argnums=(1,))
-        self._sample_fn = jax.jit(self._sample_step, static_argnums=(2,))
-        self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs_step)
-        self._pool_fn = jax.jit(self._pool_step, static_argnums=(2,))
+        # jit over weak methods: a jitted function holds its Python function from C++,
+        # where the garbage collector cannot see the cycle back to this runner, so with
+        # bound methods no runner (its programs, weights and cache) was ever freed; a test
+        # process that made ~60 engines ran out of memory maps and crashed.
+        self._model_fn = jax.jit(_weak(self._model_step), static_argnums=(4,), donate_argnums=(1,))
+        self._sample_fn = jax.jit(_weak(self._sample_step), static_argnums=(2,))
+        self._prompt_logprobs_fn = jax.jit(_weak(self._prompt_logprobs_step))
+        self._pool_fn = jax.jit(_weak(self._pool_step), static_argnums=(2,))
         # Steps dispatched and not yet collected, oldest first (async scheduling keeps one
         # in flight while the next is scheduled; execute_model collects at once).
         self._in_flight: deque[_StepInFlight | None] = deque()
