@@ -190,8 +190,7 @@ class ModelRunner:
     def num_compilations(self) -> int:
         """Programs compiled or loaded so far (a draft model's included); after warm-up it
         must not move."""
-        draft = getattr(self.proposer, "runner", None)
-        return self.compiler.num_compilations + (draft.num_compilations if draft else 0)
+        return sum(c.num_compilations for c in self._compilers())
 
     def _compilers(self) -> list[Compiler]:
         draft = getattr(self.proposer, "runner", None)

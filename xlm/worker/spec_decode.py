@@ -107,22 +107,22 @@ class DraftModelProposer:
         self._round_s[bucket] = seconds if old is None else old + 0.3 * (seconds - old)
 
     # ---- blocks ----------------------------------------------------------------------
-    def _grow(self, req_id: str, num_tokens: int) -> list[Any] | None:
-        """Blocks for `num_tokens` positions: the newly added ids (per group when there are
-        groups), or None when the pool cannot give them (the request is not proposed)."""
+    def _grow(self, req_id: str, num_tokens: int) -> bool:
+        """Give a request blocks (in every group) for `num_tokens` positions; False when
+        the pool cannot (the request is not proposed)."""
         blocks = self._held[req_id][1]
         need = -(-num_tokens // self.block_size) - len(blocks[0])
         if need <= 0:
-            return [[] for _ in blocks]
+            return True
         if need * len(blocks) > self.pool.get_num_free_blocks():
-            return None
-        new = [self.pool.get_new_blocks(need) for _ in blocks]
-        for have, more in zip(blocks, new):
-            have.extend(more)
-        return [[b.block_id for b in more] for more in new]
+            return False
+        for have in blocks:
+            have.extend(self.pool.get_new_blocks(need))
+        return True
 
     def _ids(self, per_group: list[list[Any]]) -> Any:
-        ids = [[b if isinstance(b, int) else b.block_id for b in g] for g in per_group]
+        """Block ids as the runner takes them: one list, or a tuple of one per group."""
+        ids = [[b.block_id for b in g] for g in per_group]
         return tuple(ids) if self.num_groups else ids[0]
 
     def _drop(self, req_id: str) -> None:
@@ -155,7 +155,7 @@ class DraftModelProposer:
                 diff = np.flatnonzero(have[:m] != tokens[:m])
                 agree = int(diff[0]) if diff.size else m
             # K/V for the known tokens and the k - 1 proposals fed back.
-            if self._grow(req_id, n + k - 1) is None:
+            if not self._grow(req_id, n + k - 1):
                 self._drop(req_id)
                 if req_id in draft.requests:
                     draft.release(req_id, forget=True)
