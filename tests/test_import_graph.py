@@ -22,7 +22,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("xlm.engine",),
     ("xlm.executor",),
     ("xlm.worker", "xlm.tokenizer"),
-    ("xlm.models", "xlm.ops", "xlm.distributed", "xlm.structured_output", "xlm.reasoning"),
+    (
+        "xlm.models",
+        "xlm.ops",
+        "xlm.distributed",
+        "xlm.structured_output",
+        "xlm.reasoning",
+        "xlm.lora",
+    ),
     ("xlm.core",),
     ("xlm.metrics", "xlm.platforms", "xlm.plugins"),
     (
@@ -33,6 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "xlm.sampling_params",
         "xlm.pooling_params",
         "xlm.structured_output.params",
+        "xlm.lora.request",
         "xlm.outputs",
         "xlm.disk_cache",
     ),

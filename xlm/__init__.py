@@ -21,12 +21,14 @@ _LAZY = {
     "PoolingParams": "xlm.pooling_params",
     "PoolingRequestOutput": "xlm.outputs",
     "EmbeddingRequestOutput": "xlm.outputs",
+    "LoRARequest": "xlm.lora.request",
     "platforms": "xlm.platforms",
 }
 
 if TYPE_CHECKING:
     from xlm import platforms
     from xlm.entrypoints.llm import LLM
+    from xlm.lora.request import LoRARequest
     from xlm.outputs import (
         CompletionOutput,
         EmbeddingRequestOutput,
@@ -56,6 +58,7 @@ __all__ = [
     "PoolingParams",
     "PoolingRequestOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "platforms",
     "__version__",
 ]

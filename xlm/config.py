@@ -455,6 +455,34 @@ class SpeculativeConfig:
         return max(max_num_seqs, batch * self.max_rows_per_request)
 
 
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving: ``max_loras`` adapters on the device at once, each in a fixed
+    slot padded to ``max_lora_rank``; up to ``max_cpu_loras`` kept on the host (least
+    recently used evicted); no step mixes more adapters than there are slots."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # None: max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "LoRAConfig"
+        _positive_int(owner, "max_loras", self.max_loras)
+        _positive_int(owner, "max_lora_rank", self.max_lora_rank)
+        _require(self.max_lora_rank <= 512, owner, "max_lora_rank", self.max_lora_rank, "1 to 512")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive_int(owner, "max_cpu_loras", self.max_cpu_loras)
+        _require(
+            self.max_cpu_loras >= self.max_loras,
+            owner,
+            "max_cpu_loras",
+            self.max_cpu_loras,
+            f">= max_loras ({self.max_loras})",
+        )
+
+
 _REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -491,6 +519,8 @@ class XlmConfig:
     )
     # None: no speculative decoding.
     speculative_config: SpeculativeConfig | None = None
+    # None: LoRA adapters off (requests naming one are refused).
+    lora_config: LoRAConfig | None = None
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """Fix the context length everywhere once the model's limit is known."""
@@ -526,6 +556,11 @@ def get_current_parallel_config() -> ParallelConfig:
     if _current_config is None:
         return ParallelConfig()
     return _current_config.parallel_config
+
+
+def get_current_lora_config() -> LoRAConfig | None:
+    """The LoRAConfig of the model being built (None: no LoRA parameters)."""
+    return None if _current_config is None else _current_config.lora_config
 
 
 def get_current_compilation_config() -> CompilationConfig:

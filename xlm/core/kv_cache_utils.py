@@ -45,13 +45,19 @@ def hash_block_tokens(
 
 
 def block_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
-    """Extra keys of one block: the request's cache_salt, on the first block only.
+    """Extra keys of one block: the request's cache_salt and LoRA adapter, on the first
+    block only (two adapters never share K/V of the same tokens).
 
-    The salt reaches every later block through the parent-hash chain.
+    They reach every later block through the parent-hash chain.
     """
-    if block_index == 0 and request.cache_salt is not None:
-        return ("salt", request.cache_salt)
-    return None
+    if block_index != 0:
+        return None
+    keys: tuple[Any, ...] = ()
+    if request.cache_salt is not None:
+        keys = ("salt", request.cache_salt)
+    if request.lora_request is not None:
+        keys = (*keys, *request.lora_request.cache_key)
+    return keys or None
 
 
 def update_block_hashes(request: Request, block_size: int, num_blocks: int) -> list[BlockHash]:

@@ -19,6 +19,8 @@ class NewRequestData:
     num_computed_tokens: int
     # A pooling request: its prompt is pooled into one vector instead of sampled.
     pooling_params: Any = None
+    # Its LoRA adapter (xlm.lora.request.LoRARequest), or None: the base model.
+    lora_request: Any = None
 
 
 @dataclass(slots=True)

@@ -69,6 +69,7 @@ class Request:
         "host_tokens_only",
         "pooling_params",
         "spec_token_ids",
+        "lora_request",
     )
 
     def __init__(
@@ -81,6 +82,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         pooling_params: Any = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -125,6 +127,8 @@ class Request:
         # Speculative decoding: tokens proposed to follow the last one, to be verified by
         # the next step that schedules the request.
         self.spec_token_ids: list[int] = []
+        # The LoRA adapter (xlm.lora.request.LoRARequest); None: the base model.
+        self.lora_request = lora_request
 
     @property
     def num_tokens(self) -> int:

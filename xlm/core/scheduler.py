@@ -70,8 +70,12 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output_manager: Any = None,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: LoRA on, at most this many adapters among running requests (the
+        device's slots); None: LoRA off."""
         self.scheduler_config = scheduler_config
+        self.max_loras = max_loras
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -134,6 +138,12 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.lora_request is not None and self.max_loras is None:
+            raise ValueError(
+                f"request {request.request_id!r} names LoRA adapter "
+                f"{request.lora_request.lora_name!r} but LoRA is off: start the engine with "
+                "enable_lora=True (--enable-lora)"
+            )
         if num_prompt > self.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r}: the prompt has {num_prompt} tokens, longer "
@@ -272,14 +282,21 @@ class Scheduler:
         running = self.running
         waiting = self.waiting
         chunked = self.enable_chunked_prefill
-        # Requests whose grammar still compiles step aside; they keep their place.
+        # Requests whose grammar still compiles step aside; they keep their place. So do
+        # those whose LoRA adapter would be one more than the device's slots.
         skipped: list[Request] = []
+        adapters = self._running_adapters()
         while waiting and token_budget > 0 and len(running) < self.max_num_seqs:
             request = waiting.peek_request()
             constraint = request.structured_output_request
             if constraint is not None and not constraint.is_ready():
                 skipped.append(waiting.pop_request())
                 continue
+            lora = request.lora_request
+            if lora is not None and lora.lora_int_id not in adapters:
+                if len(adapters) >= self.max_loras:
+                    skipped.append(waiting.pop_request())
+                    continue
             if constraint is not None and constraint.error is not None:
                 waiting.pop_request()
                 self._fail_request(request, constraint.error)
@@ -321,15 +338,24 @@ class Scheduler:
                         kv.get_block_ids(req_id),
                         num_hit,
                         request.pooling_params,
+                        request.lora_request,
                     )
                 )
             request.status = _RUNNING
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             num_scheduled_tokens[req_id] = num_new
             token_budget -= num_new
             scheduled.append(request)
         for request in reversed(skipped):
             waiting.prepend_request(request)
         step.token_budget = token_budget
+
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapter ids of the running requests."""
+        if self.max_loras is None:
+            return set()
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _finish_schedule(self, step: _StepPlan) -> SchedulerOutput:
         """Count the scheduled tokens as computed, build the grammar bitmask and the output."""

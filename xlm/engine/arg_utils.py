@@ -12,6 +12,7 @@ from xlm.config import (
     ASYNC_SCHEDULING_DEFAULT,
     CacheConfig,
     CompilationConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -74,6 +75,11 @@ _HELP = {
     "instead of running on the local devices; nothing is allocated or run",
     "structured_outputs_enable_in_reasoning": "apply structured-output constraints from the "
     "first token, reasoning included",
+    "enable_lora": "serve LoRA adapters (PEFT directories) beside the base model: requests "
+    "name one, each step mixes up to max_loras of them",
+    "max_loras": "LoRA adapters on the device at once (slots; a step never mixes more)",
+    "max_lora_rank": "largest adapter rank (every slot is padded to it)",
+    "max_cpu_loras": "LoRA adapters kept read on the host (default: max_loras)",
     "speculative_config": "speculative decoding, a JSON object with method (ngram or "
     "draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (ngram), "
     "model (draft_model: a smaller model with the same vocabulary), disable_by_batch_size "
@@ -131,6 +137,11 @@ class EngineArgs:
     structured_outputs_enable_in_reasoning: bool = False
     # A dict (or its JSON text) of SpeculativeConfig's fields; None: no speculation.
     speculative_config: dict[str, Any] | str | None = None
+    # LoRA adapters (LoRAConfig): off unless enable_lora.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Compile-only (`xlm plan` adds the flag; an engine refuses it).
     target_topology: str | None = None
 
@@ -166,7 +177,12 @@ class EngineArgs:
                 )
             else:
                 kind = {int: int, float: float}.get(type(default), None)
-                if f.name in ("max_model_len", "num_gpu_blocks_override", "num_processes"):
+                if f.name in (
+                    "max_model_len",
+                    "num_gpu_blocks_override",
+                    "num_processes",
+                    "max_cpu_loras",
+                ):
                     kind = int
                 elif f.name == "process_id":
                     kind = int
@@ -307,6 +323,13 @@ class EngineArgs:
                 enable_in_reasoning=self.structured_outputs_enable_in_reasoning,
             ),
             speculative_config=speculative,
+            lora_config=LoRAConfig(
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                max_cpu_loras=self.max_cpu_loras,
+            )
+            if self.enable_lora
+            else None,
         )
         if draft is not None and config.parallel_config.is_multihost:
             # Each process would time its own steps and pick its own k: the draft's

@@ -23,6 +23,7 @@ from xlm.engine.mp_client import AsyncMPClient
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.processor import Processor
 from xlm.logger import init_logger
+from xlm.lora.request import LoRARequest
 from xlm.metrics import startup
 from xlm.metrics.loggers import StatLoggerBase
 from xlm.metrics.stats import RequestStatsTracker
@@ -128,10 +129,16 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's RequestOutputs (DELTA, CUMULATIVE or FINAL_ONLY)."""
         collector = await self.add_request(
-            request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt
+            request_id,
+            prompt,
+            sampling_params,
+            priority=priority,
+            cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         finished = False
         try:
@@ -157,10 +164,17 @@ class AsyncLLM:
         pooling_params: PoolingParams | None,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> PoolingRequestOutput:
         """Embed one prompt with a pooling model (None: the model's default pooling)."""
         collector = await self.add_request(
-            request_id, prompt, None, priority=priority, pooling_params=pooling_params, pooling=True
+            request_id,
+            prompt,
+            None,
+            priority=priority,
+            pooling_params=pooling_params,
+            pooling=True,
+            lora_request=lora_request,
         )
         finished = False
         try:
@@ -185,6 +199,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         pooling: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Process the prompt, register the request and send it to the core."""
         if self.dead_error is not None:
@@ -202,6 +217,7 @@ class AsyncLLM:
             cache_salt,
             pooling_params=pooling_params,
             pooling=pooling,
+            lora_request=lora_request,
         )
         collector = RequestOutputCollector()
         self.collectors[request_id] = collector
@@ -363,6 +379,18 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         """The context length the engine serves."""
         return int(self.xlm_config.model_config.max_model_len)
+
+    # ---- LoRA adapters (an engine with enable_lora) ---------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter in the engine; raises (RuntimeError naming the
+        reason) when it is bad."""
+        return await self.engine_core.call_utility_async("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self.engine_core.call_utility_async("remove_lora", lora_id)
+
+    async def list_loras(self) -> list[int]:
+        return await self.engine_core.call_utility_async("list_loras")
 
     async def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache in the core."""

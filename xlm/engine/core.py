@@ -16,6 +16,7 @@ from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from xlm.executor import executor_class_for
 from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
+from xlm.lora.request import LoRARequest
 from xlm.structured_output.manager import StructuredOutputManager
 from xlm.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -47,6 +48,7 @@ class EngineCore:
             config.cache_config,
             self.executor.num_blocks,
             self.structured_output_manager,
+            max_loras=None if config.lora_config is None else config.lora_config.max_loras,
         )
         # Long-lived objects (the block pool: ~65k blocks at 1024 requests) leave the GC's
         # view, so full collections stop rescanning them mid-serving (p99 4x lower).
@@ -61,7 +63,11 @@ class EngineCore:
         logger.info("Engine core ready in %.1f s.", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Admit a request; raises ValueError when it can never fit."""
+        """Admit a request; raises ValueError when it can never fit (or its LoRA adapter
+        cannot be read: LoRAAdapterError)."""
+        lora = request.lora_request
+        if lora is not None and self.config.lora_config is not None:
+            self.executor.add_lora(lora)  # read and checked now, not mid-step
         self.scheduler.add_request(
             Request(
                 request_id=request.request_id,
@@ -72,8 +78,27 @@ class EngineCore:
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 pooling_params=request.pooling_params,
+                lora_request=lora,
             )
         )
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests (LoRAAdapterError when bad)."""
+        self._require_lora()
+        return self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; requests using it finish with it first."""
+        self._require_lora()
+        return self.executor.remove_lora(lora_id)
+
+    def list_loras(self) -> list[int]:
+        self._require_lora()
+        return self.executor.list_loras()
+
+    def _require_lora(self) -> None:
+        if self.config.lora_config is None:
+            raise ValueError("LoRA adapters are off: start the engine with enable_lora=True")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import SchedulerStats
@@ -71,6 +71,10 @@ class InprocClient:
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.make_stats()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Call a public EngineCore method (the multiprocess clients' UTILITY message)."""
+        return getattr(self.engine_core, method)(*args)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

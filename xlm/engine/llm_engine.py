@@ -12,6 +12,7 @@ from xlm.engine.mp_client import SyncMPClient
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.processor import Processor
 from xlm.logger import init_logger
+from xlm.lora.request import LoRARequest
 from xlm.metrics import startup
 from xlm.outputs import RequestOutput
 from xlm.plugins import load_general_plugins
@@ -56,6 +57,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         pooling: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and tokenize a prompt, then hand it (or its n samples) to the core.
 
@@ -70,6 +72,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             pooling_params=pooling_params,
             pooling=pooling,
+            lora_request=lora_request,
         )
         sent: list[str] = []
         try:
@@ -119,6 +122,18 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    # ---- LoRA adapters (an engine with enable_lora) ---------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests; raises when it is bad."""
+        return self.engine_core.call_utility("add_lora", lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (its running requests finish with it); whether it was known."""
+        return self.engine_core.call_utility("remove_lora", lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self.engine_core.call_utility("list_loras")
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
+from xlm.lora.request import LoRARequest
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import SamplingParams
 
@@ -74,6 +75,8 @@ class EngineCoreRequest:
     # Set for a request to a pooling model: the request is prefilled once and pooled into
     # one vector (its sampling_params are a placeholder that samples nothing).
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for msgpack."""
@@ -87,6 +90,7 @@ class EngineCoreRequest:
             "cache_salt": self.cache_salt,
             "prompt": self.prompt,
             "pooling_params": self.pooling_params,
+            "lora_request": self.lora_request,
         }
 
     @classmethod

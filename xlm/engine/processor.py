@@ -11,6 +11,7 @@ from typing import Any
 from xlm.config import ModelConfig, XlmConfig
 from xlm.engine.exceptions import RequestValidationError
 from xlm.engine.messages import EngineCoreRequest
+from xlm.lora.request import LoRARequest
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 from xlm.structured_output.backend import validate as validate_structured_outputs
@@ -238,12 +239,17 @@ class Processor:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         pooling: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """Tokenize and validate one prompt; the request keeps its own copy of ``params``.
 
         With `pooling` the prompt is embedded (`pooling_params`, else the model's default
         pooling) and `params` is ignored; a pooling model takes only such requests.
         """
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(
+                f"lora_request={lora_request!r} is invalid: allowed a LoRARequest or None"
+            )
         text, token_ids = self._tokenize(prompt)
         if pooling:
             params, pooling_params = self.check_pooling_request(token_ids, pooling_params)
@@ -259,6 +265,7 @@ class Processor:
             cache_salt=cache_salt,
             prompt=text,
             pooling_params=pooling_params,
+            lora_request=lora_request,
         )
 
 

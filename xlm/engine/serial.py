@@ -50,6 +50,7 @@ WIRE_CLASSES: tuple[tuple[str, str], ...] = (
     ("xlm.sampling_params", "SamplingType"),
     ("xlm.pooling_params", "PoolingParams"),
     ("xlm.pooling_params", "PoolingType"),
+    ("xlm.lora.request", "LoRARequest"),
     ("xlm.structured_output.params", "StructuredOutputsParams"),
     ("xlm.core.outputs", "EngineCoreOutput"),
     ("xlm.core.outputs", "LogprobsLists"),

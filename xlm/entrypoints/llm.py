@@ -14,6 +14,7 @@ from xlm.core.outputs import SchedulerStats
 from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.llm_engine import LLMEngine
 from xlm.executor.multihost import follow_if_follower
+from xlm.lora.request import LoRARequest
 from xlm.outputs import PoolingRequestOutput, RequestOutput
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import RequestOutputKind, SamplingParams
@@ -100,11 +101,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, token ids, or {"prompt"/"prompt_token_ids": ...})."""
+        """Complete each prompt (text, token ids, or {"prompt"/"prompt_token_ids": ...});
+        `lora_request`: one adapter for all prompts or one (or None) per prompt (an engine
+        with enable_lora=True)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        loras = _as_lora_list(lora_request, len(prompt_list))
+        return self._run(prompt_list, list(zip(params_list, loras)), use_tqdm)
 
     def chat(
         self,
@@ -115,6 +120,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, formatted with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -131,13 +137,14 @@ class LLM:
             }
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(
         self,
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """One vector per prompt (`outputs.data`, float32 numpy; `outputs.embedding`, a
         list) from a pooling model (`runner="pooling"`); None pools the model's default way."""
@@ -152,23 +159,40 @@ class LLM:
                     f"{len(prompt_list)} prompts: give one PoolingParams or one per prompt"
                 )
 
-        def add(request_id: str, prompt: PromptType, params: PoolingParams | None) -> None:
+        def add(request_id: str, prompt: PromptType, item: tuple) -> None:
+            params, lora = item
             self.llm_engine.add_request(
-                request_id, prompt, None, pooling_params=params, pooling=True
+                request_id, prompt, None, pooling_params=params, pooling=True, lora_request=lora
             )
 
-        return self._run_requests(prompt_list, params_list, add, use_tqdm)
+        loras = _as_lora_list(lora_request, len(prompt_list))
+        return self._run_requests(prompt_list, list(zip(params_list, loras)), add, use_tqdm)
+
+    # ---- LoRA adapters (enable_lora=True) -------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (requests naming it also load it on first use)."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self.llm_engine.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[tuple[SamplingParams, LoRARequest | None]],
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
-        def add(request_id: str, prompt: PromptType, p: SamplingParams) -> None:
+        def add(request_id: str, prompt: PromptType, item: tuple) -> None:
+            p, lora = item
             p = p.clone()
             p.output_kind = RequestOutputKind.FINAL_ONLY
-            self.llm_engine.add_request(request_id, prompt, p)
+            self.llm_engine.add_request(request_id, prompt, p, lora_request=lora)
 
         return self._run_requests(prompts, params, add, use_tqdm)
 
@@ -229,3 +253,18 @@ def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
             f"prompts: give one SamplingParams or one per prompt"
         )
     return params
+
+
+def _as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(
+            f"lora_request has {len(loras)} entries but there are {n} prompts: give one "
+            "LoRARequest or one (or None) per prompt"
+        )
+    return loras

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from xlm.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from xlm.worker.worker import Worker
@@ -62,6 +63,17 @@ class Executor(ABC):
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         """Wait for the background compilation; whether every program is ready."""
         return self.worker.model_runner.wait_for_programs(timeout)
+
+    # LoRA adapters: this process's worker reads and checks them (a multihost follower
+    # reads each from its directory when a step first needs it).
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.worker.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.worker.remove_lora(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self.worker.list_loras()
 
     @abstractmethod
     def shutdown(self) -> None:

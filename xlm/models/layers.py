@@ -14,19 +14,30 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xlm.config import get_current_lora_config
 from xlm.distributed.tensor_parallel import check_split, kv_head_replicas, tp_size
 from xlm.ops import (
     AttentionMetadata,
+    LoRA,
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
     get_act_and_mul_fn,
 )
+from xlm.ops.lora import current_token_slots
 
 TP_AXIS = "model"
 Parallel = Literal["column", "row"] | None
 
 _KERNEL_SHARDING = {"column": (None, TP_AXIS), "row": (TP_AXIS, None), None: (None, None)}
+# LoRA A [in, slots, Rt] splits its input like the kernel; B [slots, Rt, out] its output.
+_LORA_A_SHARDING = {"column": (None, None, None), "row": (TP_AXIS, None, None), None: (None,) * 3}
+_LORA_B_SHARDING = {"column": (None, None, TP_AXIS), "row": (None, None, None), None: (None,) * 3}
+
+
+class LoRAWeight(nnx.Param):
+    """A LoRA slot array (xlm.ops.lora): zeros until an adapter is written into a slot;
+    no checkpoint holds it (the loader places zeros)."""
 
 
 def param(value: jax.Array, sharding: tuple[str | None, ...], **metadata: Any) -> nnx.Param:
@@ -59,7 +70,9 @@ class Linear(nnx.Module):
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
         layout: dict[str, Any] | None = None,
+        lora: bool = True,
     ) -> None:
+        """`lora=False`: no adapter slots even when LoRA is on (a MoE router)."""
         self.in_features, self.out_features = in_features, out_features
         layout = layout or {}
         kernel = unloaded((in_features, out_features), dtype)
@@ -67,9 +80,35 @@ class Linear(nnx.Module):
         bias_sharding = (TP_AXIS,) if parallel == "column" else (None,)
         bias_value = jnp.zeros((out_features,), dtype)
         self.bias = param(bias_value, bias_sharding, **layout) if bias else None
+        lora = get_current_lora_config() if lora else None
+        lora_a = lora_b = op = None
+        if lora is not None:
+            # One rank block per checkpoint projection fused into this one (gate | up).
+            parts = (layout.get("fused_shards") or (1,))[0]
+            rank = parts * lora.max_lora_rank
+            slots = lora.max_loras
+            lora_a = LoRAWeight(
+                unloaded((in_features, slots, rank), dtype),
+                out_sharding=_LORA_A_SHARDING[parallel],
+                eager_sharding=False,
+                lora_parts=parts,
+            )
+            lora_b = LoRAWeight(
+                unloaded((slots, rank, out_features), dtype),
+                out_sharding=_LORA_B_SHARDING[parallel],
+                eager_sharding=False,
+                lora_parts=parts,
+                **layout,
+            )
+            op = LoRA()
+        self.lora_a, self.lora_b, self.lora = lora_a, lora_b, op
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...]
+        if self.lora is not None:
+            slots = current_token_slots()
+            if slots is not None:
+                y = y + self.lora(x, self.lora_a[...], self.lora_b[...], slots)
         return y + self.bias[...] if self.bias is not None else y
 
 

@@ -10,6 +10,7 @@ from xlm.ops.activation import (
 )
 from xlm.ops.custom_op import CustomOp
 from xlm.ops.layernorm import LayerNorm, RMSNorm
+from xlm.ops.lora import LoRA, token_slots
 from xlm.ops.paged_attention import AttentionMetadata, PagedAttention
 from xlm.ops.rotary_embedding import RotaryEmbedding
 
@@ -19,6 +20,7 @@ __all__ = [
     "Gelu",
     "GeluAndMul",
     "LayerNorm",
+    "LoRA",
     "PagedAttention",
     "ReLU",
     "RMSNorm",
@@ -26,4 +28,5 @@ __all__ = [
     "SiluAndMul",
     "get_act_and_mul_fn",
     "get_act_fn",
+    "token_slots",
 ]

@@ -125,6 +125,7 @@ def engine_fingerprint(
             num_blocks,
             str(jnp.dtype(kv_dtype)),
             config.compilation_config.custom_ops,
+            config.lora_config,  # adapter slots are parameters of every program
             config.parallel_config,
             mesh,
         )

@@ -29,7 +29,10 @@ from xlm.config import XlmConfig
 from xlm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.mesh import fetch, put_replicated, replicated
 from xlm.logger import init_logger
+from xlm.lora.adapter import LoRASpec
+from xlm.lora.slots import LoRASlots
 from xlm.metrics import startup
+from xlm.ops import token_slots
 from xlm.worker import pooler, prompt_logprobs, spec_decode
 from xlm.worker import sampler as sampler_lib
 from xlm.worker.buckets import Buckets
@@ -128,6 +131,14 @@ class ModelRunner:
             len(cache.kv_cache_groups or ()),
         )
         self.graphdef, self.state = nnx.split(model)
+        # LoRA on: each step's tokens carry their adapter's device slot; the slots are
+        # filled from the host cache (xlm.lora.slots) before a step that needs them.
+        lora = config.lora_config
+        self.lora_enabled = lora is not None
+        self.lora: LoRASlots | None = None
+        if lora is not None and not abstract:
+            spec = LoRASpec.of(model, lora.max_lora_rank, lora.max_loras)
+            self.lora = LoRASlots(self.state, spec, lora, mesh)
         self.num_blocks = num_blocks
         # The cache's shapes and shardings now (the program specs need them); the zeroed
         # arrays on a thread, overlapping what start-up does next (writing 1 GiB of zeros
@@ -228,7 +239,8 @@ class ModelRunner:
         src = inputs["prev_src"]
         input_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], inputs["input_ids"])
         model = nnx.merge(self.graphdef, state)
-        hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"])
+        with token_slots(inputs.get("lora_slots")):
+            hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"])
         if self.pooling:  # no language-model head: the pooler reads the hidden states
             return kv_caches, None, self._replicate(hidden)
         logits = model.compute_logits(hidden[inputs["logits_indices"]])
@@ -351,6 +363,12 @@ class ModelRunner:
         spec_lens: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], Any, np.ndarray, np.ndarray]:
         """Build the padded ragged batch (xlm.worker.step_inputs) and count the step."""
+        lora_slots = None
+        if self.lora_enabled:
+            ids = [self.input_batch.requests[r].lora_id for r in req_ids]
+            lora_slots = self.lora.slots_for(ids) if self.lora is not None and ids else None
+            if lora_slots is None:
+                lora_slots = np.zeros(len(req_ids), np.int32)
         out = prepare_inputs(
             self.input_batch,
             self.buckets,
@@ -362,6 +380,7 @@ class ModelRunner:
             num_tokens_padded,
             so,
             spec_lens,
+            lora_slots,
         )
         self.step_count += 1
         return out
@@ -424,6 +443,8 @@ class ModelRunner:
         """
         started = time.perf_counter()
         batch = self.input_batch
+        if self.lora is not None:
+            self._track_adapters(so)
         batch.update(so)
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
@@ -463,6 +484,17 @@ class ModelRunner:
                 started,
             )
         )
+
+    def _track_adapters(self, so: SchedulerOutput) -> None:
+        """Count the live requests of each adapter (one in use is never dropped)."""
+        states = self.input_batch.requests
+        for req_id in so.finished_req_ids:
+            state = states.get(req_id)
+            if state is not None and state.lora_id:
+                self.lora.release(state.lora_id)
+        for new in so.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self.lora.acquire(new.lora_request)
 
     def _write_proposals(
         self, req_ids: list[str], proposals: dict[str, list[int]]

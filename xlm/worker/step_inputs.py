@@ -34,12 +34,14 @@ def prepare_inputs(
     num_tokens_padded: int,
     so: SchedulerOutput | None = None,
     spec_lens: np.ndarray | None = None,
+    lora_slots: np.ndarray | None = None,
 ) -> tuple[dict[str, Any], Any, np.ndarray, np.ndarray]:
     """Build the padded ragged batch; returns the arrays, the sampling rows, which
     requests sample this step and how many logit rows each has (in order).
 
     ``prev_rows`` maps each request that sampled in the step in flight to its sampler
-    row there; ``step_count`` seeds unseeded requests' random keys.
+    row there; ``step_count`` seeds unseeded requests' random keys. ``lora_slots``
+    (LoRA on): each request's adapter slot (0: none), spread over its tokens.
     """
     num_reqs = len(req_ids)
     num_reqs_padded = buckets.rows_for_tokens(num_tokens_padded)
@@ -108,6 +110,10 @@ def prepare_inputs(
         "attn": attn,
         "logits_indices": logits_indices,
     }
+    if lora_slots is not None:
+        token_lora = np.zeros(num_tokens_padded, dtype=np.int32)  # padding: no adapter
+        token_lora[:total] = lora_slots[req_of_token]
+        inputs["lora_slots"] = token_lora
     return inputs, sampling, samples, row_counts
 
 

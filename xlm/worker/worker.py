@@ -15,6 +15,8 @@ from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.distributed.coordination import agree_min
 from xlm.distributed.mesh import describe_mesh, make_mesh, per_device_bytes
 from xlm.logger import init_logger
+from xlm.lora.request import LoRARequest
+from xlm.lora.slots import LoRASlots
 from xlm.metrics import startup
 from xlm.models.loader import get_model, resolve_dtype
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
@@ -116,6 +118,7 @@ class Worker:
                 model_config=spec.draft_model_config,
                 cache_config=dataclasses.replace(config.cache_config),
                 speculative_config=None,
+                lora_config=None,  # the draft proposes with the base weights
             )
             with startup.phase("draft weights"):
                 self.draft_model = get_model(
@@ -259,3 +262,21 @@ class Worker:
 
     def collect(self) -> ModelRunnerOutput:
         return self.model_runner.collect()
+
+    # ---- LoRA adapters (xlm.lora.slots) ------------------------------------------------
+    def _lora_slots(self) -> LoRASlots:
+        slots = self.model_runner.lora
+        if slots is None:
+            raise ValueError("LoRA adapters are off: start the engine with enable_lora=True")
+        return slots
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter into the host cache (LoRAAdapterError when bad)."""
+        self._lora_slots().add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_slots().remove(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora_slots().list()

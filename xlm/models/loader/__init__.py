@@ -284,6 +284,8 @@ def load_weights(
                 continue
             value = np.swapaxes(array, -1, -2) if target.transpose else array
             placer.place(name, target.param, target.index, value, target.transpose)
+    for path in lora_paths(variables):  # adapter slots start empty
+        placer.place_zeros(path)
     missing = sorted(set(variables) - set(placer.placed))
     if headless:
         for path in [m for m in missing if m.startswith("lm_head.")]:
@@ -312,9 +314,18 @@ def load_dummy_weights(
     flat = nnx.to_flat_state(state)
     variables = {".".join(map(str, path)): var for path, var in flat}
     placer = _WeightPlacer(variables, dtype, mesh)
+    empty = set(lora_paths(variables))
     for path in _progress(variables, len(variables), "Dummy weights"):
+        if path in empty:  # adapter slots start empty
+            placer.place_zeros(path)
+            continue
         placer.place(path, path, None, dummy_value(path, placer.shapes[path], seed))
     return _merge(graphdef, flat, placer.placed)
+
+
+def lora_paths(variables: dict[str, nnx.Variable]) -> list[str]:
+    """The LoRA slot arrays among a model's parameters (xlm.models.layers.LoRAWeight)."""
+    return [p for p, v in variables.items() if "lora_parts" in v.get_metadata()]
 
 
 def build_abstract_model(

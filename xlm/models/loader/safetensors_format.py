@@ -66,16 +66,21 @@ def count_safetensors_tensors(model_dir: str) -> int:
 def iter_safetensors_tensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) one tensor at a time, memory-mapped (bf16 via ml_dtypes)."""
     for path in safetensors_files(model_dir):
-        header, data_start = _read_header(path)
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-        try:
-            for name, info in header.items():
-                if info["dtype"] not in _DTYPES:
-                    raise ValueError(
-                        f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}"
-                    )
-                begin, end = info["data_offsets"]
-                raw = mm[data_start + begin : data_start + end]
-                yield name, raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-        finally:
-            del mm
+        yield from iter_safetensors_file(path)
+
+
+def iter_safetensors_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors of one .safetensors file, memory-mapped, in header order."""
+    header, data_start = _read_header(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        for name, info in header.items():
+            if info["dtype"] not in _DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            if data_start + end > len(mm) or begin > end:
+                raise ValueError(f"{path}: tensor {name!r} lies past the end of the file")
+            raw = mm[data_start + begin : data_start + end]
+            yield name, raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    finally:
+        del mm
