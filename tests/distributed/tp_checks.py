@@ -1,7 +1,10 @@
 """Tensor-parallel checks run in ONE subprocess with eight fake CPU devices.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.distributed.tp_checks \
-        OUT.json ARCH=DIR:TP,TP ...
+        OUT.json ARCH=DIR:TP,TP[@ADAPTER_DIR,ADAPTER_DIR] ...
+
+With adapter directories the engine serves LoRA (2 slots) and the prompts alternate
+between the base model and the adapters.
 
 For each model directory and tensor-parallel size it records (as JSON, asserted by the
 pytest side against the TP=1 run): greedy tokens and their logprobs from a whole engine
@@ -59,11 +62,15 @@ def num_kv_cache_groups(model: str) -> int:
     return len(group_layers(windows))
 
 
-def run(model: str, tp: int, engine: dict) -> dict:
+def run(model: str, tp: int, engine: dict, adapters: list[str] = ()) -> dict:
     import xlm
     from xlm.distributed.mesh import per_device_bytes
 
     engine = dict(engine)
+    loras = [None]
+    if adapters:
+        engine.update(enable_lora=True, max_loras=2, max_lora_rank=8)
+        loras += [xlm.LoRARequest(f"a{i}", i, d) for i, d in enumerate(adapters, 1)]
     # A model with several KV cache groups (windowed and full layers) needs a block in
     # each group per token span: the same pool, in blocks, for each group.
     engine["num_gpu_blocks_override"] *= num_kv_cache_groups(model)
@@ -73,7 +80,12 @@ def run(model: str, tp: int, engine: dict) -> dict:
     compiles_after_warmup = core.get_num_compilations()
     vocab = runner.vocab_size
     params = xlm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab)], params)
+    batch = prompts(vocab)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch],
+        params,
+        lora_request=[loras[i % len(loras)] for i in range(len(batch))],
+    )
     result = {
         "tokens": [o.outputs[0].token_ids for o in outs],
         "logprobs": [
@@ -92,6 +104,12 @@ def run(model: str, tp: int, engine: dict) -> dict:
         result["num_devices"] = len(weights)
         result["weights_split_whole"] = sharded_bytes(runner.state)
         result["kv_split_whole"] = sharded_bytes(runner.kv_caches)
+        if adapters:  # each B of a column-parallel projection is split like its kernel
+            q_b = runner.state["model"]["layers"][0]["self_attn"]["q_proj"]["lora_b"]
+            result["lora_q_b_bytes_per_device"] = sorted(
+                set(per_device_bytes(q_b.get_value()).values())
+            )
+            result["lora_q_b_bytes"] = q_b.get_value().nbytes
     llm.llm_engine.engine_core.shutdown()
     return result
 
@@ -165,10 +183,11 @@ def main() -> None:
     results: dict[str, dict[str, dict]] = {"pallas_per_shard": {"4": pallas_per_shard(4)}}
     for spec in specs:
         name, _, rest = spec.partition("=")
+        rest, _, adapters = rest.partition("@")
         model, _, tps = rest.rpartition(":")
         results[name] = {}
         for tp in [int(t) for t in tps.split(",")]:
-            results[name][str(tp)] = run(model, tp, engine)
+            results[name][str(tp)] = run(model, tp, engine, adapters.split(",") if adapters else [])
             print(name, tp, results[name][str(tp)]["tokens"][0], flush=True)
     with open(out, "w") as f:
         json.dump(results, f)

@@ -11,6 +11,11 @@ Adapters on the host: up to ``max_cpu_loras`` read adapters, least recently used
 dropped first (read again from their directory when needed); an adapter in a device slot
 or used by a live request is never dropped. ``remove`` while requests use an adapter
 defers until the last of them ends.
+
+Which adapter sits in which slot depends only on the steps' adapters (keyed by the whole
+LoRARequest: an id named again with another directory is another adapter), never on
+``add`` or ``remove``: every process of a multi-host engine sees the same steps, so
+they all write the same slots in the same order (``remove`` runs on the leader only).
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ class LoRASlots:
         self._write = jax.jit(_write, out_shardings=shardings)
         self.requests: dict[int, LoRARequest] = {}  # every adapter seen, by id
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # LRU: oldest first
-        self.slot_of: OrderedDict[int, int] = OrderedDict()  # id -> slot 1..N, LRU first
+        # Adapter -> slot 1..N, least recently used first.
+        self.slot_of: OrderedDict[LoRARequest, int] = OrderedDict()
         self.live: Counter[int] = Counter()  # requests alive per adapter id
         self._removed: set[int] = set()  # unloaded while requests still use it
         self.num_slot_writes = 0
@@ -80,14 +86,14 @@ class LoRASlots:
         if weights is None:
             weights = load_adapter(request.lora_path, self.spec, request.lora_name)
             self.host[lid] = weights
-            self._trim_host()
         self.host.move_to_end(lid)
         self.requests[lid] = request
+        self._trim_host(keep=lid)
         return weights
 
     def remove(self, lora_id: int) -> bool:
         """Forget an adapter (after its live requests end); whether it was known."""
-        if lora_id not in self.requests:
+        if lora_id not in self.requests or lora_id in self._removed:
             return False
         if self.live[lora_id]:
             self._removed.add(lora_id)
@@ -99,13 +105,16 @@ class LoRASlots:
         return sorted(i for i in self.requests if i not in self._removed)
 
     def _forget(self, lora_id: int) -> None:
+        """Drop the host copy (its slot, if any, is simply reused later)."""
         self.requests.pop(lora_id, None)
         self.host.pop(lora_id, None)
-        self.slot_of.pop(lora_id, None)  # the slot's contents are simply overwritten later
         self._removed.discard(lora_id)
 
-    def _trim_host(self) -> None:
-        pinned = set(self.slot_of) | {i for i, n in self.live.items() if n}
+    def _trim_host(self, keep: int) -> None:
+        """Drop the least recently used adapters past max_cpu_loras (never `keep`, one in
+        a device slot or one a live request uses: those stay, over the limit if need be)."""
+        in_slots = {r.lora_int_id for r in self.slot_of}
+        pinned = {keep, *in_slots} | {i for i, n in self.live.items() if n}
         for lid in list(self.host):
             if len(self.host) <= self.config.max_cpu_loras:
                 break
@@ -127,32 +136,32 @@ class LoRASlots:
                 self._forget(lora_id)
 
     # ---- device slots -----------------------------------------------------------------
-    def slots_for(self, lora_ids: list[int]) -> np.ndarray:
-        """The device slot of each id (0: none), writing missing adapters into slots."""
-        wanted = {i for i in lora_ids if i}
+    def slots_for(self, loras: list[LoRARequest | None]) -> np.ndarray:
+        """The device slot of each adapter (0: none), writing missing ones into slots."""
+        wanted = {r for r in loras if r is not None}
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(
                 f"a step uses {len(wanted)} adapters but max_loras={self.config.max_loras}"
             )
-        for lid in wanted:
-            if lid in self.slot_of:
-                self.slot_of.move_to_end(lid)
+        for lora in wanted:
+            if lora in self.slot_of:
+                self.slot_of.move_to_end(lora)
                 continue
             used = set(self.slot_of.values())
             free = [s for s in range(1, self.config.max_loras + 1) if s not in used]
             if free:
                 slot = free[0]
             else:
-                victim = next(i for i in self.slot_of if i not in wanted)
+                victim = next(r for r in self.slot_of if r not in wanted)
                 slot = self.slot_of.pop(victim)
-            self._fill(slot, self._weights(lid))
-            self.slot_of[lid] = slot
-        return np.asarray([self.slot_of[i] if i else 0 for i in lora_ids], np.int32)
+            self._fill(slot, self._weights(lora))
+            self.slot_of[lora] = slot
+        return np.asarray([0 if r is None else self.slot_of[r] for r in loras], np.int32)
 
-    def _weights(self, lora_id: int) -> LoRAWeights:
-        weights = self.host.get(lora_id)
-        if weights is None:  # dropped from the host cache: read again
-            weights = self.add(self.requests[lora_id])
+    def _weights(self, lora: LoRARequest) -> LoRAWeights:
+        weights = self.host.get(lora.lora_int_id)
+        if weights is None or self.requests.get(lora.lora_int_id) != lora:
+            weights = self.add(lora)  # dropped from the host cache (or renamed): read again
         return weights
 
     def _fill(self, slot: int, weights: LoRAWeights) -> None:

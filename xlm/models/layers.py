@@ -100,15 +100,18 @@ class Linear(nnx.Module):
                 lora_parts=parts,
                 **layout,
             )
-            op = LoRA()
+            op = LoRA(parts, (layout.get("fused_shards") or (1, 1))[1])
         self.lora_a, self.lora_b, self.lora = lora_a, lora_b, op
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...]
         if self.lora is not None:
             slots = current_token_slots()
-            if slots is not None:
-                y = y + self.lora(x, self.lora_a[...], self.lora_b[...], slots)
+            if slots is not None:  # a step with no adapter skips the product
+                a, b = self.lora_a[...], self.lora_b[...]
+                y = jax.lax.cond(
+                    jnp.any(slots > 0), lambda: y + self.lora(x, a, b, slots), lambda: y
+                )
         return y + self.bias[...] if self.bias is not None else y
 
 

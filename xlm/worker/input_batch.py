@@ -39,8 +39,8 @@ class CachedRequestState:
     # were accepted (xlm.worker.spec_decode.SpeculationPolicy).
     may_speculate: bool = False
     spec_acceptance: float = 0.6
-    # Its LoRA adapter's id (0: the base model).
-    lora_id: int = 0
+    # Its LoRA adapter (xlm.lora.request.LoRARequest; None: the base model).
+    lora_request: Any = None
 
 
 class InputBatch:
@@ -84,7 +84,7 @@ class InputBatch:
                 new.sampling_params,
                 pooling_params=new.pooling_params,
                 may_speculate=new.pooling_params is None and may_speculate(new.sampling_params),
-                lora_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
+                lora_request=new.lora_request,
             )
             self.add(state, new.block_ids, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs

@@ -365,8 +365,8 @@ class ModelRunner:
         """Build the padded ragged batch (xlm.worker.step_inputs) and count the step."""
         lora_slots = None
         if self.lora_enabled:
-            ids = [self.input_batch.requests[r].lora_id for r in req_ids]
-            lora_slots = self.lora.slots_for(ids) if self.lora is not None and ids else None
+            loras = [self.input_batch.requests[r].lora_request for r in req_ids]
+            lora_slots = self.lora.slots_for(loras) if self.lora is not None and loras else None
             if lora_slots is None:
                 lora_slots = np.zeros(len(req_ids), np.int32)
         out = prepare_inputs(
@@ -490,8 +490,8 @@ class ModelRunner:
         states = self.input_batch.requests
         for req_id in so.finished_req_ids:
             state = states.get(req_id)
-            if state is not None and state.lora_id:
-                self.lora.release(state.lora_id)
+            if state is not None and state.lora_request is not None:
+                self.lora.release(state.lora_request.lora_int_id)
         for new in so.scheduled_new_reqs:
             if new.lora_request is not None:
                 self.lora.acquire(new.lora_request)

@@ -53,6 +53,8 @@ def safetensors_files(model_dir: str) -> list[str]:
 def _read_header(path: str) -> tuple[dict, int]:
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > os.path.getsize(path) - 8:
+            raise ValueError(f"{path}: the header length {header_len} exceeds the file")
         header = json.loads(f.read(header_len))
     header.pop("__metadata__", None)
     return header, 8 + header_len
