@@ -228,3 +228,41 @@ def test_serve_over_two_processes_then_leader_death_ends_the_follower(pods, mode
     # leader) may notice first and end the process itself.
     log = pod.log(1)
     assert "leader process 0 stopped responding" in log or "JAX distributed service" in log
+
+
+@pytest.mark.slow
+def test_run_batch_with_adapters_over_two_processes_equals_tp1(pods, model, tmp_path):
+    """3 LoRA adapters through 2 slots on every process: each process writes the same
+    slots in the same order, and the texts are TP=1's with the same adapters."""
+    from tests.lora.adapters import write_adapter
+
+    loras = []
+    for i in (1, 2, 3):
+        write_adapter(model, str(tmp_path / f"a{i}"), "llama", seed=30 + i, r=4)
+        loras.append(xlm.LoRARequest(f"a{i}", i, str(tmp_path / f"a{i}")))
+    lora_engine = dict(enable_lora=True, max_loras=2, max_lora_rank=4)
+    names = [None, "a1", "a2", "a3"]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    with inp.open("w") as f:
+        for i, prompt in enumerate(PROMPTS):
+            name = names[i % 4]
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            body["model"] = name or model
+            record = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions"}
+            f.write(json.dumps({**record, "body": body}) + "\n")
+    llm = xlm.LLM(model=model, **ENGINE, **lora_engine)
+    params = xlm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    chosen = [None if names[i % 4] is None else loras[i % 4 - 1] for i in range(len(PROMPTS))]
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, lora_request=chosen)]
+    assert len(set(expected)) > 1
+
+    modules = [f"{lo.lora_name}={lo.lora_path}" for lo in loras]
+    command = ["run-batch", "-i", str(inp), "-o", str(out), "--model", model]
+    command += [*cli_flags(lora_engine), "--lora-modules", *modules]
+    pod = pods(command, ["--disable-log-stats"])
+    pod.leader.communicate(timeout=900)
+    assert pod.leader.returncode == 0, pod.log(0)[-4000:]
+    assert pod.follower.wait(60) == 0, pod.log(1)[-4000:]
+    results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for i in range(len(PROMPTS)):
+        assert results[f"r{i}"]["response"]["body"]["choices"][0]["text"] == expected[i], i

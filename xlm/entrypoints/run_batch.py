@@ -346,6 +346,7 @@ async def run(args: argparse.Namespace) -> int:
         engine, registry = build_engine(args)
         try:
             state = ServerState(args, engine, registry)
+            await state.models.check_lora_modules()  # a bad adapter fails the job at once
             failed, redo = await run_records(state, todo, out_path, args.max_concurrency)
         except BatchStopped as e:
             print(f"xlm run-batch: error: {e}", file=sys.stderr)

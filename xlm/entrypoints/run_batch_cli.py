@@ -12,7 +12,12 @@ import asyncio
 from typing import Any
 
 from xlm.entrypoints import run_batch
-from xlm.entrypoints.openai.cli_args import add_engine_args, add_serving_args
+from xlm.entrypoints.openai.cli_args import (
+    add_engine_args,
+    add_lora_args,
+    add_serving_args,
+    check_lora_args,
+)
 from xlm.entrypoints.run_batch import run
 
 
@@ -45,6 +50,7 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
         "hosts) into it, in input order; runs no model",
     )
     add_serving_args(parser)
+    add_lora_args(parser, runtime=False)  # a line's body.model may name an adapter
     add_engine_args(parser)
     from xlm.ray.batch import add_ray_args
 
@@ -53,6 +59,7 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
 
 
 def _run_local_or_ray(args: argparse.Namespace) -> int:
+    check_lora_args(args)
     if args.ray:  # the same records and handlers (answer), spread over a Ray cluster
         from xlm.ray.batch import run_batch_on_ray
 

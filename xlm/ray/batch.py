@@ -167,10 +167,14 @@ class BatchReplica:
         self.state = ServerState(namespace, self.engine, registry)
         self.max_concurrency = namespace.max_concurrency
         self._gate: asyncio.Semaphore | None = None
+        self._lora_checked = False
 
     async def __call__(self, batch: Any) -> dict[str, list[Any]]:
         if self._gate is None:  # made on Ray's event loop, where the calls run
             self._gate = asyncio.Semaphore(self.max_concurrency)
+        if not self._lora_checked:  # a bad --lora-modules adapter fails the job
+            await self.state.models.check_lora_modules()
+            self._lora_checked = True
         records = [json.loads(r) for r in batch.column("record").to_pylist()]
         self.context.batch_started(len(records))
 

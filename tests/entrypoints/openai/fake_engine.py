@@ -37,6 +37,7 @@ class FakeAsyncEngine:
         request_id: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ):
         self.last_params = params
         ids = prompt["prompt_token_ids"]

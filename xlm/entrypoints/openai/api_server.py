@@ -38,6 +38,7 @@ from xlm.entrypoints.openai.routes.common import (
     install_body_schemas,
     status_type,
 )
+from xlm.entrypoints.openai.routes.models import lora_router
 from xlm.entrypoints.openai.security import BodySizeLimit, api_key_ok, needs_api_key
 from xlm.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -58,6 +59,8 @@ def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> Fa
     _install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    if getattr(args, "allow_runtime_lora_updating", False):
+        app.include_router(lora_router)
     install_body_schemas(app)
     return app
 
@@ -166,6 +169,7 @@ async def serve_http(app: FastAPI, args: argparse.Namespace, engine: Any) -> Non
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
     )
+    await app.state.xlm.models.check_lora_modules()  # a bad adapter fails the start
     server = _DrainingServer(config, app.state.xlm, args.shutdown_timeout)
     await server.serve()
 

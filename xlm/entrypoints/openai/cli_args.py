@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from xlm import envs
@@ -26,6 +28,123 @@ def _origins(value: str) -> list[str]:
             raise argparse.ArgumentTypeError("--allowed-origins must be a list")
         return [str(v) for v in parsed]
     return [v.strip() for v in value.split(",") if v.strip()]
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """An adapter of --lora-modules: the name requests use, its directory, its base model."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(value: str) -> LoRAModulePath:
+    """One --lora-modules value: `name=path`, or vLLM's JSON object
+    `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    value = value.strip()
+    if value.startswith("{"):
+        try:
+            data = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{value!r}: not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise argparse.ArgumentTypeError(f"{value!r}: expected an object")
+        unknown = set(data) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: unknown keys {sorted(unknown)}; allowed name, path, base_model_name"
+            )
+        name, path, base = data.get("name"), data.get("path"), data.get("base_model_name")
+    else:
+        name, sep, path = value.partition("=")
+        base = None
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{value!r}: expected name=path or a JSON object")
+    for key, item in (("name", name), ("path", path)):
+        if not isinstance(item, str) or not item.strip():
+            raise argparse.ArgumentTypeError(f"{value!r}: {key} must not be empty")
+    if base is not None and (not isinstance(base, str) or not base):
+        raise argparse.ArgumentTypeError(f"{value!r}: base_model_name must be a non-empty string")
+    return LoRAModulePath(name.strip(), path.strip(), base)
+
+
+def add_lora_args(parser: argparse.ArgumentParser, runtime: bool) -> None:
+    """--lora-modules (the server and run-batch); with `runtime`, the server's own
+    --lora-root and --allow-runtime-lora-updating."""
+    group = parser.add_argument_group("LoRA adapters (need --enable-lora)")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served from the start, each selected by a request's model=NAME; "
+        'name=path or JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
+    if not runtime:
+        return
+    group.add_argument(
+        "--lora-root",
+        default=None,
+        help="the only directory tree POST /v1/load_lora_adapter may load from (paths "
+        "resolved, symlinks included; a relative lora_path is under it)",
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --lora-root)",
+    )
+
+
+def check_lora_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for LoRA options that cannot work together.
+
+    --lora-modules paths are the operator's own configuration: they need not be under
+    --lora-root, which bounds only what clients load at run time.
+    """
+    modules = list(getattr(args, "lora_modules", None) or [])
+    root = getattr(args, "lora_root", None)
+    runtime = getattr(args, "allow_runtime_lora_updating", False)
+    if not getattr(args, "enable_lora", False):
+        given = [
+            flag
+            for flag, on in (
+                ("--lora-modules", modules),
+                ("--lora-root", root is not None),
+                ("--allow-runtime-lora-updating", runtime),
+            )
+            if on
+        ]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise ValueError(f"{' and '.join(given)} {verb} --enable-lora")
+        return
+    if runtime and root is None:
+        raise ValueError(
+            "--allow-runtime-lora-updating needs --lora-root DIR: the directory tree "
+            "clients may load adapters from"
+        )
+    if root is not None and not os.path.isdir(root):
+        raise ValueError(f"--lora-root {root!r} is not a directory")
+    served = list(getattr(args, "served_model_name", None) or [args.model])
+    seen: set[str] = set()
+    for module in modules:
+        if module.name in served or module.name in seen:
+            raise ValueError(
+                f"--lora-modules {module.name}: the name is already taken (served model "
+                f"names {served}, or another adapter)"
+            )
+        seen.add(module.name)
+        if not os.path.isdir(module.path):
+            raise ValueError(
+                f"--lora-modules {module.name}={module.path}: no such adapter directory"
+            )
+        if module.base_model_name is not None and module.base_model_name not in served:
+            raise ValueError(
+                f"--lora-modules {module.name}: base_model_name {module.base_model_name!r} is "
+                f"not a served model name ({served})"
+            )
 
 
 def add_serving_args(parser: argparse.ArgumentParser) -> None:
@@ -149,8 +268,8 @@ def config_file_args(path: str) -> list[str]:
             argv.append(flag)
         elif value is False:
             argv.append("--no-" + flag[2:])
-        elif isinstance(value, list):
-            argv.extend([flag, *map(str, value)])
+        elif isinstance(value, list):  # mappings (--lora-modules entries) as JSON
+            argv.extend([flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)])
         elif value is not None:
             argv.extend([flag, str(value)])
     return argv
@@ -161,6 +280,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, help="model path or built-in name")
     parser.add_argument("--config", default=None, help="YAML file of flags (CLI flags win)")
     add_serving_args(parser)
+    add_lora_args(parser, runtime=True)
     add_engine_args(parser)
     return parser
 
@@ -225,4 +345,8 @@ def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ar
         parser.error("--allow-credentials cannot be used with the '*' origin: list the origins")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        check_lora_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     return args

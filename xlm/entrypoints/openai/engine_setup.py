@@ -76,7 +76,9 @@ class ServerState:
             tool_call_parser=getattr(args, "tool_call_parser", None),
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         )
-        self.models = OpenAIServingModels(self.ctx)
+        self.models = OpenAIServingModels(
+            self.ctx, getattr(args, "lora_modules", None) or (), getattr(args, "lora_root", None)
+        )
         self.embedding = OpenAIServingEmbedding(self.ctx)
         max_num_seqs = int(getattr(args, "max_num_seqs", None) or 64)
         max_waiting = getattr(args, "max_waiting_requests", None)

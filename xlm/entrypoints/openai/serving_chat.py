@@ -152,7 +152,7 @@ class OpenAIServingChat:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """Validate, submit and answer (a response, or an SSE stream when stream=true)."""
         ctx = self.ctx
-        ctx.check_model(request.model)
+        lora = ctx.check_model(request.model)
         ctx.check_limits(request)
         if request.chat_template is not None and not ctx.trust_request_chat_template:
             raise OpenAIError(
@@ -181,8 +181,11 @@ class OpenAIServingChat:
             request_id,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_request=lora,
         )
-        run = _ChatRun(ctx, request, request_id, len(prompt_ids), generator)
+        run = _ChatRun(
+            ctx, request, request_id, len(prompt_ids), generator, ctx.response_model(lora)
+        )
         run.parsers = [self.output_parser(request) for _ in range(request.n)]
         if request.stream:
             return run.stream()
@@ -199,8 +202,10 @@ class _ChatRun:
         request_id: str,
         num_prompt_tokens: int,
         generator: Any,
+        model_name: str,
     ) -> None:
         self.ctx = ctx
+        self.model_name = model_name  # the response's model: the adapter's name, if one
         self.request = request
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -287,7 +292,7 @@ class _ChatRun:
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.ctx.model_name,
+            model=self.model_name,
             choices=choices,
             usage=usage,
         )
@@ -298,7 +303,7 @@ class _ChatRun:
         return ChatCompletionStreamResponse(
             id=self.request_id,
             created=self.created,
-            model=self.ctx.model_name,
+            model=self.model_name,
             choices=choices,
             usage=usage,
         )

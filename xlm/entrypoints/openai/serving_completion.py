@@ -56,7 +56,7 @@ class OpenAIServingCompletion:
     ) -> CompletionResponse | AsyncIterator[str]:
         """Validate, submit and answer (a response, or an SSE stream when stream=true)."""
         ctx = self.ctx
-        ctx.check_model(request.model)
+        lora = ctx.check_model(request.model)
         ctx.check_limits(request)
         prompts = await ctx.run_blocking(
             ctx.tokenize_prompts, request.prompt, request.add_special_tokens
@@ -87,6 +87,7 @@ class OpenAIServingCompletion:
                 f"{request_id}-{i}",
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                lora_request=lora,
             )
             for i, (ids, text, params) in enumerate(zip(prompts, texts, params_list))
         ]
@@ -94,7 +95,9 @@ class OpenAIServingCompletion:
             (text if text is not None else tokenizer.decode(ids)) if request.echo else ""
             for ids, text in zip(prompts, texts)
         ]
-        run = _Run(self.ctx, request, request_id, prompts, echo_texts, generators)
+        run = _Run(
+            ctx, request, request_id, prompts, echo_texts, generators, ctx.response_model(lora)
+        )
         if request.stream:
             return run.stream()
         return await run.full()
@@ -111,6 +114,7 @@ class _Run:
         prompts: list[list[int]],
         echo_texts: list[str],
         generators: list[Any],
+        model_name: str,
     ) -> None:
         self.ctx = ctx
         self.request = request
@@ -121,6 +125,7 @@ class _Run:
         self.n = request.n
         self.created = int(time.time())
         self.tokenizer = ctx.engine.get_tokenizer()
+        self.model_name = model_name  # the response's model: the adapter's name, if one
         self.num_cached = [0] * len(prompts)
         self.prompt_logprobs: list[list[Any]] = [[] for _ in prompts]
 
@@ -218,7 +223,7 @@ class _Run:
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.ctx.model_name,
+            model=self.model_name,
             choices=response_choices,
             usage=self._usage(choices),
         )
@@ -268,7 +273,7 @@ class _Run:
         return CompletionStreamResponse(
             id=self.request_id,
             created=self.created,
-            model=self.ctx.model_name,
+            model=self.model_name,
             choices=choices,
             usage=usage,
         )

@@ -10,7 +10,11 @@ from xlm.entrypoints.openai.embedding_protocol import (
     build_embedding_response,
 )
 from xlm.entrypoints.openai.protocol import random_uuid
-from xlm.entrypoints.openai.serving_engine import OpenAIError, ServingContext, engine_prompt
+from xlm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    ServingContext,
+    engine_prompt,
+)
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -25,7 +29,7 @@ class OpenAIServingEmbedding:
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
         """Validate every input first (400 names the limit), then embed them all."""
         ctx = self.ctx
-        ctx.check_model(request.model)
+        lora = ctx.check_model(request.model)
         processor = ctx.engine.processor
         if processor.pooling is None:
             raise OpenAIError(
@@ -43,7 +47,9 @@ class OpenAIServingEmbedding:
             logger.info("Received request %s: %d inputs, %s", request_id, len(prompts), params)
         tasks = [
             asyncio.ensure_future(
-                ctx.engine.encode(engine_prompt(ids), params, f"{request_id}-{i}")
+                ctx.engine.encode(
+                    engine_prompt(ids), params, f"{request_id}-{i}", lora_request=lora
+                )
             )
             for i, ids in enumerate(prompts)
         ]
@@ -55,7 +61,7 @@ class OpenAIServingEmbedding:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return build_embedding_response(
-            ctx.model_name,
+            ctx.response_model(lora),
             [o.outputs.data for o in outputs],
             [len(ids) for ids in prompts],
             request.encoding_format,

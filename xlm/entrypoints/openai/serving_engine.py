@@ -21,6 +21,7 @@ from xlm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from xlm.logger import init_logger
+from xlm.lora.request import LoRARequest
 from xlm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -168,6 +169,8 @@ class ServingContext:
     trust_request_chat_template: bool = False
     # Tokenization and template rendering run here, off the event loop.
     executor: Executor | None = None
+    # LoRA adapters a request's model may name (kept by OpenAIServingModels).
+    lora_requests: dict[str, LoRARequest] = field(default_factory=dict)
 
     def check_limits(self, request: Any) -> None:
         """400 for a field over the server's caps (before any tokenization)."""
@@ -183,9 +186,13 @@ class ServingContext:
         """The first served name (reported in responses)."""
         return self.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless model is unset or one of the served names."""
-        if model is not None and model not in self.served_model_names:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's model names (None: the base model); 404 unless model is
+        unset, a served name or an adapter's name."""
+        if model is None or model in self.served_model_names:
+            return None
+        lora = self.lora_requests.get(model)
+        if lora is None:
             raise OpenAIError(
                 f"The model `{model}` does not exist.",
                 HTTPStatus.NOT_FOUND,
@@ -193,6 +200,11 @@ class ServingContext:
                 param="model",
                 code="model_not_found",
             )
+        return lora
+
+    def response_model(self, lora: LoRARequest | None) -> str:
+        """The model a response reports: the adapter's name, else the first served name."""
+        return self.model_name if lora is None else lora.lora_name
 
     def tokenize_prompts(self, prompt: Any, add_special_tokens: bool) -> list[list[int]]:
         """A completion's prompt field as token-id lists (one per prompt)."""
