@@ -129,7 +129,7 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     }
 
 
-def op_variants(tokens: int = 64, repeats: int = 50) -> dict:
+def op_variants(tokens: int = 64, repeats: int = 200) -> dict:
     """Median ms of x @ W alone and with each way of adding the adapters' product."""
     import jax
     import jax.numpy as jnp
@@ -137,14 +137,24 @@ def op_variants(tokens: int = 64, repeats: int = 50) -> dict:
 
     from xlm.ops.lora import LoRA
 
-    def timed(fn, *args) -> float:
-        fn(*args).block_until_ready()
-        times = []
+    def timed(fns: dict, *args) -> dict:
+        """Median ms of each function, the functions interleaved call by call (so a slow
+        spell of the machine hits them all alike)."""
+        for fn in fns.values():
+            for _ in range(5):
+                fn(*args[: fn.nargs]).block_until_ready()
+        times = {name: [] for name in fns}
         for _ in range(repeats):
-            t = time.perf_counter()
-            fn(*args).block_until_ready()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1e3
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                fn(*args[: fn.nargs]).block_until_ready()
+                times[name].append(time.perf_counter() - t)
+        return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+    def jitted(fn, nargs: int = 5):
+        f = jax.jit(fn)
+        f.nargs = nargs
+        return f
 
     rng = np.random.default_rng(0)
     n = NUM_ADAPTERS
@@ -182,15 +192,14 @@ def op_variants(tokens: int = 64, repeats: int = 50) -> dict:
             own = jnp.take_along_axis(xa, (s - 1)[:, None, None], axis=1)[:, 0]
             return x @ w + jax.lax.ragged_dot(own, b, sizes)
 
-        return {
-            "alone": timed(jax.jit(lambda x, w: x @ w), x, w),
-            "lora_op": timed(jax.jit(lambda *v: v[0] @ v[1] + op(v[0], *v[2:])), x, w, a, b, slots),
-            "dense_all_columns": timed(
-                jax.jit(lambda *v: v[0] @ v[1] + dense(v[0], *v[2:])), x, w, a, b, slots
-            ),
-            "gather_b": timed(jax.jit(gathered), x, w, a, b, slots),
-            "ragged_dot": timed(jax.jit(ragged), x, w, a, b, slots),
+        variants = {
+            "alone": jitted(lambda x, w: x @ w, 2),
+            "lora_op": jitted(lambda *v: v[0] @ v[1] + op(v[0], *v[2:])),
+            "dense_all_columns": jitted(lambda *v: v[0] @ v[1] + dense(v[0], *v[2:])),
+            "gather_b": jitted(gathered),
+            "ragged_dot": jitted(ragged),
         }
+        return timed(variants, x, w, a, b, slots)
 
     return {name: one_shape(*shape) for name, shape in shapes.items()}
 
