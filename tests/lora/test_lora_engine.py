@@ -212,3 +212,22 @@ def test_lora_request_fields_are_checked():
         xlm.LoRARequest("a", 0, "/x")
     with pytest.raises(ValueError, match="lora_name='' is invalid"):
         xlm.LoRARequest("", 1, "/x")
+
+
+def test_adapters_with_speculative_decoding_equal_without(mixed, tiny_checkpoint):
+    """Proposals (prompt lookup) are verified by the model with each request's adapter:
+    greedy outputs equal the engine without speculation."""
+    llm, loras = mixed
+    spec = xlm.LLM(
+        model=tiny_checkpoint("llama"),
+        **LORA_ENGINE,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+    )
+    rng = np.random.default_rng(6)
+    # Repetitive prompts, so that prompt lookup finds proposals.
+    prompts = [(rng.integers(6, VOCAB_SIZE, size=6).tolist() * 4) for _ in range(6)]
+    chosen = [None, *loras[:2]] * 2
+    want = llm.generate(prompts, greedy(20), use_tqdm=False, lora_request=chosen)
+    got = spec.generate(prompts, greedy(20), use_tqdm=False, lora_request=chosen)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert spec.get_stats().spec_num_draft_tokens > 0
