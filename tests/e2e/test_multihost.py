@@ -70,6 +70,9 @@ class Pod:
                 f"--process-id={process_id}",
             ]
             extra = list(leader_extra) if process_id == 0 else []
+            # Each process hashes strings differently, as separate hosts do: anything
+            # that must agree across processes may not follow a set's order.
+            env["PYTHONHASHSEED"] = str(process_id + 1)
             cmd = [sys.executable, "-m", "xlm.entrypoints.cli", *command, *FLAGS, *multihost]
             self.procs.insert(
                 0,

@@ -231,3 +231,40 @@ def test_adapters_with_speculative_decoding_equal_without(mixed, tiny_checkpoint
     got = spec.generate(prompts, greedy(20), use_tqdm=False, lora_request=chosen)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert spec.get_stats().spec_num_draft_tokens > 0
+
+
+SLOT_ORDER_SCRIPT = """
+import sys, xlm
+from tests.lora.adapters import write_adapter
+base, root = sys.argv[1], sys.argv[2]
+llm = xlm.LLM(model=base, enable_lora=True, max_loras=3, max_lora_rank=4, warmup=False,
+              max_model_len=64, num_gpu_blocks_override=8, enable_compilation_cache=False)
+slots = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.lora
+loras = [xlm.LoRARequest(f"adapter-{i}", i, f"{root}/a{i}") for i in (1, 2, 3)]
+print(slots.slots_for([loras[2], None, loras[0], loras[1], loras[2]]).tolist())
+"""
+
+
+def test_slots_follow_the_step_order_in_every_process(tiny_checkpoint, tmp_path):
+    """Processes with different string hashes (separate hosts) fill the same slots."""
+    import os
+    import subprocess
+    import sys
+
+    base = tiny_checkpoint("llama")
+    for i in (1, 2, 3):
+        write_adapter(base, str(tmp_path / f"a{i}"), "llama", seed=i, r=4)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    seen = set()
+    for seed in ("1", "2", "3", "4"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=root)
+        proc = subprocess.run(
+            [sys.executable, "-c", SLOT_ORDER_SCRIPT, base, str(tmp_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen.add(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"[1, 0, 2, 3, 1]"}

@@ -138,7 +138,9 @@ class LoRASlots:
     # ---- device slots -----------------------------------------------------------------
     def slots_for(self, loras: list[LoRARequest | None]) -> np.ndarray:
         """The device slot of each adapter (0: none), writing missing ones into slots."""
-        wanted = {r for r in loras if r is not None}
+        # In the step's order, never a set's: a string's hash differs between processes,
+        # and every process of a multi-host engine must fill the same slots.
+        wanted = list(dict.fromkeys(r for r in loras if r is not None))
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(
                 f"a step uses {len(wanted)} adapters but max_loras={self.config.max_loras}"
