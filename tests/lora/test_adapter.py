@@ -31,7 +31,7 @@ def spec(llama) -> LoRASpec:
     config = EngineArgs(
         model=llama, enable_lora=True, max_loras=2, max_lora_rank=MAX_RANK, warmup=False
     ).create_config()
-    return LoRASpec.of(get_model(config), MAX_RANK, 2)
+    return LoRASpec.of(get_model(config), MAX_RANK)
 
 
 @pytest.fixture(scope="module")

@@ -58,12 +58,11 @@ class LoRASpec:
 
     targets: dict[str, LoRATarget]
     max_rank: int
-    num_slots: int
     weight_targets: Any  # model.hf_weight_targets
     param_shapes: dict[str, tuple[int, ...]]  # logical shapes, as the weight mapping reads
 
     @classmethod
-    def of(cls, model: nnx.Module, max_rank: int, num_slots: int) -> LoRASpec:
+    def of(cls, model: nnx.Module, max_rank: int) -> LoRASpec:
         flat = nnx.to_flat_state(nnx.state(model))
         variables = {".".join(map(str, p)): v for p, v in flat}
         shapes = {p: logical_shape(tuple(v.shape), v.get_metadata()) for p, v in variables.items()}
@@ -78,7 +77,7 @@ class LoRASpec:
             targets[linear] = LoRATarget(
                 linear, in_features, out_features, meta["lora_parts"], dict(meta)
             )
-        return cls(targets, max_rank, num_slots, model.hf_weight_targets, shapes)
+        return cls(targets, max_rank, model.hf_weight_targets, shapes)
 
     def slot_bytes(self, itemsize: int) -> int:
         """Device bytes of one slot (every projection's A and B at the full rank)."""

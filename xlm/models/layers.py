@@ -84,7 +84,7 @@ class Linear(nnx.Module):
         lora_a = lora_b = op = None
         if lora is not None:
             # One rank block per checkpoint projection fused into this one (gate | up).
-            parts = (layout.get("fused_shards") or (1,))[0]
+            parts, shards = layout.get("fused_shards") or (1, 1)
             rank = parts * lora.max_lora_rank
             slots = lora.max_loras
             lora_a = LoRAWeight(
@@ -100,7 +100,7 @@ class Linear(nnx.Module):
                 lora_parts=parts,
                 **layout,
             )
-            op = LoRA(parts, (layout.get("fused_shards") or (1, 1))[1])
+            op = LoRA(parts, shards)
         self.lora_a, self.lora_b, self.lora = lora_a, lora_b, op
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -137,8 +137,7 @@ class ModelRunner:
         self.lora_enabled = lora is not None
         self.lora: LoRASlots | None = None
         if lora is not None and not abstract:
-            spec = LoRASpec.of(model, lora.max_lora_rank, lora.max_loras)
-            self.lora = LoRASlots(self.state, spec, lora, mesh)
+            self.lora = LoRASlots(self.state, LoRASpec.of(model, lora.max_lora_rank), lora, mesh)
         self.num_blocks = num_blocks
         # The cache's shapes and shardings now (the program specs need them); the zeroed
         # arrays on a thread, overlapping what start-up does next (writing 1 GiB of zeros
@@ -364,11 +363,11 @@ class ModelRunner:
     ) -> tuple[dict[str, Any], Any, np.ndarray, np.ndarray]:
         """Build the padded ragged batch (xlm.worker.step_inputs) and count the step."""
         lora_slots = None
-        if self.lora_enabled:
-            loras = [self.input_batch.requests[r].lora_request for r in req_ids]
-            lora_slots = self.lora.slots_for(loras) if self.lora is not None and loras else None
-            if lora_slots is None:
-                lora_slots = np.zeros(len(req_ids), np.int32)
+        if self.lora is not None:
+            states = self.input_batch.requests
+            lora_slots = self.lora.slots_for([states[r].lora_request for r in req_ids])
+        elif self.lora_enabled:  # a compile target's runner: program shapes only
+            lora_slots = np.zeros(len(req_ids), np.int32)
         out = prepare_inputs(
             self.input_batch,
             self.buckets,

@@ -16,7 +16,6 @@ from xlm.distributed.coordination import agree_min
 from xlm.distributed.mesh import describe_mesh, make_mesh, per_device_bytes
 from xlm.logger import init_logger
 from xlm.lora.request import LoRARequest
-from xlm.lora.slots import LoRASlots
 from xlm.metrics import startup
 from xlm.models.loader import get_model, resolve_dtype
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
@@ -263,20 +262,14 @@ class Worker:
     def collect(self) -> ModelRunnerOutput:
         return self.model_runner.collect()
 
-    # ---- LoRA adapters (xlm.lora.slots) ------------------------------------------------
-    def _lora_slots(self) -> LoRASlots:
-        slots = self.model_runner.lora
-        if slots is None:
-            raise ValueError("LoRA adapters are off: start the engine with enable_lora=True")
-        return slots
-
+    # ---- LoRA adapters (xlm.lora.slots; EngineCore refuses these calls with LoRA off) ----
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter into the host cache (LoRAAdapterError when bad)."""
-        self._lora_slots().add(lora_request)
+        self.model_runner.lora.add(lora_request)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self._lora_slots().remove(lora_id)
+        return self.model_runner.lora.remove(lora_id)
 
     def list_loras(self) -> list[int]:
-        return self._lora_slots().list()
+        return self.model_runner.lora.list()
