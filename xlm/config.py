@@ -11,6 +11,8 @@ from typing import Any, Literal
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# xlm.quantization.SCHEMES (named here so that config imports nothing heavy).
+QUANTIZATION_METHODS = ("int8", "w8a8", "fp8")
 
 
 def _invalid(owner: str, name: str, value: Any, allowed: str) -> ValueError:
@@ -46,6 +48,9 @@ class ModelConfig:
     generation_config: str = "auto"
     # "generate" (a language model) or "pooling" (an embedder: one vector per prompt).
     runner: str = "generate"
+    # Weight quantization (xlm.quantization): None (as the checkpoint's dtype), "int8",
+    # "w8a8" or "fp8"; a checkpoint that is already quantized sets it when loaded.
+    quantization: str | None = None
     # Set by the loader once the checkpoint's config has been read.
     hf_config: Any = field(default=None, repr=False, compare=False)
     # The pooling a pooling runner applies when a request does not say (set with runner).
@@ -69,6 +74,13 @@ class ModelConfig:
             f"one of {_LOAD_FORMATS}",
         )
         _positive_int(owner, "max_model_len", self.max_model_len, optional=True)
+        _require(
+            self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+            owner,
+            "quantization",
+            self.quantization,
+            f"None or one of {QUANTIZATION_METHODS}",
+        )
         _require(
             self.runner in ("generate", "pooling"),
             owner,
@@ -561,6 +573,11 @@ def get_current_parallel_config() -> ParallelConfig:
 def get_current_lora_config() -> LoRAConfig | None:
     """The LoRAConfig of the model being built (None: no LoRA parameters)."""
     return None if _current_config is None else _current_config.lora_config
+
+
+def get_current_quantization() -> str | None:
+    """The weight quantization of the model being built (None: float weights)."""
+    return None if _current_config is None else _current_config.model_config.quantization
 
 
 def get_current_compilation_config() -> CompilationConfig:

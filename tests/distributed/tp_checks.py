@@ -1,10 +1,11 @@
 """Tensor-parallel checks run in ONE subprocess with eight fake CPU devices.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.distributed.tp_checks \
-        OUT.json ARCH=DIR:TP,TP[@ADAPTER_DIR,ADAPTER_DIR] ...
+        OUT.json ARCH=DIR:TP,TP[@ADAPTER_DIR,ADAPTER_DIR][#QUANTIZATION] ...
 
 With adapter directories the engine serves LoRA (2 slots) and the prompts alternate
-between the base model and the adapters.
+between the base model and the adapters; with a quantization the weights are quantized
+as loaded (xlm.quantization).
 
 For each model directory and tensor-parallel size it records (as JSON, asserted by the
 pytest side against the TP=1 run): greedy tokens and their logprobs from a whole engine
@@ -62,7 +63,9 @@ def num_kv_cache_groups(model: str) -> int:
     return len(group_layers(windows))
 
 
-def run(model: str, tp: int, engine: dict, adapters: list[str] = ()) -> dict:
+def run(
+    model: str, tp: int, engine: dict, adapters: list[str] = (), quantization: str | None = None
+) -> dict:
     import xlm
     from xlm.distributed.mesh import per_device_bytes
 
@@ -74,7 +77,7 @@ def run(model: str, tp: int, engine: dict, adapters: list[str] = ()) -> dict:
     # A model with several KV cache groups (windowed and full layers) needs a block in
     # each group per token span: the same pool, in blocks, for each group.
     engine["num_gpu_blocks_override"] *= num_kv_cache_groups(model)
-    llm = xlm.LLM(model=model, tensor_parallel_size=tp, **engine)
+    llm = xlm.LLM(model=model, tensor_parallel_size=tp, quantization=quantization, **engine)
     core = llm.llm_engine.engine_core.engine_core
     runner = core.executor.worker.model_runner
     compiles_after_warmup = core.get_num_compilations()
@@ -110,6 +113,14 @@ def run(model: str, tp: int, engine: dict, adapters: list[str] = ()) -> dict:
                 set(per_device_bytes(q_b.get_value()).values())
             )
             result["lora_q_b_bytes"] = q_b.get_value().nbytes
+        if quantization:  # the kernel and its scales split over the same columns
+            q_proj = runner.state["model"]["layers"][0]["self_attn"]["q_proj"]
+            for leaf in ("kernel", "weight_scale"):
+                value = q_proj[leaf].get_value()
+                result[f"q_{leaf}_bytes"] = value.nbytes
+                result[f"q_{leaf}_bytes_per_device"] = sorted(
+                    set(per_device_bytes(value).values())
+                )
     llm.llm_engine.engine_core.shutdown()
     return result
 
@@ -183,11 +194,14 @@ def main() -> None:
     results: dict[str, dict[str, dict]] = {"pallas_per_shard": {"4": pallas_per_shard(4)}}
     for spec in specs:
         name, _, rest = spec.partition("=")
+        rest, _, quantization = rest.partition("#")
         rest, _, adapters = rest.partition("@")
         model, _, tps = rest.rpartition(":")
         results[name] = {}
         for tp in [int(t) for t in tps.split(",")]:
-            results[name][str(tp)] = run(model, tp, engine, adapters.split(",") if adapters else [])
+            results[name][str(tp)] = run(
+                model, tp, engine, adapters.split(",") if adapters else [], quantization or None
+            )
             print(name, tp, results[name][str(tp)]["tokens"][0], flush=True)
     with open(out, "w") as f:
         json.dump(results, f)

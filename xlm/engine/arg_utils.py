@@ -10,6 +10,7 @@ from typing import Any
 from xlm import envs, platforms
 from xlm.config import (
     ASYNC_SCHEDULING_DEFAULT,
+    QUANTIZATION_METHODS,
     CacheConfig,
     CompilationConfig,
     LoRAConfig,
@@ -38,6 +39,9 @@ _HELP = {
     "seed": "seed of the engine's random state",
     "load_format": "weights format: auto, safetensors, gguf or dummy (random weights); for a "
     "Hugging Face name only these files are fetched (auto: safetensors)",
+    "quantization": "weight quantization: int8 (int8 weights per output channel), w8a8 (and "
+    "int8 activations per token) or fp8 (float8 e4m3 weights); quantized as loaded (default: "
+    "none, or what a quantized checkpoint holds)",
     "served_model_name": "model name in the API (default: the model argument)",
     "generation_config": "'auto' (use generation_config.json defaults), 'xlm' or a directory",
     "runner": "generate (text), pooling (embeddings: one vector per input), or auto (pooling "
@@ -93,6 +97,12 @@ _HELP = {
 NO_FLAG = ("target_topology", "startup_programs")
 
 
+_CHOICES = {
+    "distributed_executor_backend": ("uni", "multihost"),
+    "quantization": QUANTIZATION_METHODS,
+}
+
+
 @dataclass
 class EngineArgs:
     """Engine options with defaults; `create_config()` turns them into an XlmConfig."""
@@ -103,6 +113,7 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     load_format: str = "auto"
+    quantization: str | None = None
     revision: str | None = None
     download_dir: str | None = None
     served_model_name: str | None = None
@@ -188,7 +199,7 @@ class EngineArgs:
                     kind = int
                 elif f.name == "kv_cache_memory":
                     kind = float
-                choices = ("uni", "multihost") if f.name == "distributed_executor_backend" else None
+                choices = _CHOICES.get(f.name)
                 group.add_argument(
                     *flags, default=default, help=help_text, type=kind or str, choices=choices
                 )
@@ -222,6 +233,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             load_format=self.load_format,
+            quantization=self.quantization,
             served_model_name=self.served_model_name or model,
             generation_config=self.generation_config,
         )

@@ -14,17 +14,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlm.config import get_current_lora_config
+from xlm.config import get_current_lora_config, get_current_quantization
 from xlm.distributed.tensor_parallel import check_split, kv_head_replicas, tp_size
 from xlm.ops import (
     AttentionMetadata,
     LoRA,
     PagedAttention,
+    QuantMatmul,
     RMSNorm,
     RotaryEmbedding,
     get_act_and_mul_fn,
 )
 from xlm.ops.lora import current_token_slots
+from xlm.quantization import get_scheme
 
 TP_AXIS = "model"
 Parallel = Literal["column", "row"] | None
@@ -33,6 +35,11 @@ _KERNEL_SHARDING = {"column": (None, TP_AXIS), "row": (TP_AXIS, None), None: (No
 # LoRA A [in, slots, Rt] splits its input like the kernel; B [slots, Rt, out] its output.
 _LORA_A_SHARDING = {"column": (None, None, None), "row": (TP_AXIS, None, None), None: (None,) * 3}
 _LORA_B_SHARDING = {"column": (None, None, TP_AXIS), "row": (None, None, None), None: (None,) * 3}
+
+
+class WeightScale(nnx.Param):
+    """A quantized kernel's scales [G, out] (xlm.quantization): read from a checkpoint
+    that holds them, or made by the loader as it quantizes the kernel."""
 
 
 class LoRAWeight(nnx.Param):
@@ -71,12 +78,31 @@ class Linear(nnx.Module):
         rngs: nnx.Rngs,
         layout: dict[str, Any] | None = None,
         lora: bool = True,
+        quantize: bool = True,
     ) -> None:
-        """`lora=False`: no adapter slots even when LoRA is on (a MoE router)."""
+        """`lora=False`: no adapter slots even when LoRA is on; `quantize=False`: float
+        weights even under quantization (MoE routers, whose choice of experts is sensitive
+        to rounding; OPT's embedding projections, as vLLM keeps them)."""
         self.in_features, self.out_features = in_features, out_features
         layout = layout or {}
-        kernel = unloaded((in_features, out_features), dtype)
-        self.kernel = param(kernel, _KERNEL_SHARDING[parallel], **layout)
+        quantization = get_current_quantization() if quantize else None
+        weight_scale = quant = None
+        if quantization is None:
+            kernel = unloaded((in_features, out_features), dtype)
+            self.kernel = param(kernel, _KERNEL_SHARDING[parallel], **layout)
+        else:
+            scheme = get_scheme(quantization)
+            kernel = unloaded((in_features, out_features), scheme.weight_dtype)
+            self.kernel = param(kernel, _KERNEL_SHARDING[parallel], quantized=scheme.name, **layout)
+            # One scale per output column, laid out and split like the kernel's columns.
+            weight_scale = WeightScale(
+                unloaded((1, out_features), jnp.float32),
+                out_sharding=(None, _KERNEL_SHARDING[parallel][1]),
+                eager_sharding=False,
+                **layout,
+            )
+            quant = QuantMatmul(scheme.activations)
+        self.weight_scale, self.quant = weight_scale, quant
         bias_sharding = (TP_AXIS,) if parallel == "column" else (None,)
         bias_value = jnp.zeros((out_features,), dtype)
         self.bias = param(bias_value, bias_sharding, **layout) if bias else None
@@ -104,7 +130,10 @@ class Linear(nnx.Module):
         self.lora_a, self.lora_b, self.lora = lora_a, lora_b, op
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...]
+        if self.quant is not None:
+            y = self.quant(x, self.kernel[...], self.weight_scale[...])
+        else:
+            y = x @ self.kernel[...]
         if self.lora is not None:
             slots = current_token_slots()
             if slots is not None:  # a step with no adapter skips the product

@@ -86,8 +86,8 @@ class OPTDecoder(nnx.Module):
         self.embed_positions = PositionEmbedding(rows, h, dtype=dtype, rngs=rngs)
         self.position_offset = POSITION_OFFSET
         if proj != h:
-            self.project_in = Linear(proj, h, dtype=dtype, rngs=rngs)
-            self.project_out = Linear(h, proj, dtype=dtype, rngs=rngs)
+            self.project_in = Linear(proj, h, dtype=dtype, rngs=rngs, quantize=False)
+            self.project_out = Linear(h, proj, dtype=dtype, rngs=rngs, quantize=False)
         else:
             self.project_in = self.project_out = None
         self.layers = nnx.List(

@@ -39,7 +39,9 @@ class SparseMoeBlock(nnx.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = bool(norm_topk_prob)
-        self.gate = Linear(hidden, self.num_experts, dtype=dtype, rngs=rngs, lora=False)
+        self.gate = Linear(
+            hidden, self.num_experts, dtype=dtype, rngs=rngs, lora=False, quantize=False
+        )
         # Tensor split of every expert (not expert parallelism): each device holds a slice
         # of every expert's intermediate width, so routing skew never unbalances devices
         # and the grouped matmuls keep one shape; down_proj's partial sums are all-reduced.

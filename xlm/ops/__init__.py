@@ -12,6 +12,7 @@ from xlm.ops.custom_op import CustomOp
 from xlm.ops.layernorm import LayerNorm, RMSNorm
 from xlm.ops.lora import LoRA, token_slots
 from xlm.ops.paged_attention import AttentionMetadata, PagedAttention
+from xlm.ops.quant_matmul import QuantMatmul
 from xlm.ops.rotary_embedding import RotaryEmbedding
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "LayerNorm",
     "LoRA",
     "PagedAttention",
+    "QuantMatmul",
     "ReLU",
     "RMSNorm",
     "RotaryEmbedding",

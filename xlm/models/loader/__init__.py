@@ -36,6 +36,7 @@ from xlm.models.loader.safetensors_format import (
 )
 from xlm.models.registry import ModelRegistry, base_model_lm
 from xlm.plugins import load_general_plugins
+from xlm.quantization import get_scheme, quantize_weight
 
 logger = init_logger(__name__)
 
@@ -189,25 +190,39 @@ class _WeightPlacer:
                 self._placed[path] = value.result()
         return self._placed  # type: ignore[return-value]
 
-    def _copy_to_device(self, value: np.ndarray) -> jax.Array:
+    def _copy_to_device(self, value: np.ndarray, dtype: np.dtype) -> jax.Array:
         try:
             # A fresh host array: the source may be a memory map that jax must not alias.
-            return jax.device_put(np.array(value, self.np_dtype))
+            return jax.device_put(np.array(value, dtype))
         finally:
             self._in_flight.release()
 
     def _put(self, path: str, value: np.ndarray) -> None:
         var = self.variables[path]
-        value = to_physical(value, var.get_metadata())
+        metadata = var.get_metadata()
+        value = to_physical(value, metadata)
+        scheme = metadata.get("quantized")
+        if scheme is not None and value.dtype != np.dtype(var.dtype):
+            # A float kernel of a quantized projection: quantized here, with its scales
+            # (per column, so after the physical layout, which only moves columns).
+            kernel, scale = quantize_weight(value, get_scheme(scheme))
+            self._put_physical(path, kernel)
+            self._put_physical(scale_path(path), scale)
+            return
+        self._put_physical(path, value)
+
+    def _put_physical(self, path: str, value: np.ndarray) -> None:
+        var = self.variables[path]
+        dtype = _stored_dtype(var, self.np_dtype)
         sharding = _sharding_for(var, value.shape, self.mesh)
         if sharding is None:
             self._in_flight.acquire()
-            self._placed[path] = self._pool.submit(self._copy_to_device, value)
+            self._placed[path] = self._pool.submit(self._copy_to_device, value, dtype)
             return
         # Each device receives only its own slice (also the only slices this process
         # addresses when the mesh spans hosts): never the whole tensor on one device.
         self._placed[path] = jax.make_array_from_callback(
-            value.shape, sharding, lambda index: np.array(value[index], self.np_dtype)
+            value.shape, sharding, lambda index: np.array(value[index], dtype)
         )
 
     def place_zeros(self, path: str) -> None:
@@ -230,7 +245,10 @@ class _WeightPlacer:
                 )
             self._put(path, value)
             return
-        buf, filled = self._pending.get(path) or (np.zeros(shape, self.np_dtype), 0)
+        if path not in self._pending:  # float pieces, or a quantized checkpoint's own
+            quantized = value.dtype == _stored_dtype(self.variables[path], self.np_dtype)
+            self._pending[path] = (np.zeros(shape, value.dtype if quantized else self.np_dtype), 0)
+        buf, filled = self._pending[path]
         if buf[index].shape != value.shape:
             raise ValueError(
                 f"Shape mismatch for checkpoint tensor {name!r}: checkpoint shape "
@@ -244,6 +262,25 @@ class _WeightPlacer:
             self._put(path, buf)
         else:
             self._pending[path] = (buf, filled)
+
+
+def scale_path(kernel_path: str) -> str:
+    """The WeightScale beside a quantized kernel (xlm.models.layers.Linear)."""
+    return kernel_path.rpartition(".")[0] + ".weight_scale"
+
+
+def _is_scale(var: nnx.Variable) -> bool:
+    from xlm.models.layers import WeightScale
+
+    return isinstance(var, WeightScale)
+
+
+def _stored_dtype(var: nnx.Variable, dtype: Any) -> np.dtype:
+    """The element type a parameter is stored in: the model's dtype, except quantized
+    kernels (their scheme's) and their scales (float32)."""
+    if "quantized" in var.get_metadata() or _is_scale(var):
+        return np.dtype(var.dtype)
+    return np.dtype(dtype)
 
 
 def _source_shape(value: np.ndarray, transposed: bool) -> tuple[int, ...]:
@@ -319,6 +356,8 @@ def load_dummy_weights(
         if path in empty:  # adapter slots start empty
             placer.place_zeros(path)
             continue
+        if _is_scale(variables[path]):  # made as its kernel is quantized
+            continue
         placer.place(path, path, None, dummy_value(path, placer.shapes[path], seed))
     return _merge(graphdef, flat, placer.placed)
 
@@ -344,7 +383,9 @@ def abstract_weights(model: nnx.Module, *, dtype: Any, mesh: Mesh) -> nnx.Module
     for path, var in flat:
         shape = tuple(var.shape)
         sharding = _sharding_for(var, shape, mesh)
-        values[".".join(map(str, path))] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        values[".".join(map(str, path))] = jax.ShapeDtypeStruct(
+            shape, _stored_dtype(var, dtype), sharding=sharding
+        )
     return _merge(graphdef, flat, values)
 
 

@@ -1,0 +1,58 @@
+"""The quantized projection: y = x @ (kernel * weight_scale), one op per scheme.
+
+``kernel`` is ``[in, out]`` in the scheme's element type (int8 or float8 e4m3) and
+``weight_scale`` ``[G, out]`` float32 (xlm.quantization). The native path is the
+definition in jnp: weight-only schemes convert the kernel inside the dot (XLA fuses the
+convert), ``w8a8`` quantizes each token's activations to int8 and runs an int8 x int8 ->
+int32 dot, then scales by both. Platform paths take the same arguments.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from xlm.ops.custom_op import CustomOp
+
+
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(int8 x, float32 scale [..., 1]) per token, symmetric (xlm.quantization's rule)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
+@CustomOp.register("quant_matmul")
+class QuantMatmul(CustomOp):
+    """x [..., in] @ dequantized kernel -> [..., out] in x's dtype."""
+
+    def __init__(self, activations: str | None = None, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        self.activations = activations
+
+    def forward_native(self, x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+        groups, out = scale.shape
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if self.activations == "int8":
+            xq, xs = quantize_activations(x2)
+            if groups == 1:
+                acc = jax.lax.dot_general(
+                    xq, kernel, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+                )
+                y = acc.astype(jnp.float32) * xs * scale
+                return y.astype(x.dtype).reshape(*lead, out)
+            x2 = xq.astype(jnp.float32) * xs
+        if groups == 1:
+            y = jnp.dot(x2, kernel.astype(x2.dtype), preferred_element_type=jnp.float32) * scale
+        else:
+            g = k // groups
+            partial = jnp.einsum(
+                "mgi,gio->mgo",
+                x2.reshape(-1, groups, g),
+                kernel.reshape(groups, g, out).astype(x2.dtype),
+                preferred_element_type=jnp.float32,
+            )
+            y = jnp.einsum("mgo,go->mo", partial, scale)
+        return y.astype(x.dtype).reshape(*lead, out)

@@ -1,0 +1,88 @@
+"""Weight quantization schemes: what each stores and how a float weight becomes it.
+
+A quantized projection (``xlm.models.layers.Linear``) stores its kernel ``[in, out]`` in
+the scheme's element type and a float32 ``weight_scale`` ``[G, out]``: G groups along the
+input dimension (G == 1: one scale per output channel). The real weight is
+``kernel[i, j] * weight_scale[i // (in // G), j]``. Schemes (``--quantization``):
+
+- ``int8``: int8 weights, symmetric per output channel, float activations (W8A16).
+- ``w8a8``: the same weights; activations quantized to int8 per token at run time, the
+  product an int8 x int8 -> int32 dot (W8A8, vLLM's and tpu-inference's dynamic int8).
+- ``fp8``: float8 e4m3 weights per output channel (scale = max |w| / 448), float
+  activations (W8A16 in fp8; native fp8 dots on TPU v5p/v6e and Hopper GPUs).
+
+Weights are quantized as the loader places each tensor (``quantize_weight``), so no float
+copy of the whole model is ever resident; a checkpoint that already holds quantized
+tensors and their scales is placed as it is. The numpy functions here are also the
+reference the tests compare the engine's op against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from xlm.config import QUANTIZATION_METHODS  # noqa: F401  (SCHEMES' keys; re-exported)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    """One ``--quantization`` value."""
+
+    name: str
+    weight_dtype: Any  # numpy dtype of the stored kernel
+    qmax: float  # the largest magnitude the element type represents (the scale's unit)
+    activations: str | None = None  # "int8": per-token dynamic activation quantization
+
+
+SCHEMES = {
+    "int8": QuantScheme("int8", np.dtype(np.int8), 127.0),
+    "w8a8": QuantScheme("w8a8", np.dtype(np.int8), 127.0, activations="int8"),
+    "fp8": QuantScheme("fp8", np.dtype(ml_dtypes.float8_e4m3fn), 448.0),
+}
+
+
+def get_scheme(name: str) -> QuantScheme:
+    return SCHEMES[name]
+
+
+def quantize_weight(w: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel, weight_scale [1, out]) of a float kernel ``w`` [in, out], per out channel."""
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=0, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(scheme.qmax), np.float32(1.0)).astype(np.float32)
+    scaled = w / scale
+    if scheme.weight_dtype == np.int8:
+        q = np.clip(np.rint(scaled), -scheme.qmax, scheme.qmax).astype(np.int8)
+    else:
+        q = np.clip(scaled, -scheme.qmax, scheme.qmax).astype(scheme.weight_dtype)
+    return q, scale
+
+
+def dequantize_weight(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The float32 weight [in, out] a kernel and its [G, out] scales stand for."""
+    q = np.asarray(q).astype(np.float32)
+    groups = scale.shape[0]
+    per_group = q.reshape(groups, q.shape[0] // groups, q.shape[1])
+    return (per_group * np.asarray(scale, np.float32)[:, None, :]).reshape(q.shape)
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 x, scale [rows, 1]) per token (row), symmetric: the w8a8 run-time step."""
+    x = np.asarray(x, np.float32)
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    return np.clip(np.rint(x / scale), -127, 127).astype(np.int8), scale
+
+
+def reference_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, scheme: QuantScheme):
+    """float64 numpy definition of the quantized projection (tests' reference)."""
+    w = dequantize_weight(q, scale).astype(np.float64)
+    x = np.asarray(x, np.float32)
+    if scheme.activations == "int8":
+        xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
+        x = (xq.astype(np.float64) * xs).reshape(x.shape)
+    return np.asarray(x, np.float64) @ w
