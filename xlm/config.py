@@ -11,6 +11,16 @@ from typing import Any, Literal
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# --kv-cache-dtype: a dtype name, or fp8 (float8 e4m3fn, as "fp8_e4m3") / fp8_e5m2.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+_KV_NUMPY_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_cache_dtype_name(cache_dtype: str) -> str:
+    """The numpy/jax name of a non-"auto" --kv-cache-dtype value."""
+    return _KV_NUMPY_NAMES.get(cache_dtype, cache_dtype)
+
+
 # xlm.quantization.SCHEMES (named here so that config imports nothing heavy).
 QUANTIZATION_METHODS = ("int8", "w8a8", "fp8")
 
@@ -117,7 +127,7 @@ class CacheConfig:
     # GPU/TPU: fraction of device memory xlm may use in total.
     memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    cache_dtype: DTypeName = "auto"
+    cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # Set after memory profiling; a value here overrides profiling (tests, benchmarks).
     num_blocks: int | None = None
     # Set by the worker from the model: the attention window every layer shares (None:
@@ -153,7 +163,11 @@ class CacheConfig:
             "a fraction in (0, 1]",
         )
         _require(
-            self.cache_dtype in _DTYPES, owner, "cache_dtype", self.cache_dtype, f"one of {_DTYPES}"
+            self.cache_dtype in KV_CACHE_DTYPES,
+            owner,
+            "cache_dtype",
+            self.cache_dtype,
+            f"one of {KV_CACHE_DTYPES}",
         )
         if self.num_blocks is not None:
             _require(

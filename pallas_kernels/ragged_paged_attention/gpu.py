@@ -114,8 +114,10 @@ def _kernel(
         slot = jnp.where(col_ok, page * block_size + col_pos % block_size, 0)
         load_mask = jnp.broadcast_to(col_ok[:, None], (block_kv, head_dim))
         kv_rows = jnp.broadcast_to(slot[:, None], (block_kv, head_dim))
-        k = plgpu.load(kv_ref.at[kv_rows, kvh, kv_cols], mask=load_mask, other=0)
+        # An fp8 cache is widened to the queries' dtype as it is read.
+        k = plgpu.load(kv_ref.at[kv_rows, kvh, kv_cols], mask=load_mask, other=0).astype(q.dtype)
         v = plgpu.load(kv_ref.at[kv_rows + kv_plane, kvh, kv_cols], mask=load_mask, other=0)
+        v = v.astype(q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s = s * sm_scale
         if soft_cap is not None:

@@ -16,11 +16,21 @@ def kv_cache_shape(
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
+def to_cache_dtype(kv: jax.Array, dtype) -> jax.Array:
+    """K/V in the cache's element type; fp8 saturates at its largest finite value (an
+    out-of-range float would become NaN: e4m3fn has no infinity)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        limit = float(jnp.finfo(dtype).max)
+        kv = jnp.clip(kv, -limit, limit)
+    return kv.astype(dtype)
+
+
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter k, v [T, Hkv, D] into the cache at slot = block_id * block_size + offset."""
     kv_cache = jnp.asarray(kv_cache)
     num_blocks, block_size = kv_cache.shape[1:3]
-    kv = jnp.stack([k, v]).astype(kv_cache.dtype)
+    kv = to_cache_dtype(jnp.stack([k, v]), kv_cache.dtype)
     slot_mapping = jnp.asarray(slot_mapping, jnp.int32)
     # Negative slots are dropped too (jnp would wrap them to the last block).
     blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)

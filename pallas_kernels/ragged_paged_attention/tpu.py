@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .reference import MASK_VALUE
+from .reference import MASK_VALUE, to_cache_dtype
 
 
 def kv_cache_shape_tpu(
@@ -45,7 +45,7 @@ def write_kv_tpu(
     slots = slot_mapping.astype(jnp.int32)
     rows = jnp.arange(num_kv_heads)[None, :] * block_size + (slots % block_size)[:, None]
     blocks = jnp.repeat(slots // block_size, num_kv_heads)
-    kv = jnp.stack([k, v], axis=0).astype(kv_cache.dtype).reshape(two, -1, head_dim)
+    kv = to_cache_dtype(jnp.stack([k, v], axis=0), kv_cache.dtype).reshape(two, -1, head_dim)
     flat = jnp.asarray(kv_cache).reshape(two, num_blocks, num_kv_heads * block_size, head_dim)
     return flat.at[:, blocks, rows.reshape(-1)].set(kv, mode="drop").reshape(kv_cache.shape)
 
@@ -154,8 +154,9 @@ def _kernel(
 
             for c in tile_copies(req, tile, slot):
                 c.wait()
-            k = k_buf[slot]
-            v = v_buf[slot]
+            # An fp8 cache is widened to the queries' dtype in VMEM (half the HBM reads).
+            k = k_buf[slot].astype(q.dtype)
+            v = v_buf[slot].astype(q.dtype)
             s = (
                 lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 * sm_scale

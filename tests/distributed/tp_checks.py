@@ -118,9 +118,7 @@ def run(
             for leaf in ("kernel", "weight_scale"):
                 value = q_proj[leaf].get_value()
                 result[f"q_{leaf}_bytes"] = value.nbytes
-                result[f"q_{leaf}_bytes_per_device"] = sorted(
-                    set(per_device_bytes(value).values())
-                )
+                result[f"q_{leaf}_bytes_per_device"] = sorted(set(per_device_bytes(value).values()))
     llm.llm_engine.engine_core.shutdown()
     return result
 

@@ -344,3 +344,24 @@ def test_tpu_kernel_on_device(name, dtype, window, cap, knobs):
         rtol=2e-2,
         atol=2e-2,
     )
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_read_an_fp8_cache(kernel, q_dtype):
+    """--kv-cache-dtype fp8: the kernels widen each page as they read it, like the
+    reference (which reads the same float8 values)."""
+    b = _batch("mixed_mid_page", dtype=q_dtype)
+    b.kv_cache = np.asarray(write_kv(jnp.zeros(b.kv_cache.shape, jnp.float8_e4m3fn), *_kv(b)))
+    assert b.kv_cache.dtype == jnp.float8_e4m3fn
+    fn = ragged_paged_attention_gpu if kernel == "gpu" else ragged_paged_attention_tpu
+    knobs = dict(block_kv=16) if kernel == "gpu" else dict(block_q=2)
+    _check_kernel(fn, b, q_dtype, **knobs)
+
+
+def _kv(b: Batch):
+    """Every slot of `b`'s cache written once (k, v [slots, Hkv, D], slot ids)."""
+    _, nb, bs, hkv, d = b.kv_cache.shape
+    rng = np.random.default_rng(3)
+    kv = rng.standard_normal((2, nb * bs, hkv, d)).astype(np.float32) * 3
+    return kv[0], kv[1], np.arange(nb * bs, dtype=np.int32)

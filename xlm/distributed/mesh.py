@@ -90,15 +90,16 @@ def fetch(tree: Any) -> Any:
     return jax.tree_util.tree_map(one, tree)
 
 
-def per_device_bytes(tree: Any) -> dict[Any, int]:
+def per_device_bytes(tree: Any, elements: bool = False) -> dict[Any, int]:
     """Bytes each device of the mesh holds of the arrays or sharded ShapeDtypeStructs in
-    `tree` (a compile target's weights and caches are the latter: no data, only shardings)."""
+    `tree` (a compile target's weights and caches are the latter: no data, only shardings).
+    `elements`: count elements instead (weights of mixed element types: quantized)."""
     total: dict[Any, int] = {}
     for leaf in jax.tree_util.tree_leaves(tree):
         sharding = getattr(leaf, "sharding", None)
         if sharding is None:
             continue
-        itemsize = np.dtype(leaf.dtype).itemsize
+        itemsize = 1 if elements else np.dtype(leaf.dtype).itemsize
         for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items():
             shape = [len(range(*s.indices(n))) for s, n in zip(index, leaf.shape)]
             total[device] = total.get(device, 0) + int(np.prod(shape)) * itemsize

@@ -10,6 +10,7 @@ from typing import Any
 from xlm import envs, platforms
 from xlm.config import (
     ASYNC_SCHEDULING_DEFAULT,
+    KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     CacheConfig,
     CompilationConfig,
@@ -50,6 +51,9 @@ _HELP = {
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "KV cache size in GiB on CPU (default: XLM_CPU_KVCACHE_SPACE or 1)",
     "memory_utilization": "fraction of accelerator memory xlm may use",
+    "kv_cache_dtype": "KV cache element type: auto (the model's dtype), float32, bfloat16, "
+    "float16, fp8 (= fp8_e4m3) or fp8_e5m2; fp8 halves bfloat16's cache bytes (more KV "
+    "tokens in the same memory), values saturating at the type's largest",
     "enable_prefix_caching": "reuse cached KV blocks of shared prompt prefixes",
     "num_gpu_blocks_override": "fixed number of KV cache blocks (tests, benchmarks)",
     "max_num_batched_tokens": "token budget of one step",
@@ -100,6 +104,7 @@ NO_FLAG = ("target_topology", "startup_programs")
 _CHOICES = {
     "distributed_executor_backend": ("uni", "multihost"),
     "quantization": QUANTIZATION_METHODS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 
 
@@ -124,6 +129,7 @@ class EngineArgs:
     memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
@@ -308,6 +314,7 @@ class EngineArgs:
                 memory_utilization=self.memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_blocks=self.num_gpu_blocks_override,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=SchedulerConfig.step_budget(

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from xlm.config import XlmConfig
 from xlm.distributed.mesh import per_device_bytes
@@ -113,7 +114,7 @@ def counted_cost(worker: Worker) -> Callable[[ProgramKey], tuple[float, float]]:
     weight once and does 2 flops per weight per token; the sampler, pooler and prompt
     logprobs read and write their rows of float32 logits (hidden states) a few times."""
     weight_bytes = worker.weight_bytes_per_device()
-    weights = weight_bytes / jnp.dtype(worker.kv_dtype).itemsize
+    weights = max(per_device_bytes(nnx.state(worker.model), elements=True).values())
     hf = worker.config.model_config.hf_config
 
     def count(key: ProgramKey) -> tuple[float, float]:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlm import envs, platforms
-from xlm.config import XlmConfig
+from xlm.config import XlmConfig, kv_cache_dtype_name
 from xlm.core.block_pool import BlockPool
 from xlm.core.kv_cache_groups import KVCacheGroupSpec, blocks_for_request, group_layers
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -105,7 +105,7 @@ class Worker:
         self.kv_dtype = (
             resolve_dtype(model_config.dtype, model_config.hf_config)
             if cache_dtype == "auto"
-            else jnp.dtype(cache_dtype)
+            else jnp.dtype(kv_cache_dtype_name(cache_dtype))
         )
         config.cache_config.kv_cache_groups = use_kv_cache_groups(self.model)
         # Speculative decoding with a draft model: its weights beside the target's (before
