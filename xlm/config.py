@@ -22,7 +22,7 @@ def kv_cache_dtype_name(cache_dtype: str) -> str:
 
 
 # xlm.quantization.SCHEMES (named here so that config imports nothing heavy).
-QUANTIZATION_METHODS = ("int8", "w8a8", "fp8")
+QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "gguf")
 
 
 def _invalid(owner: str, name: str, value: Any, allowed: str) -> ValueError:
@@ -59,8 +59,11 @@ class ModelConfig:
     # "generate" (a language model) or "pooling" (an embedder: one vector per prompt).
     runner: str = "generate"
     # Weight quantization (xlm.quantization): None (as the checkpoint's dtype), "int8",
-    # "w8a8" or "fp8"; a checkpoint that is already quantized sets it when loaded.
+    # "w8a8", "fp8", or "gguf" (a GGUF's own block quants, kept).
     quantization: str | None = None
+    # Set with quantization="gguf" from the file: the scales' group size along the input
+    # and whether groups have a minimum (xlm.quantization.QuantLayout).
+    quant_layout: Any = None
     # Set by the loader once the checkpoint's config has been read.
     hf_config: Any = field(default=None, repr=False, compare=False)
     # The pooling a pooling runner applies when a request does not say (set with runner).
@@ -589,9 +592,12 @@ def get_current_lora_config() -> LoRAConfig | None:
     return None if _current_config is None else _current_config.lora_config
 
 
-def get_current_quantization() -> str | None:
-    """The weight quantization of the model being built (None: float weights)."""
-    return None if _current_config is None else _current_config.model_config.quantization
+def get_current_quantization() -> tuple[str | None, Any]:
+    """(quantization, quant_layout) of the model being built ((None, None): float weights)."""
+    if _current_config is None:
+        return None, None
+    model = _current_config.model_config
+    return model.quantization, model.quant_layout
 
 
 def get_current_compilation_config() -> CompilationConfig:

@@ -10,6 +10,11 @@ input dimension (G == 1: one scale per output channel). The real weight is
   product an int8 x int8 -> int32 dot (W8A8, vLLM's and tpu-inference's dynamic int8).
 - ``fp8``: float8 e4m3 weights per output channel (scale = max |w| / 448), float
   activations (W8A16 in fp8; native fp8 dots on TPU v5p/v6e and Hopper GPUs).
+- ``gguf``: a GGUF's own block quants (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) kept as
+  int8 codes with float32 scales per group of 16 or 32 inputs and, for the types that have
+  one, a per-group ``weight_min``: ``W = kernel * scale + min`` (xlm.models.loader.
+  gguf_quants decodes them exactly). One layout for every projection of a model: the
+  smallest group among its tensors, a minimum if any has one.
 
 Weights are quantized as the loader places each tensor (``quantize_weight``), so no float
 copy of the whole model is ever resident; a checkpoint that already holds quantized
@@ -38,10 +43,19 @@ class QuantScheme:
     activations: str | None = None  # "int8": per-token dynamic activation quantization
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantLayout:
+    """Grouped scales (``gguf``): `group_size` inputs per scale, and a per-group minimum."""
+
+    group_size: int
+    has_minimum: bool
+
+
 SCHEMES = {
     "int8": QuantScheme("int8", np.dtype(np.int8), 127.0),
     "w8a8": QuantScheme("w8a8", np.dtype(np.int8), 127.0, activations="int8"),
     "fp8": QuantScheme("fp8", np.dtype(ml_dtypes.float8_e4m3fn), 448.0),
+    "gguf": QuantScheme("gguf", np.dtype(np.int8), 127.0),
 }
 
 
@@ -49,9 +63,16 @@ def get_scheme(name: str) -> QuantScheme:
     return SCHEMES[name]
 
 
-def quantize_weight(w: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
-    """(kernel, weight_scale [1, out]) of a float kernel ``w`` [in, out], per out channel."""
+def quantize_weight(
+    w: np.ndarray, scheme: QuantScheme, group_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel, weight_scale [G, out]) of a float kernel ``w`` [in, out]: symmetric, per
+    output channel (G = 1), or per `group_size` inputs of each channel."""
     w = np.asarray(w, np.float32)
+    if group_size is not None and group_size != w.shape[0]:
+        groups = w.reshape(w.shape[0] // group_size, group_size, w.shape[1])
+        parts = [quantize_weight(g, scheme) for g in groups]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     amax = np.abs(w).max(axis=0, keepdims=True)
     scale = np.where(amax > 0, amax / np.float32(scheme.qmax), np.float32(1.0)).astype(np.float32)
     scaled = w / scale
@@ -62,12 +83,18 @@ def quantize_weight(w: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.
     return q, scale
 
 
-def dequantize_weight(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """The float32 weight [in, out] a kernel and its [G, out] scales stand for."""
+def dequantize_weight(
+    q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None = None
+) -> np.ndarray:
+    """The float32 weight [in, out] a kernel and its [G, out] scales (and minimums)
+    stand for."""
     q = np.asarray(q).astype(np.float32)
     groups = scale.shape[0]
     per_group = q.reshape(groups, q.shape[0] // groups, q.shape[1])
-    return (per_group * np.asarray(scale, np.float32)[:, None, :]).reshape(q.shape)
+    w = per_group * np.asarray(scale, np.float32)[:, None, :]
+    if minimum is not None:
+        w = w + np.asarray(minimum, np.float32)[:, None, :]
+    return w.reshape(q.shape)
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -78,9 +105,15 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(x / scale), -127, 127).astype(np.int8), scale
 
 
-def reference_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, scheme: QuantScheme):
+def reference_matmul(
+    x: np.ndarray,
+    q: np.ndarray,
+    scale: np.ndarray,
+    scheme: QuantScheme,
+    minimum: np.ndarray | None = None,
+) -> np.ndarray:
     """float64 numpy definition of the quantized projection (tests' reference)."""
-    w = dequantize_weight(q, scale).astype(np.float64)
+    w = dequantize_weight(q, scale, minimum).astype(np.float64)
     x = np.asarray(x, np.float32)
     if scheme.activations == "int8":
         xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 
 from xlm.models.loader.gguf import _BLOCK_TENSORS, _GLOBAL_TENSORS
 
@@ -66,8 +67,10 @@ def write_gguf(
     state_dict: dict[str, np.ndarray],
     extra_tensors: dict[str, np.ndarray] | None = None,
     metadata: dict[str, object] | None = None,
+    quant_types: dict[str, GGMLQuantizationType] | None = None,
 ) -> str:
-    """Write `state_dict` (HF names and layout) as an F32 GGUF the way llama.cpp would."""
+    """Write `state_dict` (HF names and layout) as an F32 GGUF the way llama.cpp would;
+    `quant_types`: HF name -> the block type that tensor is stored in instead."""
     writer = GGUFWriter(path, arch)
     writer.add_uint32(f"{arch}.block_count", LAYERS)
     writer.add_uint32(f"{arch}.context_length", 256)
@@ -92,6 +95,11 @@ def write_gguf(
             weights = permute_for_llama_cpp(weights, HEADS)
         elif arch == "llama" and ".k_proj." in hf_name:
             weights = permute_for_llama_cpp(weights, KV_HEADS)
+        qtype = (quant_types or {}).get(hf_name)
+        if qtype is not None:
+            blocks = quantize(np.ascontiguousarray(weights), qtype)
+            writer.add_tensor(_gguf_name(hf_name), blocks, raw_dtype=qtype)
+            continue
         writer.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(weights))
     for name, weights in (extra_tensors or {}).items():
         writer.add_tensor(name, weights)

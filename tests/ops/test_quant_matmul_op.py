@@ -74,3 +74,17 @@ def test_native_path_equals_definition(name, rows, groups):
     # Leading dimensions pass through.
     got3 = np.asarray(op.forward_native(x.reshape(1, rows, k), q, scale))
     np.testing.assert_allclose(got3[0], got, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_native_path_with_group_minimums(rows):
+    """GGUF types with a minimum (Q4_1, Q4_K ...): W = codes * scale + min per group."""
+    rng = np.random.default_rng(rows)
+    k, n, g = 96, 40, 32
+    codes = rng.integers(0, 16, size=(k, n)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.1, size=(k // g, n)).astype(np.float32)
+    minimum = rng.uniform(-0.5, 0.0, size=(k // g, n)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    got = np.asarray(jax.jit(QuantMatmul().forward_native)(x, codes, scale, minimum))
+    want = reference_matmul(x, codes, scale, get_scheme("gguf"), minimum)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -41,8 +41,9 @@ _HELP = {
     "load_format": "weights format: auto, safetensors, gguf or dummy (random weights); for a "
     "Hugging Face name only these files are fetched (auto: safetensors)",
     "quantization": "weight quantization: int8 (int8 weights per output channel), w8a8 (and "
-    "int8 activations per token) or fp8 (float8 e4m3 weights); quantized as loaded (default: "
-    "none, or what a quantized checkpoint holds)",
+    "int8 activations per token), fp8 (float8 e4m3 weights), quantized as loaded; or gguf "
+    "(a GGUF file's own block quants kept: Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) "
+    "(default: float weights)",
     "served_model_name": "model name in the API (default: the model argument)",
     "generation_config": "'auto' (use generation_config.json defaults), 'xlm' or a directory",
     "runner": "generate (text), pooling (embeddings: one vector per input), or auto (pooling "
@@ -106,6 +107,19 @@ _CHOICES = {
     "quantization": QUANTIZATION_METHODS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
 }
+
+
+def _gguf_quant_layout(model_path: str, load_format: str) -> Any:
+    """The grouped layout of a GGUF's own quants (quantization="gguf" needs a GGUF)."""
+    from xlm.models.loader import resolve_load_format
+    from xlm.models.loader.gguf import gguf_quant_layout
+
+    if resolve_load_format(model_path, load_format) != "gguf":
+        raise ValueError(
+            f"quantization='gguf' keeps a GGUF file's own quants; {model_path!r} is not a "
+            "GGUF checkpoint (use int8, w8a8 or fp8 to quantize other checkpoints)"
+        )
+    return gguf_quant_layout(model_path)
 
 
 @dataclass
@@ -244,6 +258,8 @@ class EngineArgs:
             generation_config=self.generation_config,
         )
         model_config.hf_config = load_hf_config(model_path, self.load_format)
+        if self.quantization == "gguf":
+            model_config.quant_layout = _gguf_quant_layout(model_path, self.load_format)
         architectures = getattr(model_config.hf_config, "architectures", None)
         model_config.runner = resolve_runner(runner, model_path, architectures)
         return model_config

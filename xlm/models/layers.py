@@ -38,8 +38,8 @@ _LORA_B_SHARDING = {"column": (None, None, TP_AXIS), "row": (None, None, None), 
 
 
 class WeightScale(nnx.Param):
-    """A quantized kernel's scales [G, out] (xlm.quantization): read from a checkpoint
-    that holds them, or made by the loader as it quantizes the kernel."""
+    """A quantized kernel's scales or minimums [G, out] (xlm.quantization): read from a
+    checkpoint that holds them, or made by the loader as it quantizes the kernel."""
 
 
 class LoRAWeight(nnx.Param):
@@ -85,8 +85,8 @@ class Linear(nnx.Module):
         to rounding; OPT's embedding projections, as vLLM keeps them)."""
         self.in_features, self.out_features = in_features, out_features
         layout = layout or {}
-        quantization = get_current_quantization() if quantize else None
-        weight_scale = quant = None
+        quantization, quant_layout = get_current_quantization() if quantize else (None, None)
+        weight_scale = weight_min = quant = None
         if quantization is None:
             kernel = unloaded((in_features, out_features), dtype)
             self.kernel = param(kernel, _KERNEL_SHARDING[parallel], **layout)
@@ -94,15 +94,26 @@ class Linear(nnx.Module):
             scheme = get_scheme(quantization)
             kernel = unloaded((in_features, out_features), scheme.weight_dtype)
             self.kernel = param(kernel, _KERNEL_SHARDING[parallel], quantized=scheme.name, **layout)
-            # One scale per output column, laid out and split like the kernel's columns.
+            # Scales (and minimums) per output column, laid out and split like the kernel's
+            # columns; grouped along the input like the kernel's rows.
+            groups = 1 if quant_layout is None else in_features // quant_layout.group_size
+            sharding = (TP_AXIS if parallel == "row" and groups > 1 else None,)
+            sharding += (_KERNEL_SHARDING[parallel][1],)
             weight_scale = WeightScale(
-                unloaded((1, out_features), jnp.float32),
-                out_sharding=(None, _KERNEL_SHARDING[parallel][1]),
+                unloaded((groups, out_features), jnp.float32),
+                out_sharding=sharding,
                 eager_sharding=False,
                 **layout,
             )
+            if quant_layout is not None and quant_layout.has_minimum:
+                weight_min = WeightScale(
+                    unloaded((groups, out_features), jnp.float32),
+                    out_sharding=sharding,
+                    eager_sharding=False,
+                    **layout,
+                )
             quant = QuantMatmul(scheme.activations)
-        self.weight_scale, self.quant = weight_scale, quant
+        self.weight_scale, self.weight_min, self.quant = weight_scale, weight_min, quant
         bias_sharding = (TP_AXIS,) if parallel == "column" else (None,)
         bias_value = jnp.zeros((out_features,), dtype)
         self.bias = param(bias_value, bias_sharding, **layout) if bias else None
@@ -131,7 +142,8 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.quant is not None:
-            y = self.quant(x, self.kernel[...], self.weight_scale[...])
+            minimum = None if self.weight_min is None else self.weight_min[...]
+            y = self.quant(x, self.kernel[...], self.weight_scale[...], minimum)
         else:
             y = x @ self.kernel[...]
         if self.lora is not None:

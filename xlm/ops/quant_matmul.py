@@ -1,10 +1,12 @@
 """The quantized projection: y = x @ (kernel * weight_scale), one op per scheme.
 
-``kernel`` is ``[in, out]`` in the scheme's element type (int8 or float8 e4m3) and
-``weight_scale`` ``[G, out]`` float32 (xlm.quantization). The native path is the
-definition in jnp: weight-only schemes convert the kernel inside the dot (XLA fuses the
-convert), ``w8a8`` quantizes each token's activations to int8 and runs an int8 x int8 ->
-int32 dot, then scales by both. Platform paths take the same arguments.
+``kernel`` is ``[in, out]`` in the scheme's element type (int8 or float8 e4m3),
+``weight_scale`` ``[G, out]`` float32 and, for GGUF types with one, ``weight_min``
+``[G, out]``: W = kernel * scale + min per group of in / G inputs (xlm.quantization).
+The native path is the definition in jnp: weight-only schemes convert the kernel
+inside the dot (XLA fuses the convert), ``w8a8`` quantizes each token's activations to
+int8 and runs an int8 x int8 -> int32 dot, then scales by both. Platform paths take the
+same arguments.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ class QuantMatmul(CustomOp):
         super().__init__(enforce_enable=enforce_enable)
         self.activations = activations
 
-    def forward_native(self, x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    def forward_native(
+        self,
+        x: jax.Array,
+        kernel: jax.Array,
+        scale: jax.Array,
+        minimum: jax.Array | None = None,
+    ) -> jax.Array:
         groups, out = scale.shape
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
@@ -55,4 +63,7 @@ class QuantMatmul(CustomOp):
                 preferred_element_type=jnp.float32,
             )
             y = jnp.einsum("mgo,go->mo", partial, scale)
+        if minimum is not None:  # + sum over each group's inputs times its minimum
+            sums = x2.reshape(-1, groups, k // groups).sum(-1, dtype=jnp.float32)
+            y = y + jnp.dot(sums, minimum, preferred_element_type=jnp.float32)
         return y.astype(x.dtype).reshape(*lead, out)

@@ -112,6 +112,7 @@ def engine_fingerprint(
             model.runner,  # a pooling program returns no logits: another output tree
             model.dtype,
             model.quantization,  # the kernels' element types and their scales
+            model.quant_layout,
             model.hf_config.to_json_string(),
             # The step shapes (async scheduling, policy and chunking change no program).
             config.scheduler_config.max_num_batched_tokens,

@@ -30,6 +30,7 @@ from xlm.logger import init_logger
 from xlm.metrics import startup
 from xlm.models.loader.dummy_format import dummy_value
 from xlm.models.loader.gguf import iter_gguf_tensors, load_gguf_config
+from xlm.models.loader.gguf_quants import QuantizedWeight
 from xlm.models.loader.safetensors_format import (
     count_safetensors_tensors,
     iter_safetensors_tensors,
@@ -82,9 +83,13 @@ def resolve_dtype(dtype: str, hf_config: Any) -> Any:
     return _DTYPES.get(ckpt, jnp.bfloat16) if ckpt != "float32" else jnp.bfloat16
 
 
-def _tensor_source(model: str, load_format: str) -> tuple[Iterator[tuple[str, np.ndarray]], int]:
+def _tensor_source(
+    model: str, load_format: str, keep_quantized: bool = False
+) -> tuple[Iterator[tuple[str, Any]], int]:
     if load_format == "safetensors":
         return iter_safetensors_tensors(model), count_safetensors_tensors(model)
+    if load_format == "gguf" and keep_quantized:  # decoding is fast: no cached copy
+        return iter_gguf_tensors(model, keep_quantized=True), None
     if load_format == "gguf":
         cached = _dequantized_gguf_dir(model)
         if cached is not None:
@@ -204,10 +209,17 @@ class _WeightPlacer:
         scheme = metadata.get("quantized")
         if scheme is not None and value.dtype != np.dtype(var.dtype):
             # A float kernel of a quantized projection: quantized here, with its scales
-            # (per column, so after the physical layout, which only moves columns).
-            kernel, scale = quantize_weight(value, get_scheme(scheme))
+            # (per column, so after the physical layout, which only moves columns), in
+            # the groups its scales have.
+            scales = scale_path(path)
+            groups = self.shapes[scales][0]
+            kernel, scale = quantize_weight(
+                value, get_scheme(scheme), group_size=value.shape[0] // groups
+            )
             self._put_physical(path, kernel)
-            self._put_physical(scale_path(path), scale)
+            self._put_physical(scales, scale)
+            if min_path(path) in self.variables:  # symmetric: no minimum
+                self._put_physical(min_path(path), np.zeros_like(scale))
             return
         self._put_physical(path, value)
 
@@ -269,6 +281,11 @@ def scale_path(kernel_path: str) -> str:
     return kernel_path.rpartition(".")[0] + ".weight_scale"
 
 
+def min_path(kernel_path: str) -> str:
+    """The per-group minimums beside a quantized kernel (GGUF types that have them)."""
+    return kernel_path.rpartition(".")[0] + ".weight_min"
+
+
 def _is_scale(var: nnx.Variable) -> bool:
     from xlm.models.layers import WeightScale
 
@@ -319,6 +336,9 @@ def load_weights(
         for target in targets:
             if not target.param:
                 continue
+            if isinstance(array, QuantizedWeight):
+                _place_quantized(placer, name, target, array)
+                continue
             value = np.swapaxes(array, -1, -2) if target.transpose else array
             placer.place(name, target.param, target.index, value, target.transpose)
     for path in lora_paths(variables):  # adapter slots start empty
@@ -335,6 +355,29 @@ def load_weights(
             f"checkpoint tensors never used: {sorted(unused) or 'none'}"
         )
     return _merge(graphdef, flat, placer.placed)
+
+
+def _place_quantized(
+    placer: _WeightPlacer, name: str, target: Any, weight: QuantizedWeight
+) -> None:
+    """A GGUF weight kept quantized: codes, scales and minimums to the kernel's parameters
+    (already in the kernel's [in, out] layout; a fused target fills its columns of each)."""
+    if target.param not in placer.variables or not placer.variables[
+        target.param
+    ].get_metadata().get("quantized"):
+        raise ValueError(
+            f"GGUF tensor {name!r} is quantized ({weight.qtype}) but {target.param!r} is not a "
+            "quantized projection"
+        )
+    scales = scale_path(target.param)
+    groups = placer.shapes[scales][0]
+    if weight.shape[0] // groups != weight.group_size:  # a coarser type in a finer layout
+        weight = weight.regroup(weight.shape[0] // groups)
+    placer.place(name, target.param, target.index, weight.codes)
+    placer.place(name, scales, target.index, weight.scale)
+    if min_path(target.param) in placer.variables:
+        minimum = weight.minimum if weight.minimum is not None else np.zeros_like(weight.scale)
+        placer.place(name, min_path(target.param), target.index, minimum)
 
 
 def _merge(graphdef: Any, flat: Any, values: dict[str, jax.Array]) -> nnx.Module:
@@ -414,7 +457,9 @@ def get_model(
         return abstract_weights(model, dtype=dtype, mesh=mesh)
     if load_format == "dummy":
         return load_dummy_weights(model, dtype=dtype, seed=model_config.seed, mesh=mesh)
-    tensors, total = _tensor_source(model_config.model, load_format)
+    tensors, total = _tensor_source(
+        model_config.model, load_format, keep_quantized=model_config.quantization == "gguf"
+    )
     headless = base_model_lm(arch) is not None
     if headless:  # a base model's tensors are named without the "model." prefix
         tensors = ((n if n.startswith("model.") else f"model.{n}", t) for n, t in tensors)

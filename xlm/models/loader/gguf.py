@@ -18,8 +18,10 @@ from tqdm.auto import tqdm
 
 from xlm import envs
 from xlm.logger import init_logger
+from xlm.models.loader import gguf_quants
 from xlm.models.loader.gguf_reader import GGUFFile
 from xlm.models.loader.gguf_tokenizer import gguf_tokenizer
+from xlm.quantization import QuantLayout
 
 logger = init_logger(__name__)
 
@@ -360,13 +362,53 @@ def _hf_shape(arch: str, gguf_name: str, shape: list[int]) -> list[int]:
     return shape
 
 
-def iter_gguf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield every tensor under its HF name, dequantized to float32 in HF layout, one at a time."""
+def _kept_quantized(gguf_name: str, info: Any) -> bool:
+    """Whether a tensor stays in its block quants under quantization="gguf": the 2-D
+    projections of a supported type (embeddings and the LM head are dequantized)."""
+    base = gguf_name.rpartition(".")[0]
+    return (
+        gguf_name.endswith(".weight")
+        and len(info.shape) == 2
+        and info.tensor_type in gguf_quants.SUPPORTED
+        and base not in _GLOBAL_TENSORS
+        and base not in _GPT2_GLOBAL_TENSORS
+    )
+
+
+def gguf_quant_layout(path: str) -> QuantLayout:
+    """One grouped layout for every projection the GGUF keeps quantized: the smallest group
+    of their types, and a minimum if any type has one."""
+    gguf_file = open_gguf(path)
+    formats = [
+        gguf_quants.SUPPORTED[info.tensor_type]
+        for name, info in gguf_file.tensors.items()
+        if _kept_quantized(name, info)
+    ]
+    if not formats:
+        raise ValueError(
+            f"quantization='gguf': {path} has no projection in a supported block type "
+            f"({', '.join(t.name for t in gguf_quants.SUPPORTED)})"
+        )
+    return QuantLayout(min(f.group_size for f in formats), any(f.has_minimum for f in formats))
+
+
+def iter_gguf_tensors(path: str, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield every tensor under its HF name, dequantized to float32 in HF layout, one at a
+    time; `keep_quantized`: projections in a supported block type as their codes and
+    scales instead (gguf_quants.QuantizedWeight, in xlm's kernel layout [in, out])."""
     gguf_file = open_gguf(path)
     config = _config_dict(gguf_file)
     permute = gguf_file.architecture in _PERMUTED_QK_ARCHITECTURES
     for gguf_name, hf_name in gguf_tensor_names(path).items():
         info = gguf_file.tensors[gguf_name]
+        if keep_quantized and _kept_quantized(gguf_name, info):
+            weight = gguf_quants.decode(gguf_file.raw(gguf_name), info.tensor_type, info.shape)
+            if permute and ".attn_q." in gguf_name:
+                weight = gguf_quants.unpermute_rotary(weight, config["num_attention_heads"])
+            elif permute and ".attn_k." in gguf_name:
+                weight = gguf_quants.unpermute_rotary(weight, config["num_key_value_heads"])
+            yield hf_name, weight
+            continue
         weights = dequantize(gguf_file.raw(gguf_name), info.tensor_type)
         weights = np.asarray(weights, dtype=np.float32).reshape(info.shape)
         if permute and ".attn_q." in gguf_name:

@@ -14,7 +14,7 @@ permutation of Q/K) permutes the `out` axis of codes, scale and minimum alike.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -46,6 +46,17 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         """The `[in, out]` shape of the weight."""
         return self.codes.shape
+
+    def regroup(self, group_size: int) -> QuantizedWeight:
+        """The same weight with a scale (and minimum) per `group_size` inputs, a divisor of
+        this one's group size (each group's factors repeated: exact)."""
+        if group_size <= 0 or self.group_size % group_size:
+            raise ValueError(f"group_size={group_size} must divide {self.group_size}")
+        r = self.group_size // group_size
+        minimum = None if self.minimum is None else np.repeat(self.minimum, r, axis=0)
+        return replace(
+            self, scale=np.repeat(self.scale, r, axis=0), minimum=minimum, group_size=group_size
+        )
 
 
 _Q = GGMLQuantizationType
