@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "xlm.lora.request",
         "xlm.outputs",
         "xlm.disk_cache",
+        "xlm.quantization",
     ),
 )
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from xlm import envs
 from xlm.logger import init_logger
-from xlm.models.loader import gguf_quants
+from xlm.models.loader.gguf_quants import SUPPORTED, decode, unpermute_rotary
 from xlm.models.loader.gguf_reader import GGUFFile
 from xlm.models.loader.gguf_tokenizer import gguf_tokenizer
 from xlm.quantization import QuantLayout
@@ -369,7 +369,7 @@ def _kept_quantized(gguf_name: str, info: Any) -> bool:
     return (
         gguf_name.endswith(".weight")
         and len(info.shape) == 2
-        and info.tensor_type in gguf_quants.SUPPORTED
+        and info.tensor_type in SUPPORTED
         and base not in _GLOBAL_TENSORS
         and base not in _GPT2_GLOBAL_TENSORS
     )
@@ -380,14 +380,14 @@ def gguf_quant_layout(path: str) -> QuantLayout:
     of their types, and a minimum if any type has one."""
     gguf_file = open_gguf(path)
     formats = [
-        gguf_quants.SUPPORTED[info.tensor_type]
+        SUPPORTED[info.tensor_type]
         for name, info in gguf_file.tensors.items()
         if _kept_quantized(name, info)
     ]
     if not formats:
         raise ValueError(
             f"quantization='gguf': {path} has no projection in a supported block type "
-            f"({', '.join(t.name for t in gguf_quants.SUPPORTED)})"
+            f"({', '.join(t.name for t in SUPPORTED)})"
         )
     return QuantLayout(min(f.group_size for f in formats), any(f.has_minimum for f in formats))
 
@@ -402,11 +402,11 @@ def iter_gguf_tensors(path: str, keep_quantized: bool = False) -> Iterator[tuple
     for gguf_name, hf_name in gguf_tensor_names(path).items():
         info = gguf_file.tensors[gguf_name]
         if keep_quantized and _kept_quantized(gguf_name, info):
-            weight = gguf_quants.decode(gguf_file.raw(gguf_name), info.tensor_type, info.shape)
+            weight = decode(gguf_file.raw(gguf_name), info.tensor_type, info.shape)
             if permute and ".attn_q." in gguf_name:
-                weight = gguf_quants.unpermute_rotary(weight, config["num_attention_heads"])
+                weight = unpermute_rotary(weight, config["num_attention_heads"])
             elif permute and ".attn_k." in gguf_name:
-                weight = gguf_quants.unpermute_rotary(weight, config["num_key_value_heads"])
+                weight = unpermute_rotary(weight, config["num_key_value_heads"])
             yield hf_name, weight
             continue
         weights = dequantize(gguf_file.raw(gguf_name), info.tensor_type)
