@@ -209,6 +209,12 @@ def prepare_weights(model: str, work_dir: Path) -> dict[str, Any]:
         )
     out["hf_dir"] = str(hf_dir)
     out["float32_weight_bytes"] = gguf_tensor_bytes(out["gguf_f32"])
+    # Each GGUF's tensor bytes (what llama.cpp streams per decode step), measured here:
+    # the llama.cpp interpreter need not have the gguf package.
+    out["tensor_bytes"] = {
+        dtype.lower(): gguf_tensor_bytes(out[f"gguf_{dtype.lower()}"])
+        for dtype in ("F32", "F16", "Q8_0")
+    }
     return out
 
 
@@ -382,7 +388,7 @@ def make_runner(engine: str, spec: dict) -> tuple[Any, dict[str, str]]:
         context = PROMPT_MAX + max(spec["output_lens"]) + 1
         threads = spec["llama_threads"] or os.cpu_count() or 1
         runner = LlamaCppRunner(path, max_context=-(-context // 256) * 256, n_threads=threads)
-        runner.weight_bytes = gguf_tensor_bytes(path)
+        runner.weight_bytes = spec["weights"]["tensor_bytes"][engine.partition("-")[2]]
         info = versions(["llama_cpp_python", "numpy"])
         info["llama_cpp"] = llama_cpp.__version__
         info["llama_n_threads"] = str(threads)

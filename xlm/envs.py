@@ -63,6 +63,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "XLM_TARGET_PLATFORM": lambda: os.environ.get("XLM_TARGET_PLATFORM") or None,
     # Turn tqdm progress bars off everywhere.
     "XLM_DISABLE_PROGRESS_BARS": _get_bool("XLM_DISABLE_PROGRESS_BARS", False),
+    # Use xlm's native CPU kernels (built with the system C++ compiler on first use);
+    # 0 keeps every op on its plain-jnp path.
+    "XLM_CPU_KERNELS": _get_bool("XLM_CPU_KERNELS", True),
     # Directory holding the ipc:// socket files of the engine's ZeroMQ sockets.
     "XLM_RPC_BASE_PATH": lambda: os.environ.get("XLM_RPC_BASE_PATH", "/tmp"),
     # Seconds the engine-core client waits for the engine process to start.
@@ -104,6 +107,11 @@ def tpu_worker_id() -> int | None:
         if value is not None:
             return value
     return None
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler the environment names (CXX), or None to use the default."""
+    return os.environ.get("CXX") or None
 
 
 def _get_cache_root() -> str:

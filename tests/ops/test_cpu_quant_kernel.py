@@ -1,0 +1,209 @@
+"""The native weight-only int8 matmul (xlm.ops.cpu_kernels) against a float64 reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xlm.ops import cpu_kernels
+
+rng = np.random.default_rng(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernel could not be built here (no C++ compiler?)")
+
+
+def reference(x: np.ndarray, w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    groups = scale.shape[0]
+    k, n = w.shape
+    xg = x.astype(np.float64).reshape(x.shape[0], groups, k // groups)
+    wg = w.astype(np.float64).reshape(groups, k // groups, n)
+    return np.einsum("mgi,gin,gn->mn", xg, wg, scale.astype(np.float64))
+
+
+def assert_close(y: jax.Array, x: np.ndarray, w: np.ndarray, scale: np.ndarray) -> None:
+    # float32 accumulation error scales with the sum of the terms' magnitudes.
+    magnitude = reference(np.abs(x), np.abs(w.astype(np.int32)), np.abs(scale))
+    err = np.abs(np.asarray(y, np.float64) - reference(x, w, scale))
+    assert y.dtype == jnp.float32 and y.shape == (x.shape[0], w.shape[1])
+    assert np.all(err <= 1e-6 * magnitude + 1e-30), float(np.max(err / (magnitude + 1e-30)))
+
+
+def make(m: int, k: int, n: int, groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.integers(-128, 128, (k, n), dtype=np.int8)  # negatives and -128 included
+    scale = rng.uniform(0.001, 0.02, (groups, n)).astype(np.float32)
+    return x, w, scale
+
+
+CASES = [
+    (k, n, groups)
+    for k, n in [(576, 1536), (100, 37), (1536, 576)]
+    for groups in sorted({1, k // 32 if k % 32 == 0 else 1})
+] + [(100, 37, 4), (48, 200, 48)]  # groups of 25 rows; groups of one row
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 64, 130])
+@pytest.mark.parametrize("k,n,groups", CASES)
+def test_matches_reference_under_jit(m: int, k: int, n: int, groups: int) -> None:
+    x, w, scale = make(m, k, n, groups)
+    assert_close(jax.jit(cpu_kernels.int8_matmul)(x, w, scale), x, w, scale)
+
+
+@pytest.mark.parametrize("max_workers", [1, 2])
+def test_thread_count_does_not_change_the_result(max_workers: int) -> None:
+    x, w, scale = make(3, 576, 3072, 1)  # large enough to be split across threads
+    y = cpu_kernels.int8_matmul(x, w, scale, max_workers=max_workers)
+    assert_close(y, x, w, scale)
+
+
+def test_all_minus_128_weights_are_exact() -> None:
+    k, n = 96, 40
+    x = np.ones((2, k), np.float32)
+    w = np.full((k, n), -128, np.int8)
+    scale = np.full((3, n), 0.5, np.float32)
+    y = np.asarray(cpu_kernels.int8_matmul(x, w, scale))
+    np.testing.assert_array_equal(y, np.full((2, n), -128 * 0.5 * k, np.float32))
+
+
+def test_leading_dims_and_dtype_follow_x() -> None:
+    x, w, scale = make(6, 64, 24, 2)
+    y = cpu_kernels.int8_matmul(jnp.asarray(x).reshape(2, 3, 64), w, scale)
+    assert y.shape == (2, 3, 24)
+    assert_close(y.reshape(6, 24), x, w, scale)
+
+
+def test_matches_the_jnp_reference_path() -> None:
+    x, w, scale = make(5, 576, 192, 18)
+    expected = cpu_kernels.int8_matmul_reference(x, w, scale)
+    np.testing.assert_allclose(
+        np.asarray(cpu_kernels.int8_matmul(x, w, scale)), np.asarray(expected), rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "x_shape,w_shape,w_dtype,scale_shape,match",
+    [
+        ((2, 100), (99, 37), np.int8, (1, 37), "x must be"),
+        ((2, 100), (100, 37), np.int8, (3, 37), "scale must be"),
+        ((2, 100), (100, 37), np.int8, (1, 36), "scale must be"),
+        ((2, 100), (100, 37), np.int16, (1, 37), "w must be int8"),
+    ],
+)
+def test_bad_shapes_raise_before_tracing(x_shape, w_shape, w_dtype, scale_shape, match) -> None:
+    x = np.zeros(x_shape, np.float32)
+    with pytest.raises(ValueError, match=match):
+        cpu_kernels.int8_matmul(x, np.zeros(w_shape, w_dtype), np.zeros(scale_shape, np.float32))
+
+
+def test_handler_rejects_inconsistent_shapes() -> None:
+    """The C++ handler checks shapes itself (a program may call the target directly)."""
+    call = jax.ffi.ffi_call(cpu_kernels._target, jax.ShapeDtypeStruct((2, 37), jnp.float32))
+    x = np.zeros((2, 100), np.float32)
+    with pytest.raises(Exception, match=r"disagree on k.*w \[99, 37\]"):
+        jax.block_until_ready(
+            call(x, np.zeros((99, 37), np.int8), np.ones((1, 37), np.float32), max_workers=0)
+        )
+    with pytest.raises(Exception, match=r"G >= 1 dividing k.*scale \[3, 37\]"):
+        jax.block_until_ready(
+            call(x, np.zeros((100, 37), np.int8), np.ones((3, 37), np.float32), max_workers=0)
+        )
+
+
+def _run(code: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "XLM_CACHE_ROOT": str(tmp_path / "cache"), **env}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+FALLBACK = """
+    import numpy as np
+    from xlm.ops import cpu_kernels
+    assert not cpu_kernels.available()
+    x = np.ones((2, 64), np.float32)
+    w = np.full((64, 8), -3, np.int8)
+    y = cpu_kernels.int8_matmul(x, w, np.full((2, 8), 0.5, np.float32))
+    np.testing.assert_allclose(np.asarray(y), np.full((2, 8), -96.0))
+    print("fallback ok")
+"""
+
+
+def test_missing_compiler_falls_back_with_one_warning(tmp_path) -> None:
+    proc = _run(FALLBACK, tmp_path, CXX=str(tmp_path / "no-such-compiler"))
+    assert proc.returncode == 0, proc.stderr
+    assert "fallback ok" in proc.stdout
+    warnings = [line for line in proc.stderr.splitlines() if "CPU kernels are unavailable" in line]
+    assert len(warnings) == 1 and "no-such-compiler" in warnings[0], proc.stderr
+
+
+def test_failing_build_falls_back(tmp_path) -> None:
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo broken 1.0 && exit 0\nexit 1\n')
+    compiler.chmod(0o755)
+    proc = _run(FALLBACK, tmp_path, CXX=str(compiler))
+    assert proc.returncode == 0, proc.stderr
+    assert "failed" in proc.stderr
+    assert not list((tmp_path / "cache").rglob("*.so"))  # no partial entry left behind
+
+
+def test_disabled_by_environment(tmp_path) -> None:
+    proc = _run(FALLBACK, tmp_path, XLM_CPU_KERNELS="0")
+    assert proc.returncode == 0, proc.stderr
+    assert "CPU kernels are unavailable" not in proc.stderr
+
+
+SAVED_PROGRAM = """
+    import pickle, sys
+    import numpy as np
+    import jax
+    from jax.experimental.serialize_executable import deserialize_and_load, serialize
+    from xlm.ops import cpu_kernels
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 100)).astype(np.float32)
+    w = rng.integers(-128, 128, (100, 37)).astype(np.int8)
+    s = rng.uniform(0.01, 0.1, (4, 37)).astype(np.float32)
+    path = sys.argv[1]
+    if sys.argv[2] == "save":
+        compiled = jax.jit(cpu_kernels.int8_matmul).lower(x, w, s).compile()
+        with open(path, "wb") as f:
+            pickle.dump((serialize(compiled), np.asarray(compiled(x, w, s))), f)
+    else:
+        with open(path, "rb") as f:
+            (payload, in_tree, out_tree), expected = pickle.load(f)
+        assert cpu_kernels.available()  # registers the target, before loading
+        y = deserialize_and_load(payload, in_tree, out_tree)(x, w, s)
+        np.testing.assert_array_equal(np.asarray(y), expected)
+        print("loaded ok")
+"""
+
+
+def test_saved_program_runs_in_a_fresh_process(tmp_path) -> None:
+    """A program from the persistent executable cache needs only `available()` first."""
+    saved = str(tmp_path / "program.pkl")
+    for mode in ("save", "load"):
+        # The session's cache root, where this process built the library already.
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(SAVED_PROGRAM), saved, mode],
+            env={**os.environ, "XLM_LOGGING_LEVEL": "INFO"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "Compiling xlm CPU kernels" not in proc.stderr  # the cached build is reused
+    assert "loaded ok" in proc.stdout

@@ -1,0 +1,188 @@
+"""Native CPU kernels called from jitted programs through XLA's FFI.
+
+The C++ source is compiled with the system compiler on first use into a shared library
+cached under XLM_CACHE_ROOT (keyed on the source, the flags, jax's version, the
+compiler's version and this CPU, since the library is built for the CPU it runs on), then
+loaded with ctypes and registered as an FFI target once per process. Without a compiler,
+when the build fails, or with XLM_CPU_KERNELS=0, `available()` is False, one line is
+logged and the ops fall back to their plain-jnp path.
+
+A compiled program that contains the call needs the target registered before it runs,
+including one loaded from the persistent executable cache (which skips tracing): call
+`available()` before such a program is loaded or run, e.g. when the layer is built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import platform
+import shlex
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlm import disk_cache, envs
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCE = Path(__file__).with_name("quant_matmul.cc")
+_LIBRARY = "quant_matmul.so"
+_SYMBOL = "XlmInt8Matmul"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
+
+_lock = threading.Lock()
+_available: bool | None = None
+_library: ctypes.CDLL | None = None  # kept referenced: XLA holds pointers into it
+_target = ""
+
+
+class _Unavailable(Exception):
+    """Why the kernels cannot be built or loaded."""
+
+
+def available() -> bool:
+    """Whether the kernels are built, loaded and registered (building them if needed)."""
+    global _available
+    if _available is None:
+        with _lock:
+            if _available is None:
+                _available = _load()
+    return _available
+
+
+def _load() -> bool:
+    global _library, _target
+    if not envs.XLM_CPU_KERNELS:
+        logger.info("XLM_CPU_KERNELS=0: CPU kernels are off; ops use their jnp path.")
+        return False
+    try:
+        source = _SOURCE.read_text()
+        path = _build(source)
+        library = ctypes.CDLL(str(path))
+        handler = getattr(library, _SYMBOL)
+        # The name carries the source's hash: a saved program that calls an older build
+        # (whose arguments may differ) fails to load and is recompiled, never misread.
+        target = f"xlm_int8_matmul_{hashlib.sha256(source.encode()).hexdigest()[:12]}"
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    except (_Unavailable, OSError, AttributeError, RuntimeError, ValueError) as e:
+        logger.warning("xlm CPU kernels are unavailable, ops use their jnp path: %s", e)
+        return False
+    _library, _target = library, target
+    return True
+
+
+def _compiler() -> tuple[str, str]:
+    """The C++ compiler to use and its `--version` text."""
+    name = envs.cxx_compiler() or shutil.which("c++") or shutil.which("g++")
+    if not name:
+        raise _Unavailable("no C++ compiler found (set CXX or install c++/g++)")
+    argv = shlex.split(name)
+    try:
+        proc = subprocess.run(
+            [*argv, "--version"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise _Unavailable(f"C++ compiler {name!r} does not run: {e}") from e
+    if proc.returncode != 0:
+        raise _Unavailable(f"{name} --version exited with {proc.returncode}: {proc.stderr}")
+    return name, proc.stdout
+
+
+def cpu_fingerprint() -> str:
+    """This CPU's vendor, model and feature flags (what -march=native builds for)."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part")
+    fields = []
+    for line in first.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in wanted:
+            fields.append(f"{name.strip()}={value.strip()}")
+    return f"{platform.machine()}|" + "|".join(fields)
+
+
+def _build(source: str) -> Path:
+    """The path of the shared library, compiled into the cache if not there yet."""
+    compiler, version = _compiler()
+    key = disk_cache.cache_key(
+        source, FLAGS, jax.__version__, compiler, version, cpu_fingerprint(), length=24
+    )
+    directory = Path(envs.XLM_CACHE_ROOT) / "cpu_kernels" / f"quant_matmul-{key}"
+    if disk_cache.check_directory(directory):
+        return directory / _LIBRARY
+    logger.info("Compiling xlm CPU kernels into %s", directory)
+    with disk_cache.atomic_directory(directory) as tmp:
+        (tmp / _SOURCE.name).write_text(source)
+        cmd = [
+            *shlex.split(compiler),
+            *FLAGS,
+            "-isystem",  # the FFI headers warn under -Wall; they are not ours to fix
+            jax.ffi.include_dir(),
+            str(tmp / _SOURCE.name),
+            "-o",
+            str(tmp / _LIBRARY),
+        ]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise _Unavailable(f"{shlex.join(cmd)} did not run: {e}") from e
+        if proc.returncode != 0:
+            raise _Unavailable(f"{shlex.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return directory / _LIBRARY
+
+
+def _check_int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
+    if w.ndim != 2 or w.dtype != jnp.int8:
+        raise ValueError(f"w must be int8 [k, n]; got {w.dtype} {list(w.shape)}")
+    k, n = w.shape
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must be [..., k] with k={k} (w is {list(w.shape)}); got {x.shape}")
+    if scale.ndim != 2 or scale.shape[1] != n or scale.shape[0] < 1 or k % scale.shape[0]:
+        raise ValueError(
+            f"scale must be [G, n] with n={n} and G dividing k={k}; got {list(scale.shape)}"
+        )
+
+
+def int8_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+    """The plain-jnp weight-only int8 matmul: x @ w with w's groups of rows scaled."""
+    _check_int8_matmul(x, w, scale)
+    groups, n = scale.shape
+    k = w.shape[0]
+    wf = w.astype(jnp.float32)
+    if groups == 1:
+        y = (x.astype(jnp.float32) @ wf) * scale[0]
+    else:
+        xg = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, k // groups)
+        partial = jnp.einsum("...gi,gin->...gn", xg, wf.reshape(groups, k // groups, n))
+        y = jnp.sum(partial * scale, axis=-2)
+    return y.astype(x.dtype)
+
+
+def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, max_workers: int = 0) -> jax.Array:
+    """y[..., j] = sum_g scale[g, j] * sum_{i in group g} x[..., i] * w[i, j].
+
+    x float [..., k], w int8 [k, n], scale float [G, n] (groups of k // G rows; G == 1 is
+    per output channel). Runs the native kernel inside jit on up to `max_workers` threads
+    of XLA's intra-op pool (0: all); the jnp reference when the kernel is unavailable.
+    """
+    _check_int8_matmul(x, w, scale)
+    if max_workers < 0:
+        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    if not available():
+        return int8_matmul_reference(x, w, scale)
+    k, n = w.shape
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    call = jax.ffi.ffi_call(
+        _target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential"
+    )
+    y = call(x2, w, scale.astype(jnp.float32), max_workers=np.int64(max_workers))
+    return y.reshape(*x.shape[:-1], n).astype(x.dtype)

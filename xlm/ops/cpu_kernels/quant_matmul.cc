@@ -1,0 +1,392 @@
+// Weight-only int8 matmul for XLA:CPU, called from jitted programs through XLA's FFI.
+//
+//   y[r, j] = sum_g scale[g, j] * sum_{i in group g} x[r, i] * w[i, j]
+//   x f32 [m, k], w s8 [k, n], scale f32 [G, n] (groups of k / G rows), y f32 [m, n].
+//
+// XLA converts the whole int8 matrix to float before its dot, which at decode (m of 1 to
+// 8) costs several times the float32 dot itself. Here the int8 bytes are read once and
+// widened in registers (AVX2 + FMA; a portable loop elsewhere):
+// - fewer than kPackedMinRows rows (decode): blocks of kKb rows of w are swept across the
+//   columns in tiles of 64 columns x up to 4 rows of x whose sums stay in registers; each
+//   block adds its sums, times the group's scale, into y. w is read as kKb sequential
+//   streams, and x and the y being summed stay in L1.
+// - more rows: a GEMM blocked over k (kKc rows) and 16-column tiles; each tile of w is
+//   widened and multiplied by its scale once into an L1 buffer and reused by every row.
+// The columns are split into chunks that the calling thread and tasks on XLA's intra-op
+// thread pool (the FFI's ThreadPool context) claim from an atomic counter.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define XLM_HAVE_AVX2 1
+#else
+#define XLM_HAVE_AVX2 0
+#endif
+
+namespace ffi = xla::ffi;
+
+// Fully unrolled loops over the register tile, so that GCC keeps the accumulator arrays
+// in registers (rolled, it stores them to the stack on every iteration).
+#define XLM_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+#define XLM_UNROLL XLM_PRAGMA(clang loop unroll(full))
+#elif defined(__GNUC__)
+#define XLM_UNROLL XLM_PRAGMA(GCC unroll 16)
+#else
+#define XLM_UNROLL
+#endif
+
+namespace {
+
+struct Problem {
+  const float* x;
+  const int8_t* w;
+  const float* scale;
+  float* y;
+  int64_t m, k, n, groups, group_size;
+};
+
+constexpr int64_t kTileCols = 64;        // columns of one decode tile (a cache line of w)
+constexpr int64_t kKb = 16;              // rows of w per decode block
+constexpr int64_t kPrefetchBytes = 256;  // how far ahead along a row of w to prefetch
+constexpr int64_t kPackedMinRows = 16;   // from this many rows of x on, the packed GEMM
+constexpr int64_t kKc = 256;             // rows of w per packed block (16 KiB of floats)
+
+#if XLM_HAVE_AVX2
+
+constexpr int kVecRegs = 16;  // ymm registers of AVX2
+
+inline __m256 widen8(const int8_t* p) {
+  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
+// The first `cols` (1..7) bytes at p, zero-padded; never reads past p + cols.
+inline __m256 widen_partial(const int8_t* p, int cols) {
+  int64_t bits = 0;
+  std::memcpy(&bits, p, cols);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bits)));
+}
+
+inline __m256i lane_mask(int cols) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// y[r0 : r0 + MR, j0 : j0 + 8 * NV] (+)= scale[g] * (x @ w) over the rows [i0, i1) of w,
+// all in group g; with kTail the last vector holds only `tail` (1..7) columns.
+template <int MR, int NV, bool kTail>
+void decode_tile(const Problem& p, int64_t r0, int64_t j0, int tail, int64_t i0, int64_t i1,
+                 bool first) {
+  const int64_t k = p.k, n = p.n;
+  const float* x = p.x + r0 * k;
+  __m256 acc[MR][NV];
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r)
+    XLM_UNROLL
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  const int8_t* wr = p.w + i0 * n + j0;
+  for (int64_t i = i0; i < i1; ++i, wr += n) {
+    // The same row a few tiles on; the hardware prefetchers lose track of kKb streams.
+    _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchBytes), _MM_HINT_T0);
+    __m256 a[MR];
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) a[r] = _mm256_broadcast_ss(x + r * k + i);
+    XLM_UNROLL
+    for (int v = 0; v < NV; ++v) {
+      __m256 b = (kTail && v == NV - 1) ? widen_partial(wr + 8 * v, tail) : widen8(wr + 8 * v);
+      XLM_UNROLL
+      for (int r = 0; r < MR; ++r) acc[r][v] = _mm256_fmadd_ps(a[r], b, acc[r][v]);
+    }
+  }
+  const __m256i mask = lane_mask(kTail ? tail : 8);
+  const float* s = p.scale + (i0 / p.group_size) * n + j0;
+  XLM_UNROLL
+  for (int v = 0; v < NV; ++v) {
+    const bool partial = kTail && v == NV - 1;
+    __m256 sv = partial ? _mm256_maskload_ps(s + 8 * v, mask) : _mm256_loadu_ps(s + 8 * v);
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      float* yp = p.y + (r0 + r) * n + j0 + 8 * v;
+      if (partial) {
+        __m256 out = first ? _mm256_mul_ps(acc[r][v], sv)
+                           : _mm256_fmadd_ps(acc[r][v], sv, _mm256_maskload_ps(yp, mask));
+        _mm256_maskstore_ps(yp, mask, out);
+      } else {
+        __m256 out = first ? _mm256_mul_ps(acc[r][v], sv)
+                           : _mm256_fmadd_ps(acc[r][v], sv, _mm256_loadu_ps(yp));
+        _mm256_storeu_ps(yp, out);
+      }
+    }
+  }
+}
+
+// Columns [t0, t1) (at most one 64-column tile) of rows [r0, r0 + MR), rows [i0, i1) of w.
+template <int MR>
+void decode_rows(const Problem& p, int64_t r0, int64_t t0, int64_t t1, int64_t i0, int64_t i1,
+                 bool first) {
+  // As many 8-column vectors (dividing the 64-column tile) as leave room in the register
+  // file for MR * NV accumulators, MR broadcasts of x and the widened w.
+  constexpr int kFit = (kVecRegs - 2 - MR) / MR;
+  constexpr int NV = kFit >= 8 ? 8 : kFit >= 4 ? 4 : kFit >= 2 ? 2 : 1;
+  int64_t j = t0;
+  for (; j + 8 * NV <= t1; j += 8 * NV) decode_tile<MR, NV, false>(p, r0, j, 8, i0, i1, first);
+  for (; j + 8 <= t1; j += 8) decode_tile<MR, 1, false>(p, r0, j, 8, i0, i1, first);
+  if (j < t1) decode_tile<MR, 1, true>(p, r0, j, static_cast<int>(t1 - j), i0, i1, first);
+}
+
+void decode_block(const Problem& p, int64_t rows, int64_t r0, int64_t t0, int64_t t1,
+                  int64_t i0, int64_t i1, bool first) {
+  switch (rows) {
+    case 1: return decode_rows<1>(p, r0, t0, t1, i0, i1, first);
+    case 2: return decode_rows<2>(p, r0, t0, t1, i0, i1, first);
+    case 3: return decode_rows<3>(p, r0, t0, t1, i0, i1, first);
+    case 4: return decode_rows<4>(p, r0, t0, t1, i0, i1, first);
+    default: return;
+  }
+}
+
+void decode_columns(const Problem& p, int64_t c0, int64_t c1) {
+  // Blocks of kKb rows of w, each swept across all the columns: w is read as kKb
+  // sequential streams (one per row) rather than one 64-byte line per row of a column
+  // strip, which for wide w meant a new page, and a TLB miss, per line.
+  for (int64_t i0 = 0, i1 = 0; i0 < p.k; i0 = i1) {
+    // A block never straddles two groups: it ends at the group's end.
+    i1 = std::min(i0 + kKb, (i0 / p.group_size + 1) * p.group_size);
+    for (int64_t t0 = c0; t0 < c1; t0 += kTileCols) {
+      const int64_t t1 = std::min(c1, t0 + kTileCols);
+      for (int64_t r = 0; r < p.m; r += 4) {
+        decode_block(p, std::min<int64_t>(4, p.m - r), r, t0, t1, i0, i1, i0 == 0);
+      }
+    }
+  }
+}
+
+// buf[i][0:16] = w[kc0 + i, j0 : j0 + cols] * scale[group of the row], zero-padded to 16.
+void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, float* buf) {
+  const int64_t n = p.n, gs = p.group_size;
+  for (int64_t i = 0; i < kc; ++i) {
+    const int64_t row = kc0 + i;
+    const int8_t* wr = p.w + row * n + j0;
+    const float* s = p.scale + (row / gs) * n + j0;
+    float* b = buf + i * 16;
+    if (cols == 16) {
+      _mm256_storeu_ps(b, _mm256_mul_ps(widen8(wr), _mm256_loadu_ps(s)));
+      _mm256_storeu_ps(b + 8, _mm256_mul_ps(widen8(wr + 8), _mm256_loadu_ps(s + 8)));
+    } else {
+      for (int c = 0; c < 16; ++c) b[c] = c < cols ? static_cast<float>(wr[c]) * s[c] : 0.0f;
+    }
+  }
+}
+
+// y[r0 : r0 + MR, j0 : j0 + cols] (+)= x[r0 : r0 + MR, kc0 : kc0 + kc] @ buf.
+template <int MR>
+void packed_tile(const Problem& p, int64_t r0, int64_t kc0, int64_t kc, const float* buf,
+                 int64_t j0, int cols, bool first) {
+  const int64_t k = p.k, n = p.n;
+  __m256 acc[MR][2];
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* x = p.x + r0 * k + kc0;
+  for (int64_t i = 0; i < kc; ++i) {
+    const __m256 b0 = _mm256_loadu_ps(buf + i * 16);
+    const __m256 b1 = _mm256_loadu_ps(buf + i * 16 + 8);
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * k + i);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  const __m256i mask0 = lane_mask(std::min(cols, 8));
+  const __m256i mask1 = lane_mask(std::max(cols - 8, 0));
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r) {
+    float* yp = p.y + (r0 + r) * n + j0;
+    if (cols == 16) {
+      if (!first) {
+        acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_loadu_ps(yp));
+        acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_loadu_ps(yp + 8));
+      }
+      _mm256_storeu_ps(yp, acc[r][0]);
+      _mm256_storeu_ps(yp + 8, acc[r][1]);
+    } else {
+      if (!first) {
+        acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_maskload_ps(yp, mask0));
+        acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_maskload_ps(yp + 8, mask1));
+      }
+      _mm256_maskstore_ps(yp, mask0, acc[r][0]);
+      _mm256_maskstore_ps(yp + 8, mask1, acc[r][1]);
+    }
+  }
+}
+
+void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
+  alignas(64) float buf[kKc * 16];
+  // k blocks outside: x[:, kc block] (m x kKc floats) stays in L2 across the column tiles.
+  for (int64_t kc0 = 0; kc0 < p.k; kc0 += kKc) {
+    const int64_t kc = std::min(kKc, p.k - kc0);
+    for (int64_t j = c0; j < c1; j += 16) {
+      const int cols = static_cast<int>(std::min<int64_t>(16, c1 - j));
+      pack_tile(p, kc0, kc, j, cols, buf);
+      int64_t r = 0;
+      for (; r + 6 <= p.m; r += 6) packed_tile<6>(p, r, kc0, kc, buf, j, cols, kc0 == 0);
+      switch (p.m - r) {
+        case 5: packed_tile<5>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
+        case 4: packed_tile<4>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
+        case 3: packed_tile<3>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
+        case 2: packed_tile<2>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
+        case 1: packed_tile<1>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
+        default: break;
+      }
+    }
+  }
+}
+
+#endif  // XLM_HAVE_AVX2
+
+// Portable path (no AVX2/FMA): the compiler vectorises the inner loop over columns.
+void generic_columns(const Problem& p, int64_t c0, int64_t c1) {
+  const int64_t width = c1 - c0;
+  std::unique_ptr<float[]> acc(new float[width]);
+  for (int64_t r = 0; r < p.m; ++r) {
+    float* yr = p.y + r * p.n + c0;
+    std::fill(yr, yr + width, 0.0f);
+    for (int64_t g = 0; g < p.groups; ++g) {
+      std::fill(acc.get(), acc.get() + width, 0.0f);
+      for (int64_t i = g * p.group_size; i < (g + 1) * p.group_size; ++i) {
+        const float xi = p.x[r * p.k + i];
+        const int8_t* wr = p.w + i * p.n + c0;
+        for (int64_t j = 0; j < width; ++j) acc[j] += xi * static_cast<float>(wr[j]);
+      }
+      const float* s = p.scale + g * p.n + c0;
+      for (int64_t j = 0; j < width; ++j) yr[j] += acc[j] * s[j];
+    }
+  }
+}
+
+void compute_columns(const Problem& p, int64_t c0, int64_t c1) {
+#if XLM_HAVE_AVX2
+  if (p.m >= kPackedMinRows) {
+    packed_columns(p, c0, c1);
+  } else {
+    decode_columns(p, c0, c1);
+  }
+#else
+  generic_columns(p, c0, c1);
+#endif
+}
+
+// Chunks of columns, claimed by the calling thread and the pool tasks. The state is
+// shared-owned: a task the pool starts late finds no chunk left and only drops its ref.
+struct Job {
+  Problem p;
+  int64_t chunk_cols = 0;
+  int64_t num_chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run() {
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= num_chunks) return;
+      compute_columns(p, c * chunk_cols, std::min(p.n, (c + 1) * chunk_cols));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Below this many multiply-adds a second thread costs more than it saves.
+constexpr int64_t kMinParallelWork = 1 << 17;
+
+
+std::string shape_str(const ffi::AnyBuffer::Dimensions& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
+                          int64_t max_workers) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  const auto yd = y->dimensions();
+  const std::string shapes = "x " + shape_str(xd) + ", w " + shape_str(wd) + ", scale " +
+                             shape_str(sd) + ", y " + shape_str(yd);
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("xlm_int8_matmul: x, w, scale and y must be 2-D; got " +
+                                       shapes);
+  }
+  const int64_t m = xd[0], k = xd[1], n = wd[1], groups = sd[0];
+  if (wd[0] != k) {
+    return ffi::Error::InvalidArgument(
+        "xlm_int8_matmul: x [m, k] and w [k, n] disagree on k; got " + shapes);
+  }
+  if (sd[1] != n || groups < 1 || k % groups != 0) {
+    return ffi::Error::InvalidArgument(
+        "xlm_int8_matmul: scale must be [G, n] with G >= 1 dividing k; got " + shapes);
+  }
+  if (yd[0] != m || yd[1] != n) {
+    return ffi::Error::InvalidArgument("xlm_int8_matmul: y must be [m, n]; got " + shapes);
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(y->typed_data(), y->typed_data() + m * n, 0.0f);
+    return ffi::Error::Success();
+  }
+
+  Problem p{x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(),
+            m,             k,             n,                   groups,         k / groups};
+
+  const int64_t tiles = (n + kTileCols - 1) / kTileCols;
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (max_workers > 0) threads = std::min(threads, max_workers);
+  const int64_t workers = m * k * n < kMinParallelWork ? 1 : std::min(threads, tiles);
+  if (workers <= 1) {
+    compute_columns(p, 0, n);
+    return ffi::Error::Success();
+  }
+  // A few chunks per worker, so a thread slowed by other load hands its share over.
+  auto job = std::make_shared<Job>();
+  job->p = p;
+  const int64_t chunks = std::min(tiles, workers * 4);
+  job->chunk_cols = (tiles + chunks - 1) / chunks * kTileCols;
+  job->num_chunks = (n + job->chunk_cols - 1) / job->chunk_cols;
+  for (int64_t t = 1; t < workers; ++t) pool.Schedule([job] { job->run(); });
+  job->run();
+  // The remaining chunks are being computed by threads that already claimed them.
+  for (int spins = 0; job->done.load(std::memory_order_acquire) < job->num_chunks; ++spins) {
+    if (spins < 4096) {
+      cpu_relax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmInt8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [m, k]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [k, n]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
+                                  .Attr<int64_t>("max_workers")  // threads to use; 0: all
+);
