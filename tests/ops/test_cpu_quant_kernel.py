@@ -61,8 +61,12 @@ def test_matches_reference_under_jit(m: int, k: int, n: int, groups: int) -> Non
 
 
 @pytest.mark.parametrize("max_workers", [1, 2])
-def test_thread_count_does_not_change_the_result(max_workers: int) -> None:
-    x, w, scale = make(3, 576, 3072, 1)  # large enough to be split across threads
+@pytest.mark.parametrize(
+    "m,k,n,groups",
+    [(3, 576, 3072, 1), (20, 576, 1000, 18), (2, 1024, 4100, 32)],  # the last: page chunks
+)
+def test_thread_count_does_not_change_the_result(m, k, n, groups, max_workers: int) -> None:
+    x, w, scale = make(m, k, n, groups)  # each large enough to be split across threads
     y = cpu_kernels.int8_matmul(x, w, scale, max_workers=max_workers)
     assert_close(y, x, w, scale)
 

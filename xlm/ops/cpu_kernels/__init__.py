@@ -7,9 +7,11 @@ loaded with ctypes and registered as an FFI target once per process. Without a c
 when the build fails, or with XLM_CPU_KERNELS=0, `available()` is False, one line is
 logged and the ops fall back to their plain-jnp path.
 
-A compiled program that contains the call needs the target registered before it runs,
-including one loaded from the persistent executable cache (which skips tracing): call
-`available()` before such a program is loaded or run, e.g. when the layer is built.
+A compiled program that contains the call needs the target registered before it is
+loaded, including one from the persistent executable cache (which skips tracing): call
+`available()` first, e.g. when the layer is built; otherwise deserializing fails with "No
+FFI handler registered". The target's name carries a hash of the C++ source, so a program
+saved by another build fails to load (and is recompiled) rather than calling this one.
 """
 
 from __future__ import annotations

@@ -9,14 +9,21 @@
 // - fewer than kPackedMinRows rows (decode): blocks of kKb rows of w are swept across the
 //   columns in tiles of 64 columns x up to 4 rows of x whose sums stay in registers; each
 //   block adds its sums, times the group's scale, into y. w is read as kKb sequential
-//   streams, and x and the y being summed stay in L1.
-// - more rows: a GEMM blocked over k (kKc rows) and 16-column tiles; each tile of w is
-//   widened and multiplied by its scale once into an L1 buffer and reused by every row.
+//   streams, and x and the y being summed stay in cache.
+// - more rows: a GEMM blocked over columns (kPackedPanelCols), k (kKc rows) and 16-column
+//   tiles; each tile of w is widened and multiplied by its scale once into an L1 buffer
+//   and reused by every row of x (6 rows x 16 columns of sums in registers).
+// Known cost: when a row of w is a multiple of 4 KiB (n = 4096, 16384, 49152...), the kKb
+// rows of a decode block share one L1 set and evict each other between the passes that
+// reuse them (column sub-tiles, blocks of 4 rows of x): 1.3-1.5x slower at 2 to 8 rows.
+// Copying the block, walking it in zig-zag or smaller blocks did not pay here; a tiled
+// weight layout ([n / 64][k][64]) would avoid it (not tried).
 // The columns are split into chunks that the calling thread and tasks on XLA's intra-op
 // thread pool (the FFI's ThreadPool context) claim from an atomic counter.
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -55,11 +62,13 @@ struct Problem {
   int64_t m, k, n, groups, group_size;
 };
 
-constexpr int64_t kTileCols = 64;        // columns of one decode tile (a cache line of w)
-constexpr int64_t kKb = 16;              // rows of w per decode block
-constexpr int64_t kPrefetchBytes = 256;  // how far ahead along a row of w to prefetch
-constexpr int64_t kPackedMinRows = 16;   // from this many rows of x on, the packed GEMM
-constexpr int64_t kKc = 256;             // rows of w per packed block (16 KiB of floats)
+constexpr int64_t kTileCols = 64;         // columns of one decode tile (a cache line of w)
+constexpr int64_t kKb = 16;               // rows of w per decode block
+constexpr int64_t kPrefetchBytes = 256;   // how far ahead along a row of w to prefetch
+constexpr int64_t kPackedMinRows = 16;    // from this many rows of x on, the packed GEMM
+constexpr int64_t kKc = 256;              // rows of w per packed block
+constexpr int kBufCols = 16;              // columns per packed tile (kKc x 16 floats: 16 KiB)
+constexpr int64_t kPackedPanelCols = 1024;  // columns whose y stays in L2 across k blocks
 
 #if XLM_HAVE_AVX2
 
@@ -155,7 +164,7 @@ void decode_block(const Problem& p, int64_t rows, int64_t r0, int64_t t0, int64_
 }
 
 void decode_columns(const Problem& p, int64_t c0, int64_t c1) {
-  // Blocks of kKb rows of w, each swept across all the columns: w is read as kKb
+  // Blocks of kKb rows of w, each swept across the chunk's columns: w is read as kKb
   // sequential streams (one per row) rather than one 64-byte line per row of a column
   // strip, which for wide w meant a new page, and a TLB miss, per line.
   for (int64_t i0 = 0, i1 = 0; i0 < p.k; i0 = i1) {
@@ -170,24 +179,28 @@ void decode_columns(const Problem& p, int64_t c0, int64_t c1) {
   }
 }
 
-// buf[i][0:16] = w[kc0 + i, j0 : j0 + cols] * scale[group of the row], zero-padded to 16.
+// buf[i][0:kBufCols] = w[kc0 + i, j0 : j0 + cols] * scale[group of the row], zero-padded.
 void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, float* buf) {
   const int64_t n = p.n, gs = p.group_size;
   for (int64_t i = 0; i < kc; ++i) {
     const int64_t row = kc0 + i;
     const int8_t* wr = p.w + row * n + j0;
     const float* s = p.scale + (row / gs) * n + j0;
-    float* b = buf + i * 16;
-    if (cols == 16) {
-      _mm256_storeu_ps(b, _mm256_mul_ps(widen8(wr), _mm256_loadu_ps(s)));
-      _mm256_storeu_ps(b + 8, _mm256_mul_ps(widen8(wr + 8), _mm256_loadu_ps(s + 8)));
+    float* b = buf + i * kBufCols;
+    if (cols == kBufCols) {
+      XLM_UNROLL
+      for (int v = 0; v < kBufCols / 8; ++v) {
+        _mm256_storeu_ps(b + 8 * v, _mm256_mul_ps(widen8(wr + 8 * v), _mm256_loadu_ps(s + 8 * v)));
+      }
     } else {
-      for (int c = 0; c < 16; ++c) b[c] = c < cols ? static_cast<float>(wr[c]) * s[c] : 0.0f;
+      for (int c = 0; c < kBufCols; ++c) {
+        b[c] = c < cols ? static_cast<float>(wr[c]) * s[c] : 0.0f;
+      }
     }
   }
 }
 
-// y[r0 : r0 + MR, j0 : j0 + cols] (+)= x[r0 : r0 + MR, kc0 : kc0 + kc] @ buf.
+// y[r0 : r0 + MR, j0 : j0 + cols] (+)= x[r0 : r0 + MR, kc0 : kc0 + kc] @ buf[:, 0:16].
 template <int MR>
 void packed_tile(const Problem& p, int64_t r0, int64_t kc0, int64_t kc, const float* buf,
                  int64_t j0, int cols, bool first) {
@@ -197,8 +210,8 @@ void packed_tile(const Problem& p, int64_t r0, int64_t kc0, int64_t kc, const fl
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const float* x = p.x + r0 * k + kc0;
   for (int64_t i = 0; i < kc; ++i) {
-    const __m256 b0 = _mm256_loadu_ps(buf + i * 16);
-    const __m256 b1 = _mm256_loadu_ps(buf + i * 16 + 8);
+    const __m256 b0 = _mm256_loadu_ps(buf + i * kBufCols);
+    const __m256 b1 = _mm256_loadu_ps(buf + i * kBufCols + 8);
     XLM_UNROLL
     for (int r = 0; r < MR; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * k + i);
@@ -229,32 +242,47 @@ void packed_tile(const Problem& p, int64_t r0, int64_t kc0, int64_t kc, const fl
   }
 }
 
-void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
-  alignas(64) float buf[kKc * 16];
-  // k blocks outside: x[:, kc block] (m x kKc floats) stays in L2 across the column tiles.
+void packed_rows(const Problem& p, int64_t kc0, int64_t kc, const float* buf, int64_t j0,
+                 int cols) {
+  const bool first = kc0 == 0;
+  int64_t r = 0;
+  for (; r + 6 <= p.m; r += 6) packed_tile<6>(p, r, kc0, kc, buf, j0, cols, first);
+  switch (p.m - r) {
+    case 5: return packed_tile<5>(p, r, kc0, kc, buf, j0, cols, first);
+    case 4: return packed_tile<4>(p, r, kc0, kc, buf, j0, cols, first);
+    case 3: return packed_tile<3>(p, r, kc0, kc, buf, j0, cols, first);
+    case 2: return packed_tile<2>(p, r, kc0, kc, buf, j0, cols, first);
+    case 1: return packed_tile<1>(p, r, kc0, kc, buf, j0, cols, first);
+    default: return;
+  }
+}
+
+void packed_panel(const Problem& p, int64_t c0, int64_t c1) {
+  alignas(64) float buf[kKc * kBufCols];
+  // k blocks outside: x[:, kc block] (m x kKc floats) stays in cache across the tiles.
   for (int64_t kc0 = 0; kc0 < p.k; kc0 += kKc) {
     const int64_t kc = std::min(kKc, p.k - kc0);
-    for (int64_t j = c0; j < c1; j += 16) {
-      const int cols = static_cast<int>(std::min<int64_t>(16, c1 - j));
-      pack_tile(p, kc0, kc, j, cols, buf);
-      int64_t r = 0;
-      for (; r + 6 <= p.m; r += 6) packed_tile<6>(p, r, kc0, kc, buf, j, cols, kc0 == 0);
-      switch (p.m - r) {
-        case 5: packed_tile<5>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
-        case 4: packed_tile<4>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
-        case 3: packed_tile<3>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
-        case 2: packed_tile<2>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
-        case 1: packed_tile<1>(p, r, kc0, kc, buf, j, cols, kc0 == 0); break;
-        default: break;
+    for (int64_t t = c0; t < c1; t += kBufCols) {
+      const int tile = static_cast<int>(std::min<int64_t>(kBufCols, c1 - t));
+      pack_tile(p, kc0, kc, t, tile, buf);
+      for (int j = 0; j < tile; j += 16) {
+        packed_rows(p, kc0, kc, buf + j, t + j, std::min(16, tile - j));
       }
     }
+  }
+}
+
+void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
+  // Panels of columns, so that the rows of y they sum into stay in L2 across k blocks.
+  for (int64_t j = c0; j < c1; j += kPackedPanelCols) {
+    packed_panel(p, j, std::min(c1, j + kPackedPanelCols));
   }
 }
 
 #endif  // XLM_HAVE_AVX2
 
 // Portable path (no AVX2/FMA): the compiler vectorises the inner loop over columns.
-void generic_columns(const Problem& p, int64_t c0, int64_t c1) {
+[[maybe_unused]] void generic_columns(const Problem& p, int64_t c0, int64_t c1) {
   const int64_t width = c1 - c0;
   std::unique_ptr<float[]> acc(new float[width]);
   for (int64_t r = 0; r < p.m; ++r) {
@@ -294,15 +322,27 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  void run() {
-    for (;;) {
+  // Computes unclaimed chunks until none is left; returns how many it computed.
+  int64_t run() {
+    for (int64_t count = 0;; ++count) {
       const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= num_chunks) return;
+      if (c >= num_chunks) return count;
       compute_columns(p, c * chunk_cols, std::min(p.n, (c + 1) * chunk_cols));
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+// When the other cores are busy with other processes, a pool thread can be descheduled
+// holding a chunk, and the caller then waits for it for a scheduler time slice
+// (milliseconds). After such a wait, calls run on the caller alone for kBackoff.
+using Clock = std::chrono::steady_clock;
+constexpr Clock::duration kBackoff = std::chrono::milliseconds(100);
+std::atomic<Clock::rep> g_single_thread_until{0};
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -310,8 +350,11 @@ inline void cpu_relax() {
 #endif
 }
 
-// Below this many multiply-adds a second thread costs more than it saves.
-constexpr int64_t kMinParallelWork = 1 << 17;
+// Below this many multiply-adds (~10 us on one core) a second thread costs more than it
+// saves: waking a parked pool thread took ~4 us here, and the Schedule call ~1 us.
+constexpr int64_t kMinParallelWork = 1 << 18;
+constexpr int64_t kTallRows = 1024;  // from this many rows, chunks of about a page of w
+constexpr int64_t kPageTiles = 4096 / kTileCols;
 
 
 std::string shape_str(const ffi::AnyBuffer::Dimensions& dims) {
@@ -355,26 +398,49 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t tiles = (n + kTileCols - 1) / kTileCols;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (max_workers > 0) threads = std::min(threads, max_workers);
-  const int64_t workers = m * k * n < kMinParallelWork ? 1 : std::min(threads, tiles);
+  int64_t workers = m * k * n < kMinParallelWork ? 1 : std::min(threads, tiles);
+  const Clock::rep now = Clock::now().time_since_epoch().count();
+  if (workers > 1 && now < g_single_thread_until.load(std::memory_order_relaxed)) workers = 1;
   if (workers <= 1) {
     compute_columns(p, 0, n);
     return ffi::Error::Success();
   }
-  // A few chunks per worker, so a thread slowed by other load hands its share over.
+  // A few chunks per worker, so that a thread that starts late (a parked pool thread
+  // started ~40 us after Schedule here, a spinning one ~0.3 us) or runs slowly hands its
+  // share over. For tall w, chunks about a page of columns wide (a multiple of the
+  // workers): every row of a chunk is a page walk, and with 4096 rows narrow chunks cost
+  // more in TLB misses than the balancing gains (measured).
+  int64_t chunks = workers * 4;
+  if (k >= kTallRows) {
+    const int64_t per_worker_pages = (tiles + workers * kPageTiles - 1) / (workers * kPageTiles);
+    chunks = std::min(chunks, workers * per_worker_pages);
+  }
+  const int64_t chunk_tiles = (tiles + chunks - 1) / chunks;
   auto job = std::make_shared<Job>();
   job->p = p;
-  const int64_t chunks = std::min(tiles, workers * 4);
-  job->chunk_cols = (tiles + chunks - 1) / chunks * kTileCols;
+  job->chunk_cols = chunk_tiles * kTileCols;
   job->num_chunks = (n + job->chunk_cols - 1) / job->chunk_cols;
   for (int64_t t = 1; t < workers; ++t) pool.Schedule([job] { job->run(); });
-  job->run();
+  const auto start = Clock::now();
+  const int64_t own_chunks = job->run();
+  if (job->done.load(std::memory_order_acquire) == job->num_chunks) {
+    return ffi::Error::Success();
+  }
   // The remaining chunks are being computed by threads that already claimed them.
+  const double own_seconds = seconds_since(start);
+  const auto wait_start = Clock::now();
   for (int spins = 0; job->done.load(std::memory_order_acquire) < job->num_chunks; ++spins) {
     if (spins < 4096) {
       cpu_relax();
     } else {
       std::this_thread::yield();
     }
+  }
+  // Longer than a chunk takes, with margin: the helper was descheduled.
+  const double chunk_seconds = own_seconds / std::max<int64_t>(own_chunks, 1);
+  if (seconds_since(wait_start) > 2 * chunk_seconds + 50e-6) {
+    const Clock::time_point until = Clock::now() + kBackoff;
+    g_single_thread_until.store(until.time_since_epoch().count(), std::memory_order_relaxed);
   }
   return ffi::Error::Success();
 }
