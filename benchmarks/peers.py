@@ -71,7 +71,7 @@ sys.path.pop(0)
 
 ENGINES = ("xlm", "llama-f32", "llama-f16", "llama-q8_0", "vllm", "transformers")
 # xlm-SCHEME rows: weights quantized as loaded (--quantization); xlm-DTYPE rows: a dtype.
-XLM_QUANTIZATIONS = ("int8", "w8a8", "fp8")
+XLM_QUANTIZATIONS = ("int8", "w8a8", "fp8", "gguf")
 LABELS = {
     "xlm": "xlm (float32)",
     "llama-f32": "llama.cpp F32 GGUF, batched",

@@ -1,10 +1,11 @@
 """Weight quantization: accuracy and memory of each scheme against float32, and a model
 that does not fit in float32 here running in int8.
 
-    python benchmarks/quantization.py [--schemes none,int8,w8a8,fp8] [--prompts 64]
+    python benchmarks/quantization.py [--schemes none,int8,w8a8,fp8,gguf,none:fp8] [--prompts 64]
         [--output-len 128] [--big] [--out benchmarks/quantization.json]
 
-Each scheme runs in its own process (one after another), on the built-in SmolLM2-135M:
+Each scheme runs in its own process (one after another), on the built-in SmolLM2-135M;
+`SCHEME:KV` also sets --kv-cache-dtype (`none:fp8`: float32 weights, an fp8 KV cache):
 - Greedy agreement with float32: 64 real-text prompts (benchmarks/peers_prompts.txt, the
   peers' prompts: 16-64 tokens) x 128 new tokens, EOS ignored: how many outputs are
   identical and the mean length of the matching prefix.
@@ -89,11 +90,13 @@ def worker(scheme: str, spec: dict) -> dict:
     sys.path.insert(0, str(HERE))
     from peers import load_prompts
 
-    quantization = None if scheme == "none" else scheme
+    weights, _, kv_dtype = scheme.partition(":")
+    quantization = None if weights == "none" else weights
     t = time.perf_counter()
     llm = xlm.LLM(
         model=spec["model"],
         quantization=quantization,
+        kv_cache_dtype=kv_dtype or "auto",
         max_num_seqs=64,
         max_model_len=1024,
         enable_prefix_caching=False,
@@ -225,7 +228,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--schemes", default="none,int8,w8a8,fp8")
+    parser.add_argument("--schemes", default="none,int8,w8a8,fp8,gguf,none:fp8,int8:fp8")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--texts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)

@@ -88,3 +88,28 @@ def test_native_path_with_group_minimums(rows):
     got = np.asarray(jax.jit(QuantMatmul().forward_native)(x, codes, scale, minimum))
     want = reference_matmul(x, codes, scale, get_scheme("gguf"), minimum)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("name", ["int8", "w8a8", "gguf"])
+def test_cpu_path_equals_definition(name, rows):
+    """forward_cpu (the FFI int8 kernel where it is faster, else the native path) equals
+    the float64 definition, grouped scales and minimums included."""
+    from xlm.ops import cpu_kernels
+
+    assert cpu_kernels.available()  # CI has a compiler: the kernel path must be tested
+    scheme = get_scheme(name)
+    rng = np.random.default_rng(rows)
+    k, n = 96, 56
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    minimum = None
+    if name == "gguf":
+        codes = rng.integers(0, 16, size=(k, n)).astype(np.int8)
+        scale = rng.uniform(0.01, 0.1, size=(k // 32, n)).astype(np.float32)
+        minimum = rng.uniform(-0.5, 0.0, size=(k // 32, n)).astype(np.float32)
+    else:
+        codes, scale = quantize_weight(rng.standard_normal((k, n)).astype(np.float32), scheme)
+    op = QuantMatmul(scheme.activations)
+    got = np.asarray(jax.jit(op.forward_cpu)(x, codes, scale, minimum))
+    want = reference_matmul(x, codes, scale, scheme, minimum)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

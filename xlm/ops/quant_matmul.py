@@ -7,14 +7,27 @@ The native path is the definition in jnp: weight-only schemes convert the kernel
 inside the dot (XLA fuses the convert), ``w8a8`` quantizes each token's activations to
 int8 and runs an int8 x int8 -> int32 dot, then scales by both. Platform paths take the
 same arguments.
+
+On CPU, XLA widens the whole int8 matrix before its dot, which made a one-row (decode)
+int8 projection slower than the float32 one it replaces; ``forward_cpu`` runs int8
+kernels through xlm.ops.cpu_kernels (an FFI kernel that streams the int8 bytes once, on
+XLA's own threads) for every row count of the weight-only schemes, and for w8a8 up to
+``W8A8_KERNEL_MAX_ROWS`` rows (beyond, XLA's int8 x int8 dot is faster: benchmarks/
+quant_matmul.py). fp8 kernels, and any step under a tensor-parallel mesh (the FFI call
+has no partitioning rule), take the native path.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from xlm.ops.cpu_kernels import available as cpu_kernels_available
+from xlm.ops.cpu_kernels import int8_matmul
 from xlm.ops.custom_op import CustomOp
+from xlm.ops.paged_attention import _tp_mesh
 
 
 def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -25,13 +38,25 @@ def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
 
 
+# w8a8 on CPU: rows up to which the FFI kernel (on the rounded activations) beats XLA's
+# int8 x int8 dot (benchmarks/quant_matmul.py: 3.5x at 1 row, 1.4x at 8, 0.7x at 64).
+W8A8_KERNEL_MAX_ROWS = 16
+
+
 @CustomOp.register("quant_matmul")
 class QuantMatmul(CustomOp):
     """x [..., in] @ dequantized kernel -> [..., out] in x's dtype."""
 
+    # Platform kernels are used wherever they exist (CPU: the int8 FFI kernel).
+    default_enabled = True
+
     def __init__(self, activations: str | None = None, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
         self.activations = activations
+        if self._forward_name == "forward_cpu":
+            # Built and registered now: a saved program that calls the kernel loads from
+            # the executable cache without tracing this op again.
+            cpu_kernels_available()
 
     def forward_native(
         self,
@@ -67,3 +92,31 @@ class QuantMatmul(CustomOp):
             sums = x2.reshape(-1, groups, k // groups).sum(-1, dtype=jnp.float32)
             y = y + jnp.dot(sums, minimum, preferred_element_type=jnp.float32)
         return y.astype(x.dtype).reshape(*lead, out)
+
+    def forward_cpu(
+        self,
+        x: jax.Array,
+        kernel: jax.Array,
+        scale: jax.Array,
+        minimum: jax.Array | None = None,
+    ) -> jax.Array:
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = math.prod(lead)
+        w8a8 = self.activations == "int8"
+        if (
+            kernel.dtype != jnp.int8
+            or (w8a8 and rows > W8A8_KERNEL_MAX_ROWS)
+            or _tp_mesh() is not None  # no partitioning rule: XLA would gather the kernel
+            or not cpu_kernels_available()
+        ):
+            return self.forward_native(x, kernel, scale, minimum)
+        x2 = x.reshape(-1, k).astype(jnp.float32)
+        if w8a8:  # the same rounded activations; the kernel's float sums are exact here
+            xq, xs = quantize_activations(x2)
+            x2 = xq.astype(jnp.float32) * xs
+        y = int8_matmul(x2, kernel, scale)
+        if minimum is not None:
+            groups = scale.shape[0]
+            sums = x2.reshape(-1, groups, k // groups).sum(-1)
+            y = y + jnp.dot(sums, minimum, preferred_element_type=jnp.float32)
+        return y.astype(x.dtype).reshape(*lead, -1)
