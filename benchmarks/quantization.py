@@ -173,20 +173,6 @@ def run_worker(args: list[str]) -> dict:
     return {"error": proc.stderr[-3000:]}
 
 
-def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:
-    prefixes = []
-    for a, b in zip(ours, ref):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        prefixes.append(n)
-    return {
-        "identical": sum(a == b for a, b in zip(ours, ref)),
-        "of": len(ref),
-        "mean_matching_prefix": sum(prefixes) / len(prefixes),
-    }
-
-
 def table(report: dict) -> str:
     rows = [r for r in report["results"] if "error" not in r]
     ref = next(r for r in rows if r["scheme"] == "none")
@@ -196,8 +182,10 @@ def table(report: dict) -> str:
         "log-likelihood | vs float32 |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    from peers import agreement
+
     for r in rows:
-        a = agreement(r["outputs"], ref["outputs"])
+        a = agreement(r, ref)
         rel = (r["mean_loglik"] - ref["mean_loglik"]) / abs(ref["mean_loglik"])
         lines.append(
             f"| {r['scheme']} | {r['weight_bytes'] / 1e6:.0f} | "

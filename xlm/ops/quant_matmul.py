@@ -38,6 +38,15 @@ def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
 
 
+def _plus_minimums(y: jax.Array, x2: jax.Array, minimum: jax.Array | None) -> jax.Array:
+    """y + each group's input sum times its minimum (GGUF types with one; else y)."""
+    if minimum is None:
+        return y
+    groups = minimum.shape[0]
+    sums = x2.reshape(x2.shape[0], groups, -1).sum(-1, dtype=jnp.float32)
+    return y + jnp.dot(sums, minimum, preferred_element_type=jnp.float32)
+
+
 # w8a8 on CPU: rows up to which the FFI kernel (on the rounded activations) beats XLA's
 # int8 x int8 dot (benchmarks/quant_matmul.py: 3.5x at 1 row, 1.4x at 8, 0.7x at 64).
 W8A8_KERNEL_MAX_ROWS = 16
@@ -88,10 +97,7 @@ class QuantMatmul(CustomOp):
                 preferred_element_type=jnp.float32,
             )
             y = jnp.einsum("mgo,go->mo", partial, scale)
-        if minimum is not None:  # + sum over each group's inputs times its minimum
-            sums = x2.reshape(-1, groups, k // groups).sum(-1, dtype=jnp.float32)
-            y = y + jnp.dot(sums, minimum, preferred_element_type=jnp.float32)
-        return y.astype(x.dtype).reshape(*lead, out)
+        return _plus_minimums(y, x2, minimum).astype(x.dtype).reshape(*lead, out)
 
     def forward_cpu(
         self,
@@ -114,9 +120,5 @@ class QuantMatmul(CustomOp):
         if w8a8:  # the same rounded activations; the kernel's float sums are exact here
             xq, xs = quantize_activations(x2)
             x2 = xq.astype(jnp.float32) * xs
-        y = int8_matmul(x2, kernel, scale)
-        if minimum is not None:
-            groups = scale.shape[0]
-            sums = x2.reshape(-1, groups, k // groups).sum(-1)
-            y = y + jnp.dot(sums, minimum, preferred_element_type=jnp.float32)
+        y = _plus_minimums(int8_matmul(x2, kernel, scale), x2, minimum)
         return y.astype(x.dtype).reshape(*lead, -1)
