@@ -1,5 +1,5 @@
 """One TP=4 engine over two processes x two fake CPU devices on 127.0.0.1 (jax.distributed):
-`xlm generate`, `xlm run-batch` and `xlm serve` give TP=1's greedy text; a killed follower
+`xlm generate` (w8a8-quantized), `xlm run-batch` and `xlm serve` give TP=1's greedy text; a killed follower
 makes the leader fail naming it, a rerun completes every record once; a killed leader
 makes its follower exit."""
 
@@ -131,17 +131,24 @@ def group_alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_generate_over_two_processes_equals_tp1(pods, model, expected):
+def test_generate_quantized_over_two_processes_equals_tp1(pods, model):
+    """w8a8 over two processes: each quantizes the kernel and scale shards it holds as it
+    loads them, and the text is TP=1's w8a8 text (the float path over two processes is
+    the run-batch and serve tests')."""
     prompt = PROMPTS[0]
-    pod = pods(
-        ["generate", "--model", model, prompt, f"--max-tokens={MAX_TOKENS}", "--temperature=0"]
-    )
+    llm = xlm.LLM(model=model, quantization="w8a8", **ENGINE)
+    params = xlm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    del llm
+    command = ["generate", "--model", model, prompt, f"--max-tokens={MAX_TOKENS}"]
+    pod = pods([*command, "--temperature=0", "--quantization=w8a8"])
     out, _ = pod.leader.communicate(timeout=900)
     assert pod.leader.returncode == 0, pod.log(0)[-4000:]
 
     # stdout holds the generated text and nothing else: Gloo's C++ connection lines,
     # which used to land inside it, go to stderr (multihost.keep_stdout_for_python).
-    assert out.strip() == expected[prompt].strip()
+    assert out.strip() == want.strip()
+    assert "quantization w8a8" in pod.log(0) and "quantization w8a8" in pod.log(1)
     assert pod.follower.wait(60) == 0, pod.log(1)[-4000:]
     assert "follower process 1 ready" in pod.log(1)
 

@@ -267,3 +267,24 @@ def test_invalid_constraint_is_a_value_error_and_engine_keeps_serving(llm):
         llm.generate(["x"], constrained(5, regex="[unclosed"), use_tqdm=False)
     (out,) = llm.generate(["Pick:"], constrained(5, choice=["a", "b"]), use_tqdm=False)
     assert out.outputs[0].text in ("a", "b")
+
+
+def test_constraints_hold_on_a_quantized_engine(smollm2_gguf):
+    """The same constraints on SmolLM2 with its Q4_1 blocks kept (--quantization gguf):
+    the grammar masks the quantized model's logits like the float one's."""
+    import xlm
+    from tests.engine.reference import SMOLLM2_ENGINE
+
+    quantized = xlm.LLM(model=smollm2_gguf, quantization="gguf", **SMOLLM2_ENGINE)
+    tokenizer = quantized.get_tokenizer()
+    schemas = [SCHEMAS[0], SCHEMAS[1], SCHEMAS[6]]
+    prompts = [chat_prompt(tokenizer, QUESTIONS[i]) for i in (0, 1, 6)]
+    params = [constrained(120, json=schema) for schema in schemas]
+    prompts += [chat_prompt(tokenizer, "Answer briefly: is the sky blue?")] * 2
+    params += [constrained(40, regex=REGEXES[0]), constrained(10, choice=CHOICES[1])]
+    outs = [o.outputs[0] for o in quantized.generate(prompts, params, use_tqdm=False)]
+    for schema, out in zip(schemas, outs):
+        assert out.finish_reason == "stop", (out.text, out.finish_reason)
+        check_json(out.text, schema)
+    assert re.fullmatch(REGEXES[0], outs[3].text), outs[3].text
+    assert outs[4].text in CHOICES[1] and outs[4].finish_reason == "stop"

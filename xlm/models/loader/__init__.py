@@ -445,11 +445,12 @@ def get_model(
     model_cls, arch = ModelRegistry.resolve(hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config)
     logger.info(
-        "Loading %s (%s) as %s, dtype %s.",
+        "Loading %s (%s) as %s, dtype %s%s.",
         model_config.model,
         arch,
         load_format,
         jnp.dtype(dtype).name,
+        f", quantization {model_config.quantization}" if model_config.quantization else "",
     )
     with set_current_xlm_config(xlm_config):
         model = build_abstract_model(model_cls, hf_config, dtype, model_config.seed)
