@@ -1,11 +1,13 @@
 """Weight quantization: accuracy and memory of each scheme against float32, and a model
 that does not fit in float32 here running in int8.
 
-    python benchmarks/quantization.py [--schemes none,int8,w8a8,fp8,gguf,none:fp8] [--prompts 64]
+    python benchmarks/quantization.py [--schemes none,int8,w8a8,fp8,gguf,none:fp8,none:int8]
+        [--prompts 64]
         [--output-len 128] [--big] [--out benchmarks/quantization.json]
 
 Each scheme runs in its own process (one after another), on the built-in SmolLM2-135M;
-`SCHEME:KV` also sets --kv-cache-dtype (`none:fp8`: float32 weights, an fp8 KV cache):
+`SCHEME:KV` also sets --kv-cache-dtype (`none:fp8`: float32 weights, an fp8 KV cache;
+`none:int8`: an int8 KV cache with a scale per (token, kv head) row):
 - Greedy agreement with float32: 64 real-text prompts (benchmarks/peers_prompts.txt, the
   peers' prompts: 16-64 tokens) x 128 new tokens, EOS ignored: how many outputs are
   identical and the mean length of the matching prefix.
@@ -221,7 +223,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--schemes", default="none,int8,w8a8,fp8,gguf,none:fp8,int8:fp8")
+    parser.add_argument("--schemes", default="none,int8,w8a8,fp8,gguf,none:fp8,none:int8,int8:fp8")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--texts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)

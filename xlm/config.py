@@ -11,8 +11,18 @@ from typing import Any, Literal
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-# --kv-cache-dtype: a dtype name, or fp8 (float8 e4m3fn, as "fp8_e4m3") / fp8_e5m2.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --kv-cache-dtype: a dtype name, fp8 (float8 e4m3fn, as "fp8_e4m3") / fp8_e5m2, or int8
+# (codes with one float32 scale per (token, kv head) row: ragged_paged_attention.kv_quant).
+KV_CACHE_DTYPES = (
+    "auto",
+    "float32",
+    "bfloat16",
+    "float16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8",
+)
 _KV_NUMPY_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 

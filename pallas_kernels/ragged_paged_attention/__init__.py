@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .kv_quant import cache_row_width, dequantize, is_int8, quantize
 from .reference import kv_cache_shape, ragged_paged_attention_reference, write_kv
 
 _LAZY = {
@@ -19,8 +20,12 @@ _LAZY = {
 }
 
 __all__ = [
+    "cache_row_width",
+    "dequantize",
+    "is_int8",
     "kv_cache_shape",
     "kv_cache_shape_tpu",
+    "quantize",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",

@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .kv_quant import SCALE_BYTES, is_int8, scale_of
 from .reference import MASK_VALUE, token_metadata
 
 _MIN_ROWS = 16  # smallest M for tl.dot
@@ -105,6 +106,26 @@ def _kernel(
 
     max_pages = bt_ref.shape[1]
     kv_cols = jnp.broadcast_to(lax.iota(jnp.int32, head_dim)[None, :], (block_kv, head_dim))
+    int8 = is_int8(kv_ref.dtype)
+    scale_cols = head_dim + lax.iota(jnp.int32, SCALE_BYTES)[None, :]
+
+    def load_rows(slot, ok):
+        """K or V rows [block_kv, head_dim] at cache rows `slot` (where `ok`), in the queries'
+        dtype: an fp8 cache widened, an int8 one as codes * scale."""
+        rows = jnp.broadcast_to(slot[:, None], (block_kv, head_dim))
+        mask = jnp.broadcast_to(ok[:, None], (block_kv, head_dim))
+        x = plgpu.load(kv_ref.at[rows, kvh, kv_cols], mask=mask, other=0)
+        if not int8:
+            return x.astype(q.dtype)
+        shape = (block_kv, SCALE_BYTES)
+        scale_bytes = plgpu.load(
+            kv_ref.at[
+                jnp.broadcast_to(slot[:, None], shape), kvh, jnp.broadcast_to(scale_cols, shape)
+            ],
+            mask=jnp.broadcast_to(ok[:, None], shape),
+            other=0,
+        )
+        return (x.astype(jnp.float32) * scale_of(scale_bytes)[:, None]).astype(q.dtype)
 
     def body(t, carry):
         acc, m_prev, l_prev = carry
@@ -112,12 +133,8 @@ def _kernel(
         col_ok = (col_pos <= hi) & (col_pos >= lo)
         page = bt_ref[req, jnp.minimum(col_pos // block_size, max_pages - 1)]
         slot = jnp.where(col_ok, page * block_size + col_pos % block_size, 0)
-        load_mask = jnp.broadcast_to(col_ok[:, None], (block_kv, head_dim))
-        kv_rows = jnp.broadcast_to(slot[:, None], (block_kv, head_dim))
-        # An fp8 cache is widened to the queries' dtype as it is read.
-        k = plgpu.load(kv_ref.at[kv_rows, kvh, kv_cols], mask=load_mask, other=0).astype(q.dtype)
-        v = plgpu.load(kv_ref.at[kv_rows + kv_plane, kvh, kv_cols], mask=load_mask, other=0)
-        v = v.astype(q.dtype)
+        k = load_rows(slot, col_ok)
+        v = load_rows(slot + kv_plane, col_ok)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         s = s * sm_scale
         if soft_cap is not None:
@@ -195,9 +212,9 @@ def ragged_paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:
-    """Pallas Triton ragged paged attention over the shared (2, NB, BS, Hkv, D) cache."""
+    """Pallas Triton ragged paged attention over the shared (2, NB, BS, Hkv, row) cache."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    _, num_blocks, block_size, num_kv_heads, row = kv_cache.shape
     num_reqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     if head_dim & (head_dim - 1):
@@ -250,7 +267,7 @@ def ragged_paged_attention_gpu(
         seq_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32),
         q.reshape(flat_rows - 1, head_dim),
-        kv_cache.reshape(2 * num_blocks * block_size, num_kv_heads, head_dim),
+        kv_cache.reshape(2 * num_blocks * block_size, num_kv_heads, row),
     )
     if num_splits == 1:
         out = result[:-1]

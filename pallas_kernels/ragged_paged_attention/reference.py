@@ -5,32 +5,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .kv_quant import cache_row_width, dequantize, quantize
+
 # Large finite negative: exp() of it underflows to 0 without producing NaN on fully masked rows.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def kv_cache_shape(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32
 ) -> tuple[int, ...]:
-    """Shape of the shared paged KV cache: (2, num_blocks, block_size, num_kv_heads, head_dim)."""
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-
-def to_cache_dtype(kv: jax.Array, dtype) -> jax.Array:
-    """K/V in the cache's element type; fp8 saturates at its largest finite value (an
-    out-of-range float would become NaN: e4m3fn has no infinity)."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
-        limit = float(jnp.finfo(dtype).max)
-        kv = jnp.clip(kv, -limit, limit)
-    return kv.astype(dtype)
+    """Shape of the shared paged KV cache: (2, num_blocks, block_size, num_kv_heads, row),
+    row = head_dim (head_dim + 4 for int8: each row carries its scale, see kv_quant)."""
+    return (2, num_blocks, block_size, num_kv_heads, cache_row_width(head_dim, dtype))
 
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter k, v [T, Hkv, D] into the cache at slot = block_id * block_size + offset."""
     kv_cache = jnp.asarray(kv_cache)
     num_blocks, block_size = kv_cache.shape[1:3]
-    kv = to_cache_dtype(jnp.stack([k, v]), kv_cache.dtype)
+    kv = quantize(jnp.stack([k, v]), kv_cache.dtype)
     slot_mapping = jnp.asarray(slot_mapping, jnp.int32)
     # Negative slots are dropped too (jnp would wrap them to the last block).
     blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
@@ -78,13 +71,11 @@ def ragged_paged_attention_reference(
     # Every token gathers its request's whole (padded) context: simple, dense, memory hungry.
     pages = block_tables.astype(jnp.int32)[req]  # [T, max_blocks]
     ctx = pages.shape[1] * block_size
-    k = kv_cache[0][pages].reshape(num_tokens, ctx, num_kv_heads, head_dim)
-    v = kv_cache[1][pages].reshape(num_tokens, ctx, num_kv_heads, head_dim)
+    k = dequantize(kv_cache[0][pages], jnp.float32).reshape(num_tokens, ctx, num_kv_heads, head_dim)
+    v = dequantize(kv_cache[1][pages], jnp.float32).reshape(num_tokens, ctx, num_kv_heads, head_dim)
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-    logits = jnp.einsum(
-        "tkgd,tlkd->tkgl", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
+    logits = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=jax.lax.Precision.HIGHEST)
     logits = logits * sm_scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -95,8 +86,6 @@ def ragged_paged_attention_reference(
     mask &= valid[:, None]
     logits = jnp.where(mask[:, None, None, :], logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum(
-        "tkgl,tlkd->tkgd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
+    out = jnp.einsum("tkgl,tlkd->tkgd", probs, v, precision=jax.lax.Precision.HIGHEST)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

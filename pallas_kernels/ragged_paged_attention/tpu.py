@@ -23,14 +23,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .reference import MASK_VALUE, to_cache_dtype
+from .kv_quant import cache_row_width, dequantize, quantize
+from .reference import MASK_VALUE
 
 
 def kv_cache_shape_tpu(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32
 ) -> tuple[int, ...]:
-    """Shape of the TPU paged KV cache: (2, num_blocks, num_kv_heads, block_size, head_dim)."""
-    return (2, num_blocks, num_kv_heads, block_size, head_dim)
+    """Shape of the TPU paged KV cache: (2, num_blocks, num_kv_heads, block_size, row), row =
+    head_dim (head_dim + 4 for int8: each row carries its scale, see kv_quant)."""
+    return (2, num_blocks, num_kv_heads, block_size, cache_row_width(head_dim, dtype))
 
 
 def write_kv_tpu(
@@ -41,12 +43,12 @@ def write_kv_tpu(
     The scatter runs on the (2, num_blocks, Hkv * block_size, D) view, one row per (head,
     position): with one KV head per chip the 5-D form's size-1 axis made the TPU compiler
     copy the whole cache around the scatter (seen in `xlm plan`'s temp bytes)."""
-    two, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
+    two, num_blocks, num_kv_heads, block_size, row = kv_cache.shape
     slots = slot_mapping.astype(jnp.int32)
     rows = jnp.arange(num_kv_heads)[None, :] * block_size + (slots % block_size)[:, None]
     blocks = jnp.repeat(slots // block_size, num_kv_heads)
-    kv = to_cache_dtype(jnp.stack([k, v], axis=0), kv_cache.dtype).reshape(two, -1, head_dim)
-    flat = jnp.asarray(kv_cache).reshape(two, num_blocks, num_kv_heads * block_size, head_dim)
+    kv = quantize(jnp.stack([k, v], axis=0), kv_cache.dtype).reshape(two, -1, row)
+    flat = jnp.asarray(kv_cache).reshape(two, num_blocks, num_kv_heads * block_size, row)
     return flat.at[:, blocks, rows.reshape(-1)].set(kv, mode="drop").reshape(kv_cache.shape)
 
 
@@ -154,9 +156,10 @@ def _kernel(
 
             for c in tile_copies(req, tile, slot):
                 c.wait()
-            # An fp8 cache is widened to the queries' dtype in VMEM (half the HBM reads).
-            k = k_buf[slot].astype(q.dtype)
-            v = v_buf[slot].astype(q.dtype)
+            # An fp8 or int8 cache is widened to the queries' dtype in VMEM (a half or a
+            # quarter of the HBM reads).
+            k = dequantize(k_buf[slot], q.dtype, in_kernel=True)
+            v = dequantize(v_buf[slot], q.dtype, in_kernel=True)
             s = (
                 lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 * sm_scale
@@ -228,9 +231,9 @@ def ragged_paged_attention_tpu(
     pages_per_tile: int | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
-    """Pallas Mosaic ragged paged attention over the TPU (2, NB, Hkv, BS, D) cache layout."""
+    """Pallas Mosaic ragged paged attention over the TPU (2, NB, Hkv, BS, row) cache layout."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _, _, num_kv_heads, block_size, _ = kv_cache.shape
+    _, _, num_kv_heads, block_size, row = kv_cache.shape
     num_reqs, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     knobs = default_knobs_tpu(num_tokens, num_reqs, num_q_heads, num_kv_heads, block_size, q.dtype)
@@ -272,8 +275,8 @@ def ragged_paged_attention_tpu(
         ],
         out_specs=pl.BlockSpec((None, rows, head_dim), lambda h, g, *_: (h, g, 0)),
         scratch_shapes=[
-            pltpu.VMEM((2, tile_tokens, head_dim), kv_cache.dtype),
-            pltpu.VMEM((2, tile_tokens, head_dim), kv_cache.dtype),
+            pltpu.VMEM((2, tile_tokens, row), kv_cache.dtype),
+            pltpu.VMEM((2, tile_tokens, row), kv_cache.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
             pltpu.VMEM((rows, head_dim), jnp.float32),
             pltpu.VMEM((rows, 1), jnp.float32),

@@ -12,8 +12,10 @@ import pytest
 from rpa_batches import Batch, brute_force_attention, make_batch
 
 from pallas_kernels.ragged_paged_attention import (
+    dequantize,
     kv_cache_shape,
     kv_cache_shape_tpu,
+    quantize,
     ragged_paged_attention_gpu,
     ragged_paged_attention_reference,
     ragged_paged_attention_tpu,
@@ -105,7 +107,7 @@ def _to_tpu_layout(kv_cache):
     return jnp.asarray(kv_cache).transpose(0, 1, 3, 2, 4)  # (2, NB, BS, Hkv, D) -> TPU layout
 
 
-def _check_kernel(kernel, b: Batch, dtype, window=None, cap=None, **knobs):
+def _check_kernel(kernel, b: Batch, dtype, window=None, cap=None, tol=None, **knobs):
     args = [jnp.asarray(a) for a in b.args()]
     expect = ragged_paged_attention_reference(
         *args, sm_scale=SM_SCALE, sliding_window=window, soft_cap=cap
@@ -118,7 +120,7 @@ def _check_kernel(kernel, b: Batch, dtype, window=None, cap=None, **knobs):
     assert got.shape == b.q.shape and got.dtype == dtype
     got = np.asarray(got.astype(jnp.float32))
     assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, np.asarray(expect.astype(jnp.float32)), **_tol(dtype))
+    np.testing.assert_allclose(got, np.asarray(expect.astype(jnp.float32)), **(tol or _tol(dtype)))
 
 
 GPU_CASES = [
@@ -235,6 +237,14 @@ def test_gpu_kernel_lowers_for_cuda(splits, dtype):
     assert "ragged_paged_attention_gpu" in text
 
 
+def test_gpu_kernel_lowers_an_int8_cache_for_cuda():
+    args = list(_abstract_args(jnp.bfloat16))
+    args[1] = jax.ShapeDtypeStruct(kv_cache_shape(64, 16, 8, 128, jnp.int8), jnp.int8)
+    f = functools.partial(ragged_paged_attention_gpu, sm_scale=0.1, num_kv_splits=2)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_paged_attention_gpu" in text
+
+
 def _libtpu_installed() -> bool:
     try:
         import libtpu  # noqa: F401
@@ -291,6 +301,39 @@ def test_tpu_kernel_compiles_for_tpu(topology_name, dtype, window, cap, num_toke
     memory = compiled.memory_analysis()
     q_bytes = t * hq * d * jnp.dtype(dtype).itemsize
     assert memory.output_size_in_bytes == q_bytes  # the output has the query's shape
+
+
+@needs_libtpu
+@pytest.mark.parametrize("num_tokens,num_reqs", [(8, 8), (256, 8)])
+def test_tpu_kernel_compiles_an_int8_cache_for_tpu(num_tokens, num_reqs):
+    """Mosaic takes the int8 cache's head_dim + 4 rows (codes, then the scale's bytes) and
+    decodes the scale in the kernel; HBM rounds rows up to whole 128-lane tiles, so head_dim
+    64 costs half bfloat16's bytes (whose 64-lane rows pad too) and head_dim 128 the same."""
+    s = jax.ShapeDtypeStruct
+    t, r, hq, hkv, nb, bs, max_blocks = num_tokens, num_reqs, 12, 4, 64, 16, 16
+    mesh = _tpu_topology_mesh("v6e:2x2")
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    cache_bytes = {}
+    for d, kv_dtype in [(64, jnp.int8), (64, jnp.bfloat16)]:
+        args = tuple(
+            s(shape, dt, sharding=sharding)
+            for shape, dt in [
+                ((t, hq, d), jnp.bfloat16),
+                (kv_cache_shape_tpu(nb, bs, hkv, d, kv_dtype), kv_dtype),
+                ((r, max_blocks), jnp.int32),
+                ((r,), jnp.int32),
+                ((r + 1,), jnp.int32),
+                ((1,), jnp.int32),
+            ]
+        )
+        f = functools.partial(ragged_paged_attention_tpu, sm_scale=0.1)
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(f).trace(*args).lower().compile()
+        assert "tpu_custom_call" in compiled.as_text()
+        cache_bytes[kv_dtype] = compiled.memory_analysis().argument_size_in_bytes
+    # Only the cache differs: bfloat16's 64-lane rows take 128 lanes * 2 bytes, int8's 68.
+    padded_bf16_cache = 2 * nb * hkv * bs * 128 * 2
+    assert cache_bytes[jnp.bfloat16] - cache_bytes[jnp.int8] >= 0.45 * padded_bf16_cache
 
 
 # ---------------------------------------------------------------- real hardware
@@ -359,9 +402,67 @@ def test_kernels_read_an_fp8_cache(kernel, q_dtype):
     _check_kernel(fn, b, q_dtype, **knobs)
 
 
+def _int8_batch(q_dtype):
+    """`mixed_mid_page` with every slot of an int8 cache written (rows of codes + scale)."""
+    b = _batch("mixed_mid_page", dtype=q_dtype)
+    _, nb, bs, hkv, d = b.kv_cache.shape
+    cache = jnp.zeros(kv_cache_shape(nb, bs, hkv, d, jnp.int8), jnp.int8)
+    assert cache.shape == (2, nb, bs, hkv, d + 4)
+    b.kv_cache = np.asarray(write_kv(cache, *_kv(b)))
+    return b
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    """--kv-cache-dtype int8: a row's codes times its scale (max|row| / 127) is the row to
+    within half a quantization step; the kernels' byte arithmetic decodes the same scale
+    as a bitcast; an all-zero row stays zero (no 0 / 0)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((6, 3, HEAD_DIM)).astype(np.float32) * 5).at[0, 0].set(0)
+    rows = quantize(x, jnp.int8)
+    assert rows.shape == (6, 3, HEAD_DIM + 4) and rows.dtype == jnp.int8
+    step = np.abs(np.asarray(x)).max(-1, keepdims=True) / 127
+    got = np.asarray(dequantize(rows, jnp.float32))
+    assert (np.abs(got - np.asarray(x)) <= step / 2 + 1e-6).all()
+    assert not got[0, 0].any()
+    np.testing.assert_array_equal(np.asarray(dequantize(rows, jnp.float32, in_kernel=True)), got)
+    # The shared and TPU writers store the same rows.
+    k, v, slots = x[:3], x[3:], np.array([5, 6, 9], np.int32)
+    shared = write_kv(jnp.zeros(kv_cache_shape(4, 4, 3, HEAD_DIM, jnp.int8), jnp.int8), k, v, slots)
+    tpu = write_kv_tpu(
+        jnp.zeros(kv_cache_shape_tpu(4, 4, 3, HEAD_DIM, jnp.int8), jnp.int8), k, v, slots
+    )
+    np.testing.assert_array_equal(np.asarray(_to_tpu_layout(shared)), np.asarray(tpu))
+
+
+def test_reference_reads_an_int8_cache_closer_to_float_than_fp8():
+    b = _batch("mixed_mid_page")
+    _, nb, bs, hkv, d = b.kv_cache.shape
+    outputs = {}
+    for dtype in (jnp.float32, jnp.int8, jnp.float8_e4m3fn):
+        cache = jnp.zeros(kv_cache_shape(nb, bs, hkv, d, dtype), dtype)
+        b.kv_cache = np.asarray(write_kv(cache, *_kv(b)))
+        outputs[dtype] = np.asarray(ragged_paged_attention_reference(*b.args(), sm_scale=SM_SCALE))
+    int8, fp8 = (
+        np.abs(outputs[t] - outputs[jnp.float32]).mean() for t in (jnp.int8, jnp.float8_e4m3fn)
+    )
+    assert 0 < int8 < fp8 / 2, (int8, fp8)
+
+
+@pytest.mark.parametrize("kernel,q_dtype", [("gpu", jnp.float32), ("tpu", jnp.bfloat16)])
+def test_kernels_read_an_int8_cache(kernel, q_dtype):
+    """--kv-cache-dtype int8: the kernels split each row into codes and scale as they read
+    it and match the reference on the same cache."""
+    fn = ragged_paged_attention_gpu if kernel == "gpu" else ragged_paged_attention_tpu
+    knobs = dict(block_kv=16) if kernel == "gpu" else dict(block_q=2)
+    # bfloat16 queries: the kernel rounds codes * scale to bfloat16, the reference does not.
+    tol = dict(rtol=5e-2, atol=5e-2) if q_dtype == jnp.bfloat16 else None
+    _check_kernel(fn, _int8_batch(q_dtype), q_dtype, tol=tol, **knobs)
+
+
 def _kv(b: Batch):
     """Every slot of `b`'s cache written once (k, v [slots, Hkv, D], slot ids)."""
-    _, nb, bs, hkv, d = b.kv_cache.shape
+    _, nb, bs, hkv, _ = b.kv_cache.shape
+    d = b.q.shape[-1]
     rng = np.random.default_rng(3)
     kv = rng.standard_normal((2, nb * bs, hkv, d)).astype(np.float32) * 3
     return kv[0], kv[1], np.arange(nb * bs, dtype=np.int32)

@@ -1,7 +1,8 @@
-"""--kv-cache-dtype fp8: K and V stored as float8 (e4m3fn or e5m2), widened as attention
-reads them. The reference is transformers with its attention reading K and V rounded
-through the same float8 type (torch's own conversion); the cache's blocks grow with the
-element size; bad values are refused naming the choices."""
+"""--kv-cache-dtype fp8 / int8: K and V stored as float8 (e4m3fn or e5m2), or as int8 codes
+with one float32 scale per (token, kv head) row, widened as attention reads them. The
+reference is transformers with its attention reading K and V rounded the same way (torch's
+own float8 conversion; int8 per row with scale = max|row| / 127); the cache's blocks grow
+with the bytes per token; bad values are refused naming the choices."""
 
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ NEW_TOKENS = 12
 
 
 def fp8_attention_reference(path: str, torch_dtype):
-    """transformers' sdpa attention with K and V rounded through `torch_dtype` (saturating)."""
+    """transformers' sdpa attention with K and V rounded through `torch_dtype` (saturating
+    float8) or, for torch.int8, per (token, head) row through int8 codes with the row's
+    float32 scale max|row| / 127."""
     import torch
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    limit = torch.finfo(torch_dtype).max
-
     def rounded(x):
+        if torch_dtype == torch.int8:
+            scale = x.float().abs().amax(-1, keepdim=True) / 127.0
+            codes = torch.where(scale > 0, x.float() / torch.where(scale > 0, scale, 1.0), 0.0)
+            return (codes.round().clamp(-127, 127) * scale).to(x.dtype)
+        limit = torch.finfo(torch_dtype).max
         return x.clamp(-limit, limit).to(torch_dtype).to(x.dtype)
 
     def attention(module, query, key, value, *args, **kwargs):
@@ -37,7 +43,8 @@ def fp8_attention_reference(path: str, torch_dtype):
 
 
 @pytest.mark.parametrize(
-    ("kv_dtype", "torch_name"), [("fp8", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")]
+    ("kv_dtype", "torch_name"),
+    [("fp8", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2"), ("int8", "int8")],
 )
 def test_fp8_kv_cache_equals_reference(kv_dtype, torch_name, tiny_checkpoint):
     import torch
@@ -67,6 +74,25 @@ def test_fp8_kv_cache_equals_reference(kv_dtype, torch_name, tiny_checkpoint):
 
     caches = jax.tree_util.tree_leaves(worker_of(llm).model_runner.kv_caches)
     assert {str(c.dtype) for c in caches} == {torch_name}
+    if kv_dtype == "int8":
+        # Rows carry their scale; a prompt extending a finished one reads its cached int8
+        # blocks (prefix caching) and still matches.
+        head_dim = worker_of(llm).model.kv_cache_spec()[2]
+        assert {c.shape[-1] for c in caches} == {head_dim + 4}
+        longer = prompts[1] + outs[1].outputs[0].token_ids + [7, 8]
+        again = llm.generate([longer], params, use_tqdm=False)[0]
+        assert again.num_cached_tokens >= 32
+        assert again.outputs[0].token_ids == hf_greedy(reference, longer, NEW_TOKENS).token_ids
+        # Sized in the same memory (the worker's own sizing, re-run without a fixed count),
+        # int8 holds 4 * D / (D + 4) times float32's blocks: fewer than fp8's 4x.
+        worker = worker_of(llm)
+        cache = worker.config.cache_config
+        cache.num_blocks, cache.kv_cache_memory = None, 0.01
+        int8_blocks = worker._determine_num_blocks()
+        worker.kv_dtype = np.dtype("float32")
+        float_blocks = worker._determine_num_blocks()
+        assert abs(int8_blocks - 4 * head_dim / (head_dim + 4) * float_blocks) <= 4
+        assert int8_blocks < 4 * float_blocks - 4
 
 
 def worker_of(llm):

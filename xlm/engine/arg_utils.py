@@ -53,8 +53,10 @@ _HELP = {
     "kv_cache_memory": "KV cache size in GiB on CPU (default: XLM_CPU_KVCACHE_SPACE or 1)",
     "memory_utilization": "fraction of accelerator memory xlm may use",
     "kv_cache_dtype": "KV cache element type: auto (the model's dtype), float32, bfloat16, "
-    "float16, fp8 (= fp8_e4m3) or fp8_e5m2; fp8 halves bfloat16's cache bytes (more KV "
-    "tokens in the same memory), values saturating at the type's largest",
+    "float16, fp8 (= fp8_e4m3), fp8_e5m2 or int8; fp8 halves bfloat16's cache bytes (more KV "
+    "tokens in the same memory), values saturating at the type's largest; int8 stores each "
+    "(token, KV head) row as int8 codes with one float32 scale (max|row| / 127), "
+    "head_dim + 4 bytes",
     "enable_prefix_caching": "reuse cached KV blocks of shared prompt prefixes",
     "num_gpu_blocks_override": "fixed number of KV cache blocks (tests, benchmarks)",
     "max_num_batched_tokens": "token budget of one step",

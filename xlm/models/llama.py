@@ -216,7 +216,7 @@ class LlamaForCausalLM(nnx.Module):
         """One zeroed KV cache per layer in the attention op's layout (sharded over heads);
         `abstract`: sharded ShapeDtypeStructs instead (a compile target's, nothing allocated)."""
         ops = self.attention_ops()
-        shape = ops[0].kv_cache_shape(num_blocks, block_size)
+        shape = ops[0].kv_cache_shape(num_blocks, block_size, dtype)
         sharding = None
         if mesh is not None:
             spec = PartitionSpec()

@@ -1,8 +1,10 @@
 """Attention over a paged KV cache for a ragged batch; this op owns the cache layout.
 
 Layout (shared with pallas_kernels.ragged_paged_attention): one array per layer of shape
-(2, num_blocks, block_size, num_kv_heads, head_dim), [0] keys and [1] values. Block 0 is
-the null block: padding tokens write there and no request reads it.
+(2, num_blocks, block_size, num_kv_heads, row), [0] keys and [1] values, row = head_dim
+(head_dim + 4 for an int8 cache: each row's float32 scale rides after its codes, see
+pallas_kernels.ragged_paged_attention.kv_quant). Block 0 is the null block: padding tokens
+write there and no request reads it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import kv_cache_shape, write_kv
+from pallas_kernels.ragged_paged_attention import dequantize, kv_cache_shape, write_kv
 from xlm.ops.custom_op import CustomOp
 
 __all__ = [
@@ -174,9 +176,12 @@ def ragged_paged_attention(
     def tile(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
         m, denom, acc = carry
         tile_pages_ids = jax.lax.dynamic_slice_in_dim(pages, i * tile_pages, tile_pages, axis=1)
-        keys = kv_cache[0][tile_pages_ids].reshape(num_chunks, tile_len, num_kv_heads, head_dim)
-        values = kv_cache[1][tile_pages_ids].reshape(num_chunks, tile_len, num_kv_heads, head_dim)
-        scores = jnp.einsum("vqkgd,vckd->vkgqc", queries, keys.astype(q.dtype), **acc_kw)
+        # An fp8 or int8 cache is widened to the queries' dtype as it is read.
+        keys = dequantize(kv_cache[0][tile_pages_ids], q.dtype)
+        keys = keys.reshape(num_chunks, tile_len, num_kv_heads, head_dim)
+        values = dequantize(kv_cache[1][tile_pages_ids], q.dtype)
+        values = values.reshape(num_chunks, tile_len, num_kv_heads, head_dim)
+        scores = jnp.einsum("vqkgd,vckd->vkgqc", queries, keys, **acc_kw)
         scores = scores.astype(jnp.float32)
         if logits_soft_cap is not None:
             scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
@@ -190,7 +195,7 @@ def ragged_paged_attention(
         p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
         denom = denom * correction + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("vkgqc,vckd->vkgqd", p.astype(q.dtype), values.astype(q.dtype), **acc_kw)
+        pv = jnp.einsum("vkgqc,vckd->vkgqd", p.astype(q.dtype), values, **acc_kw)
         return m_new, denom, acc * correction[..., None] + pv.astype(jnp.float32)
 
     stats_shape = (num_chunks, num_kv_heads, group, qc)
@@ -245,16 +250,19 @@ class PagedAttention(CustomOp):
         # The KV cache group whose block table this layer reads (models with several).
         self.kv_group = 0
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's cache shape in the layout of the path this instance dispatches to."""
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, dtype=jnp.float32
+    ) -> tuple[int, ...]:
+        """One layer's `dtype` cache shape in the layout of the path this instance
+        dispatches to."""
         if self._forward_name == "forward_tpu":
             from pallas_kernels.ragged_paged_attention import kv_cache_shape_tpu
 
-            two, blocks, heads, size, dim = kv_cache_shape_tpu(
-                num_blocks, block_size, self.num_kv_heads, self.head_dim
+            two, blocks, heads, size, row = kv_cache_shape_tpu(
+                num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype
             )
-            return (two, blocks, heads * size, dim)
-        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+            return (two, blocks, heads * size, row)
+        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype)
 
     def kv_cache_sharding(self) -> tuple[str | None, ...]:
         """Mesh axis names of the cache's dimensions (KV heads over the `model` axis)."""

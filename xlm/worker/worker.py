@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.ragged_paged_attention import cache_row_width
 from xlm import envs, platforms
 from xlm.config import XlmConfig, kv_cache_dtype_name
 from xlm.core.block_pool import BlockPool
@@ -48,8 +49,10 @@ class KVCacheTooSmallError(ValueError):
 
 
 def kv_cache_bytes_per_block(model, block_size: int, dtype: jnp.dtype) -> int:
+    """Bytes of one block's K and V over all layers (an int8 row carries its 4-byte scale)."""
     num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    row = cache_row_width(head_dim, dtype)
+    return num_layers * 2 * block_size * num_kv_heads * row * jnp.dtype(dtype).itemsize
 
 
 def shared_sliding_window(model) -> int | None:
