@@ -1,7 +1,7 @@
 """One TP=4 engine over two processes x two fake CPU devices on 127.0.0.1 (jax.distributed):
-`xlm generate` (w8a8-quantized), `xlm run-batch` and `xlm serve` give TP=1's greedy text; a killed follower
-makes the leader fail naming it, a rerun completes every record once; a killed leader
-makes its follower exit."""
+`xlm generate` (w8a8-quantized), `xlm run-batch` and `xlm serve` give TP=1's greedy text;
+a killed follower makes the leader fail naming it, a rerun completes every record once; a
+killed leader makes its follower exit."""
 
 from __future__ import annotations
 
