@@ -1,6 +1,6 @@
 """Weight-only int8 matmul on XLA:CPU: the native kernel against what XLA does by itself.
 
-Usage: python benchmarks/quant_matmul.py [--quick] [--out benchmarks/quant_matmul.json]
+Usage: python benchmarks/quant_matmul.py [--quick] [--int4-only] [--out ...json]
 
 For each m (rows of x) and (k, n) weight shape, times side by side, interleaved, warm, the
 median of repeats of one jitted call each:
@@ -13,6 +13,13 @@ median of repeats of one jitted call each:
 Shapes: SmolLM2-135M's projections and lm_head, and a Llama-3-8B-like MLP weight. Then the
 per-call cost at decode: `--chain` back-to-back calls in one jitted program (a decode step
 makes ~200 such calls), per call, against the float32 dot and one elementwise op.
+
+Then packed int4 (`--quantization int4`: codes two per byte, scale and minimum per group of
+128 inputs, or 64 where 128 does not divide k) on SmolLM2's projection shapes, through the
+quant_matmul op as the engine calls it: `i4native` (forward_native: unpack by shift and
+mask, grouped dot, the minimums' term), `i4op` (forward_cpu: the FFI int4 kernel, which adds
+the minimums itself), `i4kernel` (the kernel called directly), beside `f32` and the int8
+`kernel`.
 """
 
 from __future__ import annotations
@@ -35,10 +42,15 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xlm.ops import cpu_kernels  # noqa: E402
+from xlm.ops.quant_matmul import QuantMatmul  # noqa: E402
+from xlm.quantization import int4_group_size, quantize_int4  # noqa: E402
 
 SHAPES = [(576, 576), (576, 192), (576, 3072), (1536, 576), (576, 49152), (4096, 14336)]
 ROWS = [1, 8, 64]
 CHAIN_SHAPES = [(1, 64), (1, 576), (1, 1536), (8, 576)]  # (m, k = n)
+# SmolLM2-135M's quantized projections (q|k|v, o, gate|up, down); the LM head stays float.
+INT4_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+INT4_ROWS = [1, 8, 64]
 
 
 def w8a8(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
@@ -138,11 +150,44 @@ def bench_chain(length: int, repeats: int) -> list[dict]:
     return results
 
 
+def bench_int4(rows: list[int], shapes: list[tuple[int, int]], repeats: int) -> list[dict]:
+    op = QuantMatmul()
+    fns = {
+        "f32": jax.jit(lambda x, wf, w8, s8, w4, s4, m4: x @ wf),
+        "kernel": jax.jit(lambda x, wf, w8, s8, w4, s4, m4: cpu_kernels.int8_matmul(x, w8, s8)),
+        "i4native": jax.jit(lambda x, wf, w8, s8, w4, s4, m4: op.forward_native(x, w4, s4, m4)),
+        "i4op": jax.jit(lambda x, wf, w8, s8, w4, s4, m4: op.forward_cpu(x, w4, s4, m4)),
+        "i4kernel": jax.jit(
+            lambda x, wf, w8, s8, w4, s4, m4: cpu_kernels.int4_matmul(x, w4, s4, m4)
+        ),
+    }
+    results = []
+    for m in rows:
+        for k, n in shapes:
+            x, wf, w8, s8 = make_inputs(m, k, n)
+            w4, s4, m4 = quantize_int4(np.asarray(wf), int4_group_size(k))
+            args = (x, wf, w8, s8, jnp.asarray(w4), jnp.asarray(s4), jnp.asarray(m4))
+            times = interleaved(fns, args, repeats)
+            row = {"m": m, "k": k, "n": n, **{f"{name}_us": t * 1e6 for name, t in times.items()}}
+            row["i4kernel_GBps"] = k * n / 2 / times["i4kernel"] / 1e9
+            results.append(row)
+            print(
+                f"int4 m={m:3d} k={k:5d} n={n:5d} "
+                + " ".join(f"{name} {row[f'{name}_us']:8.1f}" for name in fns)
+                + f"  native/op {times['i4native'] / times['i4op']:5.2f}"
+                f"  f32/op {times['f32'] / times['i4op']:5.2f}"
+                f"  i4kernel {row['i4kernel_GBps']:5.1f} GB/s",
+                flush=True,
+            )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--chain", type=int, default=200, help="calls per program in the chain")
+    parser.add_argument("--int4-only", action="store_true", help="only the int4 section")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = parser.parse_args()
     if not cpu_kernels.available():
@@ -153,15 +198,19 @@ def main() -> None:
     load_before = os.getloadavg()
     print(f"load average before: {load_before}")
     print("times in us (median of interleaved repeats, warm)")
-    results = bench_shapes(rows, shapes, repeats)
-    chain = bench_chain(args.chain, max(3, repeats // 2))
+    results = chain = []
+    if not args.int4_only:
+        results = bench_shapes(rows, shapes, repeats)
+        chain = bench_chain(args.chain, max(3, repeats // 2))
+    int4 = bench_int4(INT4_ROWS, INT4_SHAPES, repeats)
     at64 = [r for r in results if r["m"] == 64]
     wins = [r for r in at64 if r["kernel_us"] < r["f32_us"]]
     ratios = ", ".join(f"{r['f32_us'] / r['kernel_us']:.2f}" for r in at64)
-    print(
-        f"m=64: kernel faster than the float32 dot on {len(wins)}/{len(at64)} shapes; "
-        f"f32/kernel = {ratios}"
-    )
+    if at64:
+        print(
+            f"m=64: kernel faster than the float32 dot on {len(wins)}/{len(at64)} shapes; "
+            f"f32/kernel = {ratios}"
+        )
     load_after = os.getloadavg()
     print(f"load average after: {load_after}")
     report = {
@@ -175,6 +224,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "shapes": results,
         "chain": {"length": args.chain, "rows": chain},
+        "int4": int4,
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

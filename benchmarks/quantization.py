@@ -1,7 +1,7 @@
 """Weight quantization: accuracy and memory of each scheme against float32, and a model
 that does not fit in float32 here running in int8.
 
-    python benchmarks/quantization.py [--schemes none,int8,w8a8,fp8,gguf,none:fp8,none:int8]
+    python benchmarks/quantization.py [--schemes none,int8,w8a8,fp8,gguf,int4,none:fp8,none:int8]
         [--prompts 64]
         [--output-len 128] [--big] [--out benchmarks/quantization.json]
 
@@ -223,7 +223,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--schemes", default="none,int8,w8a8,fp8,gguf,none:fp8,none:int8,int8:fp8")
+    parser.add_argument(
+        "--schemes", default="none,int8,w8a8,fp8,gguf,int4,none:fp8,none:int8,int8:fp8"
+    )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--texts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)

@@ -32,7 +32,7 @@ def kv_cache_dtype_name(cache_dtype: str) -> str:
 
 
 # xlm.quantization.SCHEMES (named here so that config imports nothing heavy).
-QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "gguf")
+QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "gguf", "int4")
 
 
 def _invalid(owner: str, name: str, value: Any, allowed: str) -> ValueError:
@@ -69,7 +69,8 @@ class ModelConfig:
     # "generate" (a language model) or "pooling" (an embedder: one vector per prompt).
     runner: str = "generate"
     # Weight quantization (xlm.quantization): None (as the checkpoint's dtype), "int8",
-    # "w8a8", "fp8", or "gguf" (a GGUF's own block quants, kept).
+    # "w8a8", "fp8", "int4" (packed 4-bit, grouped), or "gguf" (a GGUF's own block quants,
+    # kept).
     quantization: str | None = None
     # Set with quantization="gguf" from the file: the scales' group size along the input
     # and whether groups have a minimum (xlm.quantization.QuantLayout).

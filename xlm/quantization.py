@@ -15,6 +15,15 @@ input dimension (G == 1: one scale per output channel). The real weight is
   one, a per-group ``weight_min``: ``W = kernel * scale + min`` (xlm.models.loader.
   gguf_quants decodes them exactly). One layout for every projection of a model: the
   smallest group among its tensors, a minimum if any has one.
+- ``int4``: 4-bit weights, asymmetric per group of 128 inputs (AWQ's, GPTQ's and
+  tpu-inference's group; 64 or 32 when 128 does not divide the input or, for a
+  row-parallel projection, each tensor-parallel shard of it; else per output channel):
+  codes in [0, 15] with a float32 scale and minimum per group, ``W = code * scale + min``
+  (``scale = (max - min) / 15``; asymmetric: 16 levels over each group's own range, where
+  a symmetric code spends half a level and its sign). Two codes per byte along the input:
+  the stored kernel is uint8 ``[in / 2, out]``, byte ``[i, j]`` holding input row ``2i`` in
+  its low nibble and row ``2i + 1`` in its high one (``pack_int4``), so a row-parallel
+  split of the bytes is a split of the inputs.
 
 Weights are quantized as the loader places each tensor (``quantize_weight``), so no float
 copy of the whole model is ever resident; a checkpoint that already holds quantized
@@ -41,6 +50,7 @@ class QuantScheme:
     weight_dtype: Any  # numpy dtype of the stored kernel
     qmax: float  # the largest magnitude the element type represents (the scale's unit)
     activations: str | None = None  # "int8": per-token dynamic activation quantization
+    packed: bool = False  # two 4-bit codes per byte (int4): kernel [in / 2, out]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +66,81 @@ SCHEMES = {
     "w8a8": QuantScheme("w8a8", np.dtype(np.int8), 127.0, activations="int8"),
     "fp8": QuantScheme("fp8", np.dtype(ml_dtypes.float8_e4m3fn), 448.0),
     "gguf": QuantScheme("gguf", np.dtype(np.int8), 127.0),
+    "int4": QuantScheme("int4", np.dtype(np.uint8), 15.0, packed=True),
 }
+
+# int4's group sizes along the input, the first that divides the input (per shard) wins.
+INT4_GROUP_SIZES = (128, 64, 32)
 
 
 def get_scheme(name: str) -> QuantScheme:
     return SCHEMES[name]
+
+
+def int4_group_size(in_features: int, shards: int = 1) -> int:
+    """Inputs per int4 scale: the largest of INT4_GROUP_SIZES dividing `in_features` and,
+    split over `shards` (a row-parallel projection's devices), each shard, so that no group
+    straddles two devices; else `in_features` (one group: per output channel)."""
+    if in_features % 2 or in_features % shards:
+        raise ValueError(
+            f"in_features={in_features} cannot be stored as int4 over {shards} shard(s): "
+            "two codes per byte need an even input width that the shards divide"
+        )
+    for size in INT4_GROUP_SIZES:
+        if (in_features // shards) % size == 0:
+            return size
+    return in_features
+
+
+def pack_int4(codes: np.ndarray) -> np.ndarray:
+    """uint8 [in / 2, out] of codes [in, out] in [0, 15]: row 2i in the low nibble of byte
+    row i, row 2i + 1 in its high nibble."""
+    codes = np.asarray(codes, np.uint8)
+    if codes.shape[0] % 2 or codes.size and codes.max() > 15:
+        raise ValueError(f"int4 codes must be [even, out] in [0, 15]; got {codes.shape}")
+    return codes[0::2] | (codes[1::2] << 4)
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """The codes [in, out] (uint8 in [0, 15]) of a packed int4 kernel [in / 2, out]."""
+    packed = np.asarray(packed, np.uint8)
+    return np.stack([packed & 15, packed >> 4], axis=1).reshape(-1, packed.shape[1])
+
+
+def quantize_int4(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(packed uint8 [in / 2, out], scale [G, out], minimum [G, out]) of a float kernel
+    [in, out], asymmetric per `group_size` inputs: code = rint((w - min) / scale)."""
+    w = np.asarray(w, np.float32)
+    k, n = w.shape
+    if k % group_size or group_size % 2:
+        raise ValueError(f"group_size={group_size} must be even and divide in={k}")
+    groups = w.reshape(k // group_size, group_size, n)
+    low, high = groups.min(axis=1), groups.max(axis=1)
+    span = high - low
+    scale = np.where(span > 0, span / np.float32(15.0), np.float32(1.0)).astype(np.float32)
+    codes = np.clip(np.rint((groups - low[:, None, :]) / scale[:, None, :]), 0, 15)
+    return pack_int4(codes.reshape(k, n)), scale, low.astype(np.float32)
+
+
+def quantize(
+    w: np.ndarray, scheme: QuantScheme, group_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(kernel, weight_scale, weight_min or None) of a float kernel [in, out] under
+    `scheme` (the loader's step)."""
+    if scheme.packed:
+        return quantize_int4(w, group_size or w.shape[0])
+    return (*quantize_weight(w, scheme, group_size), None)
+
+
+def dequantize(
+    kernel: np.ndarray,
+    scale: np.ndarray,
+    minimum: np.ndarray | None,
+    scheme: QuantScheme,
+) -> np.ndarray:
+    """The float32 weight [in, out] a stored kernel (packed or not) stands for."""
+    codes = unpack_int4(kernel) if scheme.packed else kernel
+    return dequantize_weight(codes, scale, minimum)
 
 
 def quantize_weight(
@@ -112,8 +192,9 @@ def reference_matmul(
     scheme: QuantScheme,
     minimum: np.ndarray | None = None,
 ) -> np.ndarray:
-    """float64 numpy definition of the quantized projection (tests' reference)."""
-    w = dequantize_weight(q, scale, minimum).astype(np.float64)
+    """float64 numpy definition of the quantized projection (tests' reference); `q` is the
+    stored kernel (packed for int4)."""
+    w = dequantize(q, scale, minimum, scheme).astype(np.float64)
     x = np.asarray(x, np.float32)
     if scheme.activations == "int8":
         xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))

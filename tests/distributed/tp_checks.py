@@ -113,12 +113,21 @@ def run(
                 set(per_device_bytes(q_b.get_value()).values())
             )
             result["lora_q_b_bytes"] = q_b.get_value().nbytes
-        if quantization:  # the kernel and its scales split over the same columns
-            q_proj = runner.state["model"]["layers"][0]["self_attn"]["q_proj"]
-            for leaf in ("kernel", "weight_scale"):
-                value = q_proj[leaf].get_value()
-                result[f"q_{leaf}_bytes"] = value.nbytes
-                result[f"q_{leaf}_bytes_per_device"] = sorted(set(per_device_bytes(value).values()))
+        if quantization:  # the kernel and its scales split over the same columns (q) or
+            # rows and groups (down); minimums where the scheme has them
+            layer = runner.state["model"]["layers"][0]
+            for name, proj in (
+                ("q", layer["self_attn"]["q_proj"]),
+                ("down", layer["mlp"]["down_proj"]),
+            ):
+                for leaf in ("kernel", "weight_scale", "weight_min"):
+                    if leaf not in proj:
+                        continue
+                    value = proj[leaf].get_value()
+                    result[f"{name}_{leaf}_bytes"] = value.nbytes
+                    result[f"{name}_{leaf}_bytes_per_device"] = sorted(
+                        set(per_device_bytes(value).values())
+                    )
     llm.llm_engine.engine_core.shutdown()
     return result
 

@@ -1,4 +1,5 @@
-"""The native weight-only int8 matmul (xlm.ops.cpu_kernels) against a float64 reference."""
+"""The native weight-only int8 and packed int4 matmuls (xlm.ops.cpu_kernels) against a
+float64 reference."""
 
 from __future__ import annotations
 
@@ -112,7 +113,9 @@ def test_bad_shapes_raise_before_tracing(x_shape, w_shape, w_dtype, scale_shape,
 
 def test_handler_rejects_inconsistent_shapes() -> None:
     """The C++ handler checks shapes itself (a program may call the target directly)."""
-    call = jax.ffi.ffi_call(cpu_kernels._target, jax.ShapeDtypeStruct((2, 37), jnp.float32))
+    call = jax.ffi.ffi_call(
+        cpu_kernels._targets["int8"], jax.ShapeDtypeStruct((2, 37), jnp.float32)
+    )
     x = np.zeros((2, 100), np.float32)
     with pytest.raises(Exception, match=r"disagree on k.*w \[99, 37\]"):
         jax.block_until_ready(
@@ -122,6 +125,21 @@ def test_handler_rejects_inconsistent_shapes() -> None:
         jax.block_until_ready(
             call(x, np.zeros((100, 37), np.int8), np.ones((3, 37), np.float32), max_workers=0)
         )
+
+
+def test_int4_handler_rejects_inconsistent_shapes() -> None:
+    call = jax.ffi.ffi_call(
+        cpu_kernels._targets["int4"], jax.ShapeDtypeStruct((2, 37), jnp.float32)
+    )
+    x = np.zeros((2, 100), np.float32)
+    ones = np.ones((2, 37), np.float32)
+    with pytest.raises(Exception, match=r"w \[k / 2, n\] disagree on k.*w \[100, 37\]"):
+        jax.block_until_ready(call(x, np.zeros((100, 37), np.uint8), ones, ones, max_workers=0))
+    with pytest.raises(Exception, match=r"even groups.*scale \[4, 37\]"):  # groups of 25
+        four = np.ones((4, 37), np.float32)
+        jax.block_until_ready(call(x, np.zeros((50, 37), np.uint8), four, four, max_workers=0))
+    with pytest.raises(Exception, match=r"minimum must be shaped like scale"):
+        jax.block_until_ready(call(x, np.zeros((50, 37), np.uint8), ones, ones[:1], max_workers=0))
 
 
 def _run(code: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
@@ -211,3 +229,49 @@ def test_saved_program_runs_in_a_fresh_process(tmp_path) -> None:
         assert proc.returncode == 0, proc.stderr
         assert "Compiling xlm CPU kernels" not in proc.stderr  # the cached build is reused
     assert "loaded ok" in proc.stdout
+
+
+def make_int4(m: int, k: int, n: int, groups: int) -> tuple:
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    packed = rng.integers(0, 256, (k // 2, n), dtype=np.uint8)  # every nibble value
+    scale = rng.uniform(0.001, 0.02, (groups, n)).astype(np.float32)
+    minimum = rng.uniform(-0.1, 0.0, (groups, n)).astype(np.float32)
+    return x, packed, scale, minimum
+
+
+def int4_reference(x, packed, scale, minimum) -> np.ndarray:
+    codes = np.stack([packed & 15, packed >> 4], axis=1).reshape(-1, packed.shape[1])
+    groups = scale.shape[0]
+    xg = x.astype(np.float64).reshape(x.shape[0], groups, -1)
+    return reference(x, codes, scale) + xg.sum(-1) @ minimum.astype(np.float64)
+
+
+# Odd widths (37 columns: a partial vector; 50-row groups), per channel, the GEMM path's
+# k blocks (1536 rows) and rows of 4 to 6 (the decode and GEMM register tiles' tails).
+INT4_CASES = [(100, 37, 1), (100, 37, 2), (96, 200, 3), (1536, 72, 12)]
+
+
+@pytest.mark.parametrize("m", [1, 3, 6, 21])
+@pytest.mark.parametrize("k,n,groups", INT4_CASES)
+def test_int4_matches_reference_under_jit(m: int, k: int, n: int, groups: int) -> None:
+    x, packed, scale, minimum = make_int4(m, k, n, groups)
+    y = np.asarray(jax.jit(cpu_kernels.int4_matmul)(x, packed, scale, minimum), np.float64)
+    want = int4_reference(x, packed, scale, minimum)
+    magnitude = int4_reference(np.abs(x), packed, scale, np.abs(minimum))
+    assert y.shape == (m, n)
+    assert np.all(np.abs(y - want) <= 1e-6 * magnitude + 1e-30)
+
+
+@pytest.mark.parametrize("max_workers", [1, 2])
+def test_int4_thread_count_does_not_change_the_result(max_workers: int) -> None:
+    x, packed, scale, minimum = make_int4(3, 576, 3072, 9)  # split across threads
+    y = np.asarray(cpu_kernels.int4_matmul(x, packed, scale, minimum, max_workers=max_workers))
+    want = int4_reference(x, packed, scale, minimum)
+    magnitude = int4_reference(np.abs(x), packed, scale, np.abs(minimum))
+    assert np.all(np.abs(y - want) <= 1e-6 * magnitude + 1e-30)
+
+
+def test_int4_rejects_odd_groups() -> None:
+    x, packed, scale, minimum = make_int4(1, 96, 8, 1)
+    with pytest.raises(ValueError, match="even groups"):
+        cpu_kernels.int4_matmul(x, packed, scale[:1].repeat(32, 0), minimum[:1].repeat(32, 0))

@@ -1,5 +1,6 @@
 """The quantized projection: xlm.quantization's numpy rules (weights per output channel,
-w8a8's activations per token) and the op's paths equal their float64 definition."""
+w8a8's activations per token, int4's packed groups) and the op's paths equal their
+float64 definition."""
 
 from __future__ import annotations
 
@@ -11,19 +12,27 @@ from xlm.config import QUANTIZATION_METHODS
 from xlm.ops.quant_matmul import QuantMatmul
 from xlm.quantization import (
     SCHEMES,
+    dequantize,
     dequantize_weight,
     get_scheme,
+    int4_group_size,
+    pack_int4,
     quantize_activations,
+    quantize_int4,
     quantize_weight,
     reference_matmul,
+    unpack_int4,
 )
+
+# The schemes that store one code per element (int4 packs two per byte: tested below).
+UNPACKED = [name for name in QUANTIZATION_METHODS if not get_scheme(name).packed]
 
 
 def test_schemes_are_the_configs_choices():
     assert tuple(SCHEMES) == QUANTIZATION_METHODS
 
 
-@pytest.mark.parametrize("name", QUANTIZATION_METHODS)
+@pytest.mark.parametrize("name", UNPACKED)
 def test_weight_rounding_is_within_half_a_step(name):
     scheme = get_scheme(name)
     rng = np.random.default_rng(0)
@@ -53,7 +62,7 @@ def test_activation_quantization_per_token():
 
 
 @pytest.mark.parametrize("groups", [1, 4])
-@pytest.mark.parametrize("name", QUANTIZATION_METHODS)
+@pytest.mark.parametrize("name", UNPACKED)
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_native_path_equals_definition(name, rows, groups):
     scheme = get_scheme(name)
@@ -112,4 +121,60 @@ def test_cpu_path_equals_definition(name, rows):
     op = QuantMatmul(scheme.activations)
     got = np.asarray(jax.jit(op.forward_cpu)(x, codes, scale, minimum))
     want = reference_matmul(x, codes, scale, scheme, minimum)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_int4_packs_two_codes_per_byte():
+    codes = np.arange(32, dtype=np.uint8).reshape(8, 4) % 16
+    packed = pack_int4(codes)
+    assert packed.dtype == np.uint8 and packed.shape == (4, 4)  # in * out / 2 bytes
+    # Input row 2i in the low nibble of byte row i, row 2i + 1 in the high one.
+    np.testing.assert_array_equal(packed & 15, codes[0::2])
+    np.testing.assert_array_equal(packed >> 4, codes[1::2])
+    np.testing.assert_array_equal(unpack_int4(packed), codes)
+
+
+def test_int4_rounding_is_within_half_a_step_of_each_group():
+    rng = np.random.default_rng(0)
+    k, n, g = 96, 40, 32
+    w = rng.standard_normal((k, n)).astype(np.float32) * np.linspace(0.01, 3, n)
+    w[:, 7] = 0.0  # an all-zero column keeps scale 1 and stays zero
+    w[:, 8] = 0.25  # a constant column is exact (its minimum)
+    kernel, scale, minimum = quantize_int4(w, g)
+    assert kernel.shape == (k // 2, n) and kernel.nbytes == k * n // 2
+    assert scale.shape == minimum.shape == (k // g, n) and scale.dtype == np.float32
+    deq = dequantize(kernel, scale, minimum, get_scheme("int4"))
+    assert not deq[:, 7].any() and (deq[:, 8] == 0.25).all()
+    groups = w.reshape(k // g, g, n)
+    # Each group's minimum and maximum are represented (up to float rounding).
+    np.testing.assert_allclose(deq.reshape(k // g, g, n).min(1), groups.min(1), atol=1e-6)
+    np.testing.assert_allclose(deq.reshape(k // g, g, n).max(1), groups.max(1), rtol=1e-5)
+    err = np.abs(deq - w).reshape(k // g, g, n)
+    assert (err <= scale[:, None, :] / 2 * (1 + 1e-4) + 1e-7).all()
+
+
+def test_int4_group_size_fits_each_shard():
+    assert int4_group_size(1536) == 128
+    assert int4_group_size(576) == 64  # SmolLM2's hidden size: 4.5 groups of 128
+    assert int4_group_size(1536, shards=4) == 128
+    assert int4_group_size(576, shards=2) == 32  # 288 inputs per device
+    assert int4_group_size(100) == 100  # per output channel
+    with pytest.raises(ValueError, match="in_features=99"):
+        int4_group_size(99)
+
+
+@pytest.mark.parametrize("path", ["forward_native", "forward_cpu"])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("k,n,group", [(96, 37, 32), (100, 56, 100)])
+def test_int4_paths_equal_definition(path, rows, k, n, group):
+    """Both paths (forward_cpu: the FFI int4 kernel) on odd widths, grouped and per
+    channel, equal the float64 definition of the dequantized weight."""
+    from xlm.ops import cpu_kernels
+
+    assert cpu_kernels.available()
+    rng = np.random.default_rng(rows)
+    kernel, scale, minimum = quantize_int4(rng.standard_normal((k, n)).astype(np.float32), group)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    got = np.asarray(jax.jit(getattr(QuantMatmul(), path))(x, kernel, scale, minimum))
+    want = reference_matmul(x, kernel, scale, get_scheme("int4"), minimum)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

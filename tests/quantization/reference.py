@@ -1,12 +1,19 @@
 """The float32 reference of a quantized engine: transformers on the same checkpoint with
 each projection xlm quantizes replaced by its dequantized weight (xlm.quantization's numpy
-rules), and for w8a8 each projection's input rounded to int8 per token first."""
+rules; int4 in its groups at TP=1), and for w8a8 each projection's input rounded to int8
+per token first."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from xlm.quantization import dequantize_weight, get_scheme, quantize_activations, quantize_weight
+from xlm.quantization import (
+    dequantize,
+    get_scheme,
+    int4_group_size,
+    quantize,
+    quantize_activations,
+)
 
 # The HF modules xlm builds as `Linear` projections (MoE routers and experts, embeddings
 # and the LM head stay in float).
@@ -42,7 +49,8 @@ def quantize_hf_model(model, scheme_name: str) -> int:
         # nn.Linear holds [out, in]; GPT-2's Conv1D already [in, out] like xlm's kernel.
         conv1d = type(module).__name__ == "Conv1D"
         kernel = w if conv1d else w.T
-        deq = dequantize_weight(*quantize_weight(kernel, scheme))
+        group = int4_group_size(kernel.shape[0]) if scheme.packed else None
+        deq = dequantize(*quantize(kernel, scheme, group), scheme)
         with torch.no_grad():
             module.weight.copy_(torch.from_numpy(deq if conv1d else deq.T.copy()))
         if scheme.activations == "int8":

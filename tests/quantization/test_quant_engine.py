@@ -1,7 +1,8 @@
-"""Quantized engines (int8, w8a8, fp8 weights quantized as loaded) against transformers
-on the same weights with the same quantization applied in numpy: greedy tokens equal and
-logprobs close, for every tiny family; kernels stored in 8 bits with float32 scales; no
-step recompiles."""
+"""Quantized engines (int8, w8a8, fp8, int4 weights quantized as loaded) against
+transformers on the same weights with the same quantization applied in numpy: greedy
+tokens equal and logprobs close, for every tiny family (int4: Llama and Phi-3, wider so
+that projections have several groups); kernels stored in 8 bits (int4: 4) with float32
+scales; no step recompiles."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import xlm
-from tests.conftest import TINY_CONFIGS, VOCAB_SIZE
+from tests.conftest import TINY_CONFIGS, VOCAB_SIZE, write_tiny_checkpoint
 from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf
 from tests.quantization.reference import quantize_hf_model
 
@@ -18,7 +19,10 @@ NEW_TOKENS = 16
 # difference of one ulp between the engine and the reference (XLA's int32 dot against
 # torch's float sums) can flip one element to the next int8 step, a jump of max|x| / 127
 # that the following layers carry; the weight-only schemes have no such step.
-ATOL = {"int8": 2e-3, "fp8": 2e-3, "w8a8": 3e-2}
+ATOL = {"int8": 2e-3, "fp8": 2e-3, "w8a8": 3e-2, "int4": 2e-3}
+# int4 groups 128 inputs (64, 32 where 128 does not divide): the tiny models' 64-wide
+# projections would hold one group; these have 2 to 4.
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=16)
 
 
 def greedy() -> xlm.SamplingParams:
@@ -34,7 +38,7 @@ def runner_of(llm):
     return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
 
 
-def check_against_reference(base: str, scheme: str) -> None:
+def check_against_reference(base: str, scheme: str) -> xlm.LLM:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(6, VOCAB_SIZE, size=n).tolist() for n in (5, 17, 70)]
     llm = xlm.LLM(model=base, quantization=scheme, **TINY_ENGINE)
@@ -53,14 +57,22 @@ def check_against_reference(base: str, scheme: str) -> None:
     # The quantization moved the reference: an engine ignoring it would fail above.
     first = hf_greedy(plain, prompts[2], 1).logits[0]
     assert np.abs(hf_greedy(reference, prompts[2], 1).logits[0] - first).max() > 1e-3
-    # What is stored: 8-bit kernels, one float32 scale per output column.
+    # What is stored: 8-bit kernels, one float32 scale per output column; int4: two codes
+    # per byte (in * out / 2 bytes), a scale and a minimum per group of inputs.
     params = stored_params(llm)
     scales = {p: v for p, v in params.items() if p.endswith(".weight_scale")}
     assert scales
     for path, scale in scales.items():
         kernel = params[path.removesuffix("weight_scale") + "kernel"]
         assert kernel.dtype.itemsize == 1 and scale.dtype == np.float32, path
-        assert scale.shape == (1, kernel.shape[1]), path
+        if scheme == "int4":
+            in_features = 2 * kernel.shape[0]
+            assert kernel.dtype == np.uint8 and kernel.nbytes == in_features * scale.shape[1] // 2
+            assert scale.shape == (in_features // 128, kernel.shape[1]), path
+            assert params[path.removesuffix("weight_scale") + "weight_min"].shape == scale.shape
+        else:
+            assert scale.shape == (1, kernel.shape[1]), path
+    return llm
 
 
 def stored_params(llm) -> dict:
@@ -81,6 +93,33 @@ def test_int8_equals_quantized_reference(arch, tiny_checkpoint):
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt2"])
 def test_scheme_equals_quantized_reference(arch, scheme, tiny_checkpoint):
     check_against_reference(tiny_checkpoint(arch), scheme)
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    made = {}
+
+    def make(arch: str) -> str:
+        if arch not in made:
+            path = str(tmp_path_factory.mktemp(f"wide_{arch}"))
+            made[arch] = write_tiny_checkpoint(arch, path, **WIDE)
+        return made[arch]
+
+    return make
+
+
+# Plain q/k/v and gate/up (Llama) and checkpoint-fused ones (Phi-3), in 2 to 4 groups.
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_int4_equals_quantized_reference(arch, wide_checkpoint):
+    from xlm.worker.planner import weight_elements_per_device
+
+    llm = check_against_reference(wide_checkpoint(arch), "int4")
+    # The planner's flops count every weight: a packed byte is two of the checkpoint's.
+    params = stored_params(llm)
+    factors = sum(v.size for p, v in params.items() if p.endswith(("weight_scale", "weight_min")))
+    checkpoint = sum(p.numel() for p in load_hf(wide_checkpoint(arch)).parameters())
+    worker = llm.llm_engine.engine_core.engine_core.executor.worker
+    assert weight_elements_per_device(worker.model) == checkpoint + factors
 
 
 def test_cli_flag_and_bad_values(tiny_checkpoint):

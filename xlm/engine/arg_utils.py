@@ -41,7 +41,8 @@ _HELP = {
     "load_format": "weights format: auto, safetensors, gguf or dummy (random weights); for a "
     "Hugging Face name only these files are fetched (auto: safetensors)",
     "quantization": "weight quantization: int8 (int8 weights per output channel), w8a8 (and "
-    "int8 activations per token), fp8 (float8 e4m3 weights), quantized as loaded; or gguf "
+    "int8 activations per token), fp8 (float8 e4m3 weights), int4 (4-bit weights packed two "
+    "per byte, a scale and minimum per group of 128 inputs), quantized as loaded; or gguf "
     "(a GGUF file's own block quants kept: Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) "
     "(default: float weights)",
     "served_model_name": "model name in the API (default: the model argument)",
@@ -119,7 +120,7 @@ def _gguf_quant_layout(model_path: str, load_format: str) -> Any:
     if resolve_load_format(model_path, load_format) != "gguf":
         raise ValueError(
             f"quantization='gguf' keeps a GGUF file's own quants; {model_path!r} is not a "
-            "GGUF checkpoint (use int8, w8a8 or fp8 to quantize other checkpoints)"
+            "GGUF checkpoint (use int8, w8a8, fp8 or int4 to quantize other checkpoints)"
         )
     return gguf_quant_layout(model_path)
 

@@ -26,7 +26,7 @@ from xlm.ops import (
     get_act_and_mul_fn,
 )
 from xlm.ops.lora import current_token_slots
-from xlm.quantization import get_scheme
+from xlm.quantization import get_scheme, int4_group_size
 
 TP_AXIS = "model"
 Parallel = Literal["column", "row"] | None
@@ -92,11 +92,18 @@ class Linear(nnx.Module):
             self.kernel = param(kernel, _KERNEL_SHARDING[parallel], **layout)
         else:
             scheme = get_scheme(quantization)
-            kernel = unloaded((in_features, out_features), scheme.weight_dtype)
+            has_minimum = quant_layout is not None and quant_layout.has_minimum
+            groups = 1 if quant_layout is None else in_features // quant_layout.group_size
+            rows = in_features
+            if scheme.packed:  # int4: two codes per byte along the input
+                # A row-parallel kernel's groups must not straddle two devices' rows.
+                shards = tp_size() if parallel == "row" else 1
+                groups = in_features // int4_group_size(in_features, shards)
+                has_minimum, rows = True, in_features // 2
+            kernel = unloaded((rows, out_features), scheme.weight_dtype)
             self.kernel = param(kernel, _KERNEL_SHARDING[parallel], quantized=scheme.name, **layout)
             # Scales (and minimums) per output column, laid out and split like the kernel's
             # columns; grouped along the input like the kernel's rows.
-            groups = 1 if quant_layout is None else in_features // quant_layout.group_size
             sharding = (TP_AXIS if parallel == "row" and groups > 1 else None,)
             sharding += (_KERNEL_SHARDING[parallel][1],)
             weight_scale = WeightScale(
@@ -105,7 +112,7 @@ class Linear(nnx.Module):
                 eager_sharding=False,
                 **layout,
             )
-            if quant_layout is not None and quant_layout.has_minimum:
+            if has_minimum:
                 weight_min = WeightScale(
                     unloaded((groups, out_features), jnp.float32),
                     out_sharding=sharding,

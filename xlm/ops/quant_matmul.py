@@ -1,6 +1,8 @@
 """The quantized projection: y = x @ (kernel * weight_scale), one op per scheme.
 
-``kernel`` is ``[in, out]`` in the scheme's element type (int8 or float8 e4m3),
+``kernel`` is ``[in, out]`` in the scheme's element type (int8 or float8 e4m3), or for
+``int4`` uint8 ``[in / 2, out]`` holding two 4-bit codes per byte (row 2i low nibble,
+2i + 1 high; xlm.quantization.pack_int4), unpacked by shifts and masks in the program,
 ``weight_scale`` ``[G, out]`` float32 and, for GGUF types with one, ``weight_min``
 ``[G, out]``: W = kernel * scale + min per group of in / G inputs (xlm.quantization).
 The native path is the definition in jnp: weight-only schemes convert the kernel
@@ -14,7 +16,10 @@ kernels through xlm.ops.cpu_kernels (an FFI kernel that streams the int8 bytes o
 XLA's own threads) for every row count of the weight-only schemes, and for w8a8 up to
 ``W8A8_KERNEL_MAX_ROWS`` rows (beyond, XLA's int8 x int8 dot is faster: benchmarks/
 quant_matmul.py). fp8 kernels, and any step under a tensor-parallel mesh (the FFI call
-has no partitioning rule), take the native path.
+has no partitioning rule), take the native path. int4 kernels run through the kernel's
+int4 variant, which reads each packed byte once, unpacks it in registers and adds the
+minimums' term itself, at every row count (faster than the native unpack + dot at 1 to 64
+rows: benchmarks/quant_matmul.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from xlm.ops.cpu_kernels import available as cpu_kernels_available
-from xlm.ops.cpu_kernels import int8_matmul
+from xlm.ops.cpu_kernels import int4_matmul, int8_matmul
 from xlm.ops.custom_op import CustomOp
 from xlm.ops.paged_attention import _tp_mesh
 
@@ -45,6 +50,12 @@ def _plus_minimums(y: jax.Array, x2: jax.Array, minimum: jax.Array | None) -> ja
     groups = minimum.shape[0]
     sums = x2.reshape(x2.shape[0], groups, -1).sum(-1, dtype=jnp.float32)
     return y + jnp.dot(sums, minimum, preferred_element_type=jnp.float32)
+
+
+def unpack_int4(kernel: jax.Array) -> jax.Array:
+    """The codes [in, out] (uint8 in [0, 15]) of a packed int4 kernel [in / 2, out]."""
+    rows, out = kernel.shape
+    return jnp.stack([kernel & 15, kernel >> 4], axis=1).reshape(2 * rows, out)
 
 
 # w8a8 on CPU: rows up to which the FFI kernel (on the rounded activations) beats XLA's
@@ -74,6 +85,8 @@ class QuantMatmul(CustomOp):
         scale: jax.Array,
         minimum: jax.Array | None = None,
     ) -> jax.Array:
+        if kernel.dtype == jnp.uint8:  # int4: fused into the dot's operand by XLA
+            kernel = unpack_int4(kernel)
         groups, out = scale.shape
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
@@ -110,7 +123,7 @@ class QuantMatmul(CustomOp):
         rows = math.prod(lead)
         w8a8 = self.activations == "int8"
         if (
-            kernel.dtype != jnp.int8
+            kernel.dtype not in (jnp.int8, jnp.uint8)
             or (w8a8 and rows > W8A8_KERNEL_MAX_ROWS)
             or _tp_mesh() is not None  # no partitioning rule: XLA would gather the kernel
             or not cpu_kernels_available()
@@ -120,5 +133,8 @@ class QuantMatmul(CustomOp):
         if w8a8:  # the same rounded activations; the kernel's float sums are exact here
             xq, xs = quantize_activations(x2)
             x2 = xq.astype(jnp.float32) * xs
-        y = _plus_minimums(int8_matmul(x2, kernel, scale), x2, minimum)
+        if kernel.dtype == jnp.uint8:  # int4: the kernel adds the minimums' term itself
+            y = int4_matmul(x2, kernel, scale, minimum)
+        else:
+            y = _plus_minimums(int8_matmul(x2, kernel, scale), x2, minimum)
         return y.astype(x.dtype).reshape(*lead, -1)

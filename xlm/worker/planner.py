@@ -26,6 +26,7 @@ from xlm.config import XlmConfig
 from xlm.distributed.mesh import per_device_bytes
 from xlm.logger import init_logger
 from xlm.platforms.target import CompileTarget, compile_target
+from xlm.quantization import SCHEMES
 from xlm.worker.compilation import ProgramKey, ProgramKind, ProgramSpec
 from xlm.worker.worker import KVCacheTooSmallError, Worker, kv_cache_bytes_per_block
 
@@ -109,12 +110,30 @@ def compile_program(
     )
 
 
+PACKED_SCHEMES = frozenset(name for name, scheme in SCHEMES.items() if scheme.packed)
+
+
+def weight_elements_per_device(model: nnx.Module) -> int:
+    """The most weights any device multiplies per token: elements of every parameter, a
+    packed int4 kernel's byte counting its two weights."""
+    state = nnx.state(model)
+    elements = per_device_bytes(state, elements=True)
+    packed = [
+        var.get_value()
+        for _, var in nnx.to_flat_state(state)
+        if var.get_metadata().get("quantized") in PACKED_SCHEMES
+    ]
+    for device, count in per_device_bytes(packed, elements=True).items():
+        elements[device] += count
+    return max(elements.values())
+
+
 def counted_cost(worker: Worker) -> Callable[[ProgramKey], tuple[float, float]]:
     """xlm's own per-chip count of a program's flops and bytes: a model step reads every
     weight once and does 2 flops per weight per token; the sampler, pooler and prompt
     logprobs read and write their rows of float32 logits (hidden states) a few times."""
     weight_bytes = worker.weight_bytes_per_device()
-    weights = max(per_device_bytes(nnx.state(worker.model), elements=True).values())
+    weights = weight_elements_per_device(worker.model)
     hf = worker.config.model_config.hf_config
 
     def count(key: ProgramKey) -> tuple[float, float]:

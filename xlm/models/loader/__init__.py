@@ -37,7 +37,7 @@ from xlm.models.loader.safetensors_format import (
 )
 from xlm.models.registry import ModelRegistry, base_model_lm
 from xlm.plugins import load_general_plugins
-from xlm.quantization import get_scheme, quantize_weight
+from xlm.quantization import get_scheme, quantize
 
 logger = init_logger(__name__)
 
@@ -173,9 +173,7 @@ class _WeightPlacer:
     def __init__(self, variables: dict[str, nnx.Variable], dtype: Any, mesh: Mesh | None):
         self.variables = variables
         # Checkpoint-layout shapes; `_put` turns a value into the stored layout.
-        self.shapes = {
-            p: logical_shape(tuple(v.shape), v.get_metadata()) for p, v in variables.items()
-        }
+        self.shapes = {p: checkpoint_shape(v) for p, v in variables.items()}
         self.np_dtype = np.dtype(dtype)
         self.mesh = mesh
         self._placed: dict[str, jax.Array | Future] = {}
@@ -213,13 +211,15 @@ class _WeightPlacer:
             # the groups its scales have.
             scales = scale_path(path)
             groups = self.shapes[scales][0]
-            kernel, scale = quantize_weight(
+            kernel, scale, minimum = quantize(
                 value, get_scheme(scheme), group_size=value.shape[0] // groups
             )
             self._put_physical(path, kernel)
             self._put_physical(scales, scale)
             if min_path(path) in self.variables:  # symmetric: no minimum
-                self._put_physical(min_path(path), np.zeros_like(scale))
+                self._put_physical(
+                    min_path(path), np.zeros_like(scale) if minimum is None else minimum
+                )
             return
         self._put_physical(path, value)
 
@@ -274,6 +274,17 @@ class _WeightPlacer:
             self._put(path, buf)
         else:
             self._pending[path] = (buf, filled)
+
+
+def checkpoint_shape(var: nnx.Variable) -> tuple[int, ...]:
+    """A parameter's shape in the checkpoint: its logical (unreplicated) shape, with a
+    packed int4 kernel's [in / 2, out] bytes counted as the [in, out] weight they hold."""
+    metadata = var.get_metadata()
+    shape = logical_shape(tuple(var.shape), metadata)
+    scheme = metadata.get("quantized")
+    if scheme is not None and get_scheme(scheme).packed:
+        return (shape[0] * 2, *shape[1:])
+    return shape
 
 
 def scale_path(kernel_path: str) -> str:

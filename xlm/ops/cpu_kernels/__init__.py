@@ -36,13 +36,13 @@ logger = init_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_matmul.cc")
 _LIBRARY = "quant_matmul.so"
-_SYMBOL = "XlmInt8Matmul"
+_SYMBOLS = {"int8": "XlmInt8Matmul", "int4": "XlmInt4Matmul"}
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
 _available: bool | None = None
 _library: ctypes.CDLL | None = None  # kept referenced: XLA holds pointers into it
-_target = ""
+_targets: dict[str, str] = {}  # "int8" / "int4" -> registered FFI target name
 
 
 class _Unavailable(Exception):
@@ -60,7 +60,7 @@ def available() -> bool:
 
 
 def _load() -> bool:
-    global _library, _target
+    global _library, _targets
     if not envs.XLM_CPU_KERNELS:
         logger.info("XLM_CPU_KERNELS=0: CPU kernels are off; ops use their jnp path.")
         return False
@@ -68,15 +68,18 @@ def _load() -> bool:
         source = _SOURCE.read_text()
         path = _build(source)
         library = ctypes.CDLL(str(path))
-        handler = getattr(library, _SYMBOL)
-        # The name carries the source's hash: a saved program that calls an older build
-        # (whose arguments may differ) fails to load and is recompiled, never misread.
-        target = f"xlm_int8_matmul_{hashlib.sha256(source.encode()).hexdigest()[:12]}"
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+        digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+        targets = {}
+        for kind, symbol in _SYMBOLS.items():
+            handler = getattr(library, symbol)
+            # The name carries the source's hash: a saved program that calls an older
+            # build (whose arguments may differ) fails to load and is recompiled.
+            targets[kind] = f"xlm_{kind}_matmul_{digest}"
+            jax.ffi.register_ffi_target(targets[kind], jax.ffi.pycapsule(handler), platform="cpu")
     except (_Unavailable, OSError, AttributeError, RuntimeError, ValueError) as e:
         logger.warning("xlm CPU kernels are unavailable, ops use their jnp path: %s", e)
         return False
-    _library, _target = library, target
+    _library, _targets = library, targets
     return True
 
 
@@ -182,9 +185,69 @@ def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, max_workers: in
     if not available():
         return int8_matmul_reference(x, w, scale)
     k, n = w.shape
+    return _call("int8", x, k, (w, scale.astype(jnp.float32)), max_workers)
+
+
+def _call(kind: str, x: jax.Array, k: int, weights: tuple, max_workers: int) -> jax.Array:
+    n = weights[0].shape[1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     call = jax.ffi.ffi_call(
-        _target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential"
+        _targets[kind],
+        jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+        vmap_method="sequential",
     )
-    y = call(x2, w, scale.astype(jnp.float32), max_workers=np.int64(max_workers))
+    y = call(x2, *weights, max_workers=np.int64(max_workers))
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def _check_int4_matmul(
+    x: jax.Array, w: jax.Array, scale: jax.Array, minimum: jax.Array | None
+) -> None:
+    if w.ndim != 2 or w.dtype != jnp.uint8:
+        raise ValueError(f"w must be packed int4, uint8 [k / 2, n]; got {w.dtype} {list(w.shape)}")
+    k, n = 2 * w.shape[0], w.shape[1]
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must be [..., k] with k={k} (w is {list(w.shape)}); got {x.shape}")
+    if scale.ndim != 2 or scale.shape[1] != n or scale.shape[0] < 1 or k % (2 * scale.shape[0]):
+        raise ValueError(
+            f"scale must be [G, n] with n={n} and G dividing k={k} into even groups; got "
+            f"{list(scale.shape)}"
+        )
+    if minimum is not None and minimum.shape != scale.shape:
+        raise ValueError(f"minimum must be shaped like scale {scale.shape}; got {minimum.shape}")
+
+
+def int4_matmul_reference(
+    x: jax.Array, w: jax.Array, scale: jax.Array, minimum: jax.Array | None = None
+) -> jax.Array:
+    """The plain-jnp packed int4 matmul: the codes unpacked, int8_matmul_reference, plus
+    each group's input sum times its minimum."""
+    _check_int4_matmul(x, w, scale, minimum)
+    codes = jnp.stack([w & 15, w >> 4], axis=1).reshape(2 * w.shape[0], w.shape[1])
+    y = int8_matmul_reference(x, codes.astype(jnp.int8), scale).astype(jnp.float32)
+    if minimum is not None:
+        xg = x.astype(jnp.float32).reshape(*x.shape[:-1], scale.shape[0], -1)
+        y = y + xg.sum(-1) @ minimum.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def int4_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    scale: jax.Array,
+    minimum: jax.Array | None = None,
+    *,
+    max_workers: int = 0,
+) -> jax.Array:
+    """y = x @ (codes * scale + minimum) per group, w the packed int4 codes, uint8
+    [k / 2, n]: code [2i, j] in the low nibble of byte [i, j], [2i + 1, j] in the high one
+    (in [0, 15]); scale and minimum [G, n] (None: zeros), groups of an even number of rows.
+    Each byte is read once and unpacked in registers."""
+    _check_int4_matmul(x, w, scale, minimum)
+    if max_workers < 0:
+        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    if not available():
+        return int4_matmul_reference(x, w, scale, minimum)
+    minimum = jnp.zeros(scale.shape, jnp.float32) if minimum is None else minimum
+    weights = (w, scale.astype(jnp.float32), minimum.astype(jnp.float32))
+    return _call("int4", x, 2 * w.shape[0], weights, max_workers)

@@ -1,7 +1,17 @@
-// Weight-only int8 matmul for XLA:CPU, called from jitted programs through XLA's FFI.
+// Weight-only int8 and int4 matmuls for XLA:CPU, called from jitted programs through XLA's
+// FFI.
 //
 //   y[r, j] = sum_g scale[g, j] * sum_{i in group g} x[r, i] * w[i, j]
 //   x f32 [m, k], w s8 [k, n], scale f32 [G, n] (groups of k / G rows), y f32 [m, n].
+//
+// The int4 variant (XlmInt4Matmul) takes w as u8 [k / 2, n], two codes in [0, 15] per byte:
+// w[2i, j] in the low nibble of byte [i, j], w[2i + 1, j] in the high one (groups have an
+// even number of rows). Each byte is read once and its two codes are unpacked in
+// registers (mask, shift, convert); the loops are the int8 ones, two rows of w at a time.
+// It also takes the groups' minimums, min f32 [G, n] (W = code * scale + min): the GEMM
+// path folds them into its widened tile, the decode path adds each group's input sum times
+// them as it stores the group's first block (sums over x computed once per call): adding
+// them in XLA cost more than the kernel itself at one row.
 //
 // XLA converts the whole int8 matrix to float before its dot, which at decode (m of 1 to
 // 8) costs several times the float32 dot itself. Here the int8 bytes are read once and
@@ -56,10 +66,13 @@ namespace {
 
 struct Problem {
   const float* x;
-  const int8_t* w;
+  const int8_t* w;     // int8: w [k, n]; null for int4
+  const uint8_t* w4;   // int4: packed w [k / 2, n]; null for int8
   const float* scale;
   float* y;
   int64_t m, k, n, groups, group_size;
+  const float* minimum = nullptr;  // int4: [G, n]
+  const float* xsum = nullptr;     // int4: [m, G], each row's sum over each group of x
 };
 
 constexpr int64_t kTileCols = 64;         // columns of one decode tile (a cache line of w)
@@ -86,13 +99,28 @@ inline __m256 widen_partial(const int8_t* p, int cols) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bits)));
 }
 
+// The 8 (or the first `cols`, zero-padded) packed bytes at p as 32-bit lanes.
+inline __m256i bytes8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i bytes_partial(const uint8_t* p, int cols) {
+  int64_t bits = 0;
+  std::memcpy(&bits, p, cols);
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bits));
+}
+// The low-nibble (even row) and high-nibble (odd row) codes of 8 packed bytes, as floats.
+inline __m256 low_codes(__m256i b) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+}
+inline __m256 high_codes(__m256i b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); }
+
 inline __m256i lane_mask(int cols) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // y[r0 : r0 + MR, j0 : j0 + 8 * NV] (+)= scale[g] * (x @ w) over the rows [i0, i1) of w,
 // all in group g; with kTail the last vector holds only `tail` (1..7) columns.
-template <int MR, int NV, bool kTail>
+template <int MR, int NV, bool kTail, bool kInt4>
 void decode_tile(const Problem& p, int64_t r0, int64_t j0, int tail, int64_t i0, int64_t i1,
                  bool first) {
   const int64_t k = p.k, n = p.n;
@@ -102,36 +130,72 @@ void decode_tile(const Problem& p, int64_t r0, int64_t j0, int tail, int64_t i0,
   for (int r = 0; r < MR; ++r)
     XLM_UNROLL
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
-  const int8_t* wr = p.w + i0 * n + j0;
-  for (int64_t i = i0; i < i1; ++i, wr += n) {
-    // The same row a few tiles on; the hardware prefetchers lose track of kKb streams.
-    _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchBytes), _MM_HINT_T0);
-    __m256 a[MR];
-    XLM_UNROLL
-    for (int r = 0; r < MR; ++r) a[r] = _mm256_broadcast_ss(x + r * k + i);
-    XLM_UNROLL
-    for (int v = 0; v < NV; ++v) {
-      __m256 b = (kTail && v == NV - 1) ? widen_partial(wr + 8 * v, tail) : widen8(wr + 8 * v);
+  if constexpr (kInt4) {
+    // One packed row holds rows i and i + 1 of w (i0 and i1 are even).
+    const uint8_t* wr = p.w4 + (i0 / 2) * n + j0;
+    for (int64_t i = i0; i < i1; i += 2, wr += n) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchBytes), _MM_HINT_T0);
+      __m256 a0[MR], a1[MR];
       XLM_UNROLL
-      for (int r = 0; r < MR; ++r) acc[r][v] = _mm256_fmadd_ps(a[r], b, acc[r][v]);
+      for (int r = 0; r < MR; ++r) {
+        a0[r] = _mm256_broadcast_ss(x + r * k + i);
+        a1[r] = _mm256_broadcast_ss(x + r * k + i + 1);
+      }
+      XLM_UNROLL
+      for (int v = 0; v < NV; ++v) {
+        const __m256i b =
+            (kTail && v == NV - 1) ? bytes_partial(wr + 8 * v, tail) : bytes8(wr + 8 * v);
+        const __m256 lo = low_codes(b), hi = high_codes(b);
+        XLM_UNROLL
+        for (int r = 0; r < MR; ++r) {
+          acc[r][v] = _mm256_fmadd_ps(a0[r], lo, acc[r][v]);
+          acc[r][v] = _mm256_fmadd_ps(a1[r], hi, acc[r][v]);
+        }
+      }
+    }
+  } else {
+    const int8_t* wr = p.w + i0 * n + j0;
+    for (int64_t i = i0; i < i1; ++i, wr += n) {
+      // The same row a few tiles on; the hardware prefetchers lose track of kKb streams.
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchBytes), _MM_HINT_T0);
+      __m256 a[MR];
+      XLM_UNROLL
+      for (int r = 0; r < MR; ++r) a[r] = _mm256_broadcast_ss(x + r * k + i);
+      XLM_UNROLL
+      for (int v = 0; v < NV; ++v) {
+        __m256 b =
+            (kTail && v == NV - 1) ? widen_partial(wr + 8 * v, tail) : widen8(wr + 8 * v);
+        XLM_UNROLL
+        for (int r = 0; r < MR; ++r) acc[r][v] = _mm256_fmadd_ps(a[r], b, acc[r][v]);
+      }
     }
   }
   const __m256i mask = lane_mask(kTail ? tail : 8);
-  const float* s = p.scale + (i0 / p.group_size) * n + j0;
+  const int64_t g = i0 / p.group_size;
+  const float* s = p.scale + g * n + j0;
+  // The group's minimums times its input sums, once per group: with its first block.
+  const float* mn = (p.minimum != nullptr && i0 % p.group_size == 0) ? p.minimum + g * n + j0
+                                                                       : nullptr;
   XLM_UNROLL
   for (int v = 0; v < NV; ++v) {
     const bool partial = kTail && v == NV - 1;
     __m256 sv = partial ? _mm256_maskload_ps(s + 8 * v, mask) : _mm256_loadu_ps(s + 8 * v);
+    __m256 mv = _mm256_setzero_ps();
+    if (mn != nullptr) {
+      mv = partial ? _mm256_maskload_ps(mn + 8 * v, mask) : _mm256_loadu_ps(mn + 8 * v);
+    }
     XLM_UNROLL
     for (int r = 0; r < MR; ++r) {
       float* yp = p.y + (r0 + r) * n + j0 + 8 * v;
+      __m256 base = _mm256_setzero_ps();
+      if (!first) base = partial ? _mm256_maskload_ps(yp, mask) : _mm256_loadu_ps(yp);
+      if (mn != nullptr) {
+        base = _mm256_fmadd_ps(_mm256_broadcast_ss(p.xsum + (r0 + r) * p.groups + g), mv, base);
+      }
+      const __m256 out = _mm256_fmadd_ps(acc[r][v], sv, base);
       if (partial) {
-        __m256 out = first ? _mm256_mul_ps(acc[r][v], sv)
-                           : _mm256_fmadd_ps(acc[r][v], sv, _mm256_maskload_ps(yp, mask));
         _mm256_maskstore_ps(yp, mask, out);
       } else {
-        __m256 out = first ? _mm256_mul_ps(acc[r][v], sv)
-                           : _mm256_fmadd_ps(acc[r][v], sv, _mm256_loadu_ps(yp));
         _mm256_storeu_ps(yp, out);
       }
     }
@@ -139,26 +203,32 @@ void decode_tile(const Problem& p, int64_t r0, int64_t j0, int tail, int64_t i0,
 }
 
 // Columns [t0, t1) (at most one 64-column tile) of rows [r0, r0 + MR), rows [i0, i1) of w.
-template <int MR>
+template <int MR, bool kInt4>
 void decode_rows(const Problem& p, int64_t r0, int64_t t0, int64_t t1, int64_t i0, int64_t i1,
                  bool first) {
   // As many 8-column vectors (dividing the 64-column tile) as leave room in the register
-  // file for MR * NV accumulators, MR broadcasts of x and the widened w.
-  constexpr int kFit = (kVecRegs - 2 - MR) / MR;
+  // file for MR * NV accumulators, MR broadcasts of x (int4: 2 MR, two rows of w at a
+  // time) and the widened w (int4: the bytes and their two codes).
+  constexpr int kFit = kInt4 ? (kVecRegs - 3 - 2 * MR) / MR : (kVecRegs - 2 - MR) / MR;
   constexpr int NV = kFit >= 8 ? 8 : kFit >= 4 ? 4 : kFit >= 2 ? 2 : 1;
   int64_t j = t0;
-  for (; j + 8 * NV <= t1; j += 8 * NV) decode_tile<MR, NV, false>(p, r0, j, 8, i0, i1, first);
-  for (; j + 8 <= t1; j += 8) decode_tile<MR, 1, false>(p, r0, j, 8, i0, i1, first);
-  if (j < t1) decode_tile<MR, 1, true>(p, r0, j, static_cast<int>(t1 - j), i0, i1, first);
+  for (; j + 8 * NV <= t1; j += 8 * NV) {
+    decode_tile<MR, NV, false, kInt4>(p, r0, j, 8, i0, i1, first);
+  }
+  for (; j + 8 <= t1; j += 8) decode_tile<MR, 1, false, kInt4>(p, r0, j, 8, i0, i1, first);
+  if (j < t1) {
+    decode_tile<MR, 1, true, kInt4>(p, r0, j, static_cast<int>(t1 - j), i0, i1, first);
+  }
 }
 
+template <bool kInt4>
 void decode_block(const Problem& p, int64_t rows, int64_t r0, int64_t t0, int64_t t1,
                   int64_t i0, int64_t i1, bool first) {
   switch (rows) {
-    case 1: return decode_rows<1>(p, r0, t0, t1, i0, i1, first);
-    case 2: return decode_rows<2>(p, r0, t0, t1, i0, i1, first);
-    case 3: return decode_rows<3>(p, r0, t0, t1, i0, i1, first);
-    case 4: return decode_rows<4>(p, r0, t0, t1, i0, i1, first);
+    case 1: return decode_rows<1, kInt4>(p, r0, t0, t1, i0, i1, first);
+    case 2: return decode_rows<2, kInt4>(p, r0, t0, t1, i0, i1, first);
+    case 3: return decode_rows<3, kInt4>(p, r0, t0, t1, i0, i1, first);
+    case 4: return decode_rows<4, kInt4>(p, r0, t0, t1, i0, i1, first);
     default: return;
   }
 }
@@ -173,7 +243,12 @@ void decode_columns(const Problem& p, int64_t c0, int64_t c1) {
     for (int64_t t0 = c0; t0 < c1; t0 += kTileCols) {
       const int64_t t1 = std::min(c1, t0 + kTileCols);
       for (int64_t r = 0; r < p.m; r += 4) {
-        decode_block(p, std::min<int64_t>(4, p.m - r), r, t0, t1, i0, i1, i0 == 0);
+        const int64_t rows = std::min<int64_t>(4, p.m - r);
+        if (p.w4 != nullptr) {
+          decode_block<true>(p, rows, r, t0, t1, i0, i1, i0 == 0);
+        } else {
+          decode_block<false>(p, rows, r, t0, t1, i0, i1, i0 == 0);
+        }
       }
     }
   }
@@ -182,6 +257,31 @@ void decode_columns(const Problem& p, int64_t c0, int64_t c1) {
 // buf[i][0:kBufCols] = w[kc0 + i, j0 : j0 + cols] * scale[group of the row], zero-padded.
 void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, float* buf) {
   const int64_t n = p.n, gs = p.group_size;
+  if (p.w4 != nullptr) {  // rows in pairs (kc0 and kc are even), one packed row each
+    for (int64_t i = 0; i < kc; i += 2) {
+      const int64_t row = kc0 + i;
+      const uint8_t* wr = p.w4 + (row / 2) * n + j0;
+      const float* s = p.scale + (row / gs) * n + j0;  // rows 2i and 2i + 1: one group
+      const float* mn = p.minimum + (row / gs) * n + j0;
+      float* b0 = buf + i * kBufCols;
+      float* b1 = b0 + kBufCols;
+      if (cols == kBufCols) {
+        XLM_UNROLL
+        for (int v = 0; v < kBufCols / 8; ++v) {
+          const __m256i b = bytes8(wr + 8 * v);
+          const __m256 sv = _mm256_loadu_ps(s + 8 * v), mv = _mm256_loadu_ps(mn + 8 * v);
+          _mm256_storeu_ps(b0 + 8 * v, _mm256_fmadd_ps(low_codes(b), sv, mv));
+          _mm256_storeu_ps(b1 + 8 * v, _mm256_fmadd_ps(high_codes(b), sv, mv));
+        }
+      } else {
+        for (int c = 0; c < kBufCols; ++c) {
+          b0[c] = c < cols ? static_cast<float>(wr[c] & 15) * s[c] + mn[c] : 0.0f;
+          b1[c] = c < cols ? static_cast<float>(wr[c] >> 4) * s[c] + mn[c] : 0.0f;
+        }
+      }
+    }
+    return;
+  }
   for (int64_t i = 0; i < kc; ++i) {
     const int64_t row = kc0 + i;
     const int8_t* wr = p.w + row * n + j0;
@@ -281,10 +381,24 @@ void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
 
 #endif  // XLM_HAVE_AVX2
 
+// Row i of w at columns [c0, c0 + width) as floats (int4: unpacked).
+[[maybe_unused]] void widen_row(const Problem& p, int64_t i, int64_t c0, int64_t width,
+                                float* out) {
+  if (p.w4 != nullptr) {
+    const uint8_t* wr = p.w4 + (i / 2) * p.n + c0;
+    const int shift = (i % 2) * 4;
+    for (int64_t j = 0; j < width; ++j) out[j] = static_cast<float>((wr[j] >> shift) & 15);
+  } else {
+    const int8_t* wr = p.w + i * p.n + c0;
+    for (int64_t j = 0; j < width; ++j) out[j] = static_cast<float>(wr[j]);
+  }
+}
+
 // Portable path (no AVX2/FMA): the compiler vectorises the inner loop over columns.
 [[maybe_unused]] void generic_columns(const Problem& p, int64_t c0, int64_t c1) {
   const int64_t width = c1 - c0;
   std::unique_ptr<float[]> acc(new float[width]);
+  std::unique_ptr<float[]> row(new float[width]);
   for (int64_t r = 0; r < p.m; ++r) {
     float* yr = p.y + r * p.n + c0;
     std::fill(yr, yr + width, 0.0f);
@@ -292,11 +406,16 @@ void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
       std::fill(acc.get(), acc.get() + width, 0.0f);
       for (int64_t i = g * p.group_size; i < (g + 1) * p.group_size; ++i) {
         const float xi = p.x[r * p.k + i];
-        const int8_t* wr = p.w + i * p.n + c0;
-        for (int64_t j = 0; j < width; ++j) acc[j] += xi * static_cast<float>(wr[j]);
+        widen_row(p, i, c0, width, row.get());
+        for (int64_t j = 0; j < width; ++j) acc[j] += xi * row[j];
       }
       const float* s = p.scale + g * p.n + c0;
       for (int64_t j = 0; j < width; ++j) yr[j] += acc[j] * s[j];
+      if (p.minimum != nullptr) {
+        const float* mn = p.minimum + g * p.n + c0;
+        const float xs = p.xsum[r * p.groups + g];
+        for (int64_t j = 0; j < width; ++j) yr[j] += xs * mn[j];
+      }
     }
   }
 }
@@ -363,37 +482,86 @@ std::string shape_str(const ffi::AnyBuffer::Dimensions& dims) {
   return s + "]";
 }
 
-ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
-                          int64_t max_workers) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+// Checks the shapes (w: `rows_per_byte_row` rows of the logical [k, n] per stored row)
+// and fills p's sizes and pointers but w's; `name` prefixes the errors.
+ffi::Error MakeProblem(const char* name, ffi::Buffer<ffi::F32>& x,
+                       const ffi::AnyBuffer::Dimensions& wd, int64_t rows_per_byte_row,
+                       ffi::Buffer<ffi::F32>& scale, ffi::ResultBuffer<ffi::F32>& y,
+                       Problem* p) {
+  const auto xd = x.dimensions(), sd = scale.dimensions();
   const auto yd = y->dimensions();
   const std::string shapes = "x " + shape_str(xd) + ", w " + shape_str(wd) + ", scale " +
                              shape_str(sd) + ", y " + shape_str(yd);
+  const std::string prefix = std::string(name) + ": ";
   if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("xlm_int8_matmul: x, w, scale and y must be 2-D; got " +
-                                       shapes);
+    return ffi::Error::InvalidArgument(prefix + "x, w, scale and y must be 2-D; got " + shapes);
   }
   const int64_t m = xd[0], k = xd[1], n = wd[1], groups = sd[0];
-  if (wd[0] != k) {
+  if (wd[0] * rows_per_byte_row != k) {
     return ffi::Error::InvalidArgument(
-        "xlm_int8_matmul: x [m, k] and w [k, n] disagree on k; got " + shapes);
+        prefix + (rows_per_byte_row == 1 ? "x [m, k] and w [k, n] disagree on k; got "
+                                         : "x [m, k] and w [k / 2, n] disagree on k; got ") +
+        shapes);
   }
-  if (sd[1] != n || groups < 1 || k % groups != 0) {
+  if (sd[1] != n || groups < 1 || k % groups != 0 || (k / groups) % rows_per_byte_row != 0) {
     return ffi::Error::InvalidArgument(
-        "xlm_int8_matmul: scale must be [G, n] with G >= 1 dividing k; got " + shapes);
+        prefix + "scale must be [G, n] with G >= 1 dividing k (int4: into even groups); got " +
+        shapes);
   }
   if (yd[0] != m || yd[1] != n) {
-    return ffi::Error::InvalidArgument("xlm_int8_matmul: y must be [m, n]; got " + shapes);
+    return ffi::Error::InvalidArgument(prefix + "y must be [m, n]; got " + shapes);
   }
+  *p = Problem{x.typed_data(), nullptr, nullptr, scale.typed_data(), y->typed_data(),
+               m,             k,       n,       groups,             k / groups};
+  return ffi::Error::Success();
+}
+
+ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_workers);
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
+                          int64_t max_workers) {
+  Problem p;
+  ffi::Error error = MakeProblem("xlm_int8_matmul", x, w.dimensions(), 1, scale, y, &p);
+  if (error.failure()) return error;
+  p.w = w.typed_data();
+  return RunMatmul(pool, p, max_workers);
+}
+
+ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> minimum,
+                          ffi::ResultBuffer<ffi::F32> y, int64_t max_workers) {
+  Problem p;
+  ffi::Error error = MakeProblem("xlm_int4_matmul", x, w.dimensions(), 2, scale, y, &p);
+  if (error.failure()) return error;
+  const auto md = minimum.dimensions(), sd = scale.dimensions();
+  if (md.size() != 2 || md[0] != sd[0] || md[1] != sd[1]) {
+    return ffi::Error::InvalidArgument("xlm_int4_matmul: minimum must be shaped like scale " +
+                                       shape_str(sd) + "; got " + shape_str(md));
+  }
+  p.w4 = w.typed_data();
+  p.minimum = minimum.typed_data();
+  // Each row's sum over each group of x, for the minimums' term (m * k adds).
+  std::unique_ptr<float[]> xsum(new float[std::max<int64_t>(1, p.m * p.groups)]);
+  for (int64_t r = 0; r < p.m; ++r) {
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const float* xr = p.x + r * p.k + g * p.group_size;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < p.group_size; ++i) sum += xr[i];
+      xsum[r * p.groups + g] = sum;
+    }
+  }
+  p.xsum = xsum.get();
+  return RunMatmul(pool, p, max_workers);
+}
+
+ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_workers) {
+  const int64_t m = p.m, k = p.k, n = p.n;
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {
-    std::fill(y->typed_data(), y->typed_data() + m * n, 0.0f);
+    std::fill(p.y, p.y + m * n, 0.0f);
     return ffi::Error::Success();
   }
-
-  Problem p{x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(),
-            m,             k,             n,                   groups,         k / groups};
 
   const int64_t tiles = (n + kTileCols - 1) / kTileCols;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -453,6 +621,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmInt8Matmul, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [m, k]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // w [k, n]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
+                                  .Attr<int64_t>("max_workers")  // threads to use; 0: all
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmInt4Matmul, Int4MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [m, k]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // w [k / 2, n], 2 codes/byte
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // minimum [G, n]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
                                   .Attr<int64_t>("max_workers")  // threads to use; 0: all
 );
