@@ -27,8 +27,9 @@ input dimension (G == 1: one scale per output channel). The real weight is
 
 Weights are quantized as the loader places each tensor (``quantize_weight``), so no float
 copy of the whole model is ever resident; a checkpoint that already holds quantized
-tensors and their scales is placed as it is. The numpy functions here are also the
-reference the tests compare the engine's op against.
+tensors and their scales (a GGUF; a compressed-tensors directory, which also names its
+scheme: xlm.models.loader.compressed_tensors) is placed as it is. The numpy functions here
+are also the reference the tests compare the engine's op against.
 """
 
 from __future__ import annotations

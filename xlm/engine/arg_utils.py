@@ -44,7 +44,7 @@ _HELP = {
     "int8 activations per token), fp8 (float8 e4m3 weights), int4 (4-bit weights packed two "
     "per byte, a scale and minimum per group of 128 inputs), quantized as loaded; or gguf "
     "(a GGUF file's own block quants kept: Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) "
-    "(default: float weights)",
+    "(default: float weights, or a compressed-tensors checkpoint's own int8/w8a8/fp8)",
     "served_model_name": "model name in the API (default: the model argument)",
     "generation_config": "'auto' (use generation_config.json defaults), 'xlm' or a directory",
     "runner": "generate (text), pooling (embeddings: one vector per input), or auto (pooling "
@@ -246,6 +246,7 @@ class EngineArgs:
     def _model_config(self, model: str, tokenizer: str | None, runner: str) -> ModelConfig:
         """A model's config: its path or name resolved, its HF config read, its runner."""
         from xlm.models.loader import load_hf_config
+        from xlm.models.loader.compressed_tensors import resolve_quantization
 
         hub = dict(revision=self.revision, download_dir=self.download_dir)
         model_path = resolve_model_name(model, load_format=self.load_format, **hub)
@@ -261,6 +262,8 @@ class EngineArgs:
             generation_config=self.generation_config,
         )
         model_config.hf_config = load_hf_config(model_path, self.load_format)
+        # A compressed-tensors checkpoint runs in the scheme it is stored in.
+        model_config.quantization = resolve_quantization(self.quantization, model_config.hf_config)
         if self.quantization == "gguf":
             model_config.quant_layout = _gguf_quant_layout(model_path, self.load_format)
         architectures = getattr(model_config.hf_config, "architectures", None)

@@ -147,6 +147,16 @@ class Linear(nnx.Module):
             op = LoRA(parts, shards)
         self.lora_a, self.lora_b, self.lora = lora_a, lora_b, op
 
+    def keep_float(self, dtype: Any) -> None:
+        """Float weights for this quantized projection (abstract model only): a quantized
+        checkpoint left its layer unquantized (compressed-tensors ``ignore``)."""
+        if self.quant is None:
+            return
+        metadata = {k: v for k, v in self.kernel.get_metadata().items() if k != "quantized"}
+        value = jax.ShapeDtypeStruct((self.in_features, self.out_features), dtype)
+        self.kernel = nnx.Param(value, **metadata)
+        self.weight_scale = self.weight_min = self.quant = None
+
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.quant is not None:
             minimum = None if self.weight_min is None else self.weight_min[...]

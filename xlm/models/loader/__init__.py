@@ -28,16 +28,23 @@ from xlm.config import XlmConfig, set_current_xlm_config
 from xlm.distributed.tensor_parallel import logical_shape, to_physical
 from xlm.logger import init_logger
 from xlm.metrics import startup
+from xlm.models.loader.compressed_tensors import (
+    compressed_tensors_weights,
+    keep_float_projections,
+    quantization_config,
+    resolve_quantization,
+)
 from xlm.models.loader.dummy_format import dummy_value
 from xlm.models.loader.gguf import iter_gguf_tensors, load_gguf_config
 from xlm.models.loader.gguf_quants import QuantizedWeight
 from xlm.models.loader.safetensors_format import (
     count_safetensors_tensors,
     iter_safetensors_tensors,
+    safetensors_dtypes,
 )
 from xlm.models.registry import ModelRegistry, base_model_lm
 from xlm.plugins import load_general_plugins
-from xlm.quantization import get_scheme, quantize
+from xlm.quantization import dequantize_weight, get_scheme, quantize
 
 logger = init_logger(__name__)
 
@@ -371,15 +378,16 @@ def load_weights(
 def _place_quantized(
     placer: _WeightPlacer, name: str, target: Any, weight: QuantizedWeight
 ) -> None:
-    """A GGUF weight kept quantized: codes, scales and minimums to the kernel's parameters
-    (already in the kernel's [in, out] layout; a fused target fills its columns of each)."""
-    if target.param not in placer.variables or not placer.variables[
-        target.param
-    ].get_metadata().get("quantized"):
-        raise ValueError(
-            f"GGUF tensor {name!r} is quantized ({weight.qtype}) but {target.param!r} is not a "
-            "quantized projection"
-        )
+    """A weight kept quantized (a GGUF's, a compressed-tensors checkpoint's): codes, scales
+    and minimums to the kernel's parameters (already in the kernel's [in, out] layout; a
+    fused target fills its columns of each). A parameter xlm keeps in float (MoE expert
+    stacks, `quantize=False` projections) gets the weight dequantized, exactly."""
+    if target.param not in placer.variables:
+        raise KeyError(f"checkpoint tensor {name!r} maps to unknown parameter {target.param!r}")
+    if not placer.variables[target.param].get_metadata().get("quantized"):
+        value = dequantize_weight(weight.codes, weight.scale, weight.minimum)
+        placer.place(name, target.param, target.index, value, transposed=True)
+        return
     scales = scale_path(target.param)
     groups = placer.shapes[scales][0]
     if weight.shape[0] // groups != weight.group_size:  # a coarser type in a finer layout
@@ -443,6 +451,12 @@ def abstract_weights(model: nnx.Module, *, dtype: Any, mesh: Mesh) -> nnx.Module
     return _merge(graphdef, flat, values)
 
 
+def _in_model(name: str) -> str:
+    """A base model's tensor name (they are named without the "model." prefix) as its
+    language model's."""
+    return name if name.startswith("model.") else f"model.{name}"
+
+
 def get_model(
     xlm_config: XlmConfig, mesh: Mesh | None = None, abstract: bool = False
 ) -> nnx.Module:
@@ -454,6 +468,9 @@ def get_model(
     hf_config = model_config.hf_config or load_hf_config(model_config.model, load_format)
     model_config.hf_config = hf_config
     model_cls, arch = ModelRegistry.resolve(hf_config)
+    # A compressed-tensors checkpoint's scheme (EngineArgs resolves it too; a ModelConfig
+    # made directly must not dequantize the checkpoint into float projections).
+    model_config.quantization = resolve_quantization(model_config.quantization, hf_config)
     dtype = resolve_dtype(model_config.dtype, hf_config)
     logger.info(
         "Loading %s (%s) as %s, dtype %s%s.",
@@ -465,6 +482,15 @@ def get_model(
     )
     with set_current_xlm_config(xlm_config):
         model = build_abstract_model(model_cls, hf_config, dtype, model_config.seed)
+    headless = base_model_lm(arch) is not None
+    compressed = quantization_config(hf_config) is not None
+    if compressed and load_format == "safetensors":
+        dtypes = safetensors_dtypes(model_config.model)
+        if headless:
+            dtypes = {_in_model(n): d for n, d in dtypes.items()}
+        floats = keep_float_projections(model, dtypes, dtype)
+        if floats:
+            logger.info("Projections the checkpoint left in float: %s.", ", ".join(floats))
     if abstract:
         return abstract_weights(model, dtype=dtype, mesh=mesh)
     if load_format == "dummy":
@@ -472,7 +498,8 @@ def get_model(
     tensors, total = _tensor_source(
         model_config.model, load_format, keep_quantized=model_config.quantization == "gguf"
     )
-    headless = base_model_lm(arch) is not None
-    if headless:  # a base model's tensors are named without the "model." prefix
-        tensors = ((n if n.startswith("model.") else f"model.{n}", t) for n, t in tensors)
+    if compressed:  # each quantized layer's codes and scales, as they are stored
+        tensors = compressed_tensors_weights(tensors)
+    if headless:
+        tensors = ((_in_model(n), t) for n, t in tensors)
     return load_weights(model, tensors, dtype=dtype, mesh=mesh, total=total, headless=headless)

@@ -15,6 +15,7 @@ _DTYPES = {
     "F32": np.float32,
     "F16": np.float16,
     "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # compressed-tensors fp8 weights
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,
@@ -63,6 +64,15 @@ def _read_header(path: str) -> tuple[dict, int]:
 def count_safetensors_tensors(model_dir: str) -> int:
     """How many tensors the checkpoint holds (for the progress bar)."""
     return sum(len(_read_header(p)[0]) for p in safetensors_files(model_dir))
+
+
+def safetensors_dtypes(model_dir: str) -> dict[str, str]:
+    """Each tensor's safetensors dtype name ("I8", "F8_E4M3", "BF16", ...), headers only."""
+    return {
+        name: info["dtype"]
+        for path in safetensors_files(model_dir)
+        for name, info in _read_header(path)[0].items()
+    }
 
 
 def iter_safetensors_tensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
