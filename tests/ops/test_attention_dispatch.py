@@ -147,3 +147,40 @@ def test_tpu_path_equals_native_over_two_steps(on_platform, monkeypatch):
         outputs[platform_cls] = outs
     for native, tpu in zip(outputs[CpuPlatform], outputs[TpuPlatform]):
         np.testing.assert_allclose(tpu, native, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8])
+def test_cpu_kernel_path_equals_native_over_two_steps(on_platform, cache_dtype):
+    """On CPU the op writes K/V and runs the native kernel (xlm.ops.cpu_kernels): a prefill
+    step and a decode step reading it back equal the jnp path, float32 or int8 cache."""
+    import numpy as np
+
+    from tests.paged_batch import BlockAllocator, StepRequest, build_metadata
+    from xlm.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler")
+    on_platform(CpuPlatform)
+    op = make_op()
+    assert op._forward_name == "forward_cpu"
+    blocks = BlockAllocator(NB)
+    tables = [blocks.allocate(3), blocks.allocate(2)]
+    steps = [[StepRequest(tables[0], 0, 37), StepRequest(tables[1], 0, 20)]]
+    steps.append([StepRequest(tables[0], 37, 1), StepRequest(tables[1], 20, 1)])
+    outputs = {}
+    for path in ("kernel", "native"):
+        forward = op if path == "kernel" else op.forward_native
+        cache = jnp.zeros(op.kv_cache_shape(NB, BS, cache_dtype), cache_dtype)
+        rng = np.random.default_rng(0)
+        outs = []
+        for reqs in steps:
+            md = build_metadata(reqs, BS, max_blocks=B)
+            t = int(md.query_start_loc[-1])
+            q, k, v = (
+                jnp.asarray(rng.standard_normal((t, h, D)), jnp.float32) for h in (HQ, HKV, HKV)
+            )
+            out, cache = jax.jit(forward)(q, k, v, cache, md)
+            outs.append(np.asarray(out))
+        outputs[path] = outs
+    for kernel, native in zip(outputs["kernel"], outputs["native"]):
+        np.testing.assert_allclose(kernel, native, rtol=2e-5, atol=2e-5)

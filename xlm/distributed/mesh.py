@@ -18,6 +18,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from xlm.config import ParallelConfig
 
 MESH_AXES = ("data", "model")
+TP_AXIS = "model"  # the tensor-parallel axis: weights' and KV heads' shards
+
+
+def tp_mesh() -> jax.sharding.AbstractMesh | None:
+    """The mesh being traced under when it splits the tensor-parallel axis, else None (ops
+    whose kernels have no partitioning rule run them per shard, or take their jnp path)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TP_AXIS not in mesh.axis_names or mesh.shape[TP_AXIS] == 1:
+        return None
+    return mesh
 
 
 def make_mesh(parallel_config: ParallelConfig, devices: list[Any] | None = None) -> Mesh:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlm.config import get_current_lora_config, get_current_quantization
+from xlm.distributed.mesh import TP_AXIS
 from xlm.distributed.tensor_parallel import check_split, kv_head_replicas, tp_size
 from xlm.ops import (
     AttentionMetadata,
@@ -28,7 +29,6 @@ from xlm.ops import (
 from xlm.ops.lora import current_token_slots
 from xlm.quantization import get_scheme, int4_group_size
 
-TP_AXIS = "model"
 Parallel = Literal["column", "row"] | None
 
 _KERNEL_SHARDING = {"column": (None, TP_AXIS), "row": (TP_AXIS, None), None: (None, None)}

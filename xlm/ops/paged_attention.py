@@ -15,6 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import dequantize, kv_cache_shape, write_kv
+from xlm.distributed.mesh import TP_AXIS, tp_mesh
+from xlm.ops.cpu_kernels import PAGED_ATTENTION_CACHE_DTYPES
+from xlm.ops.cpu_kernels import available as cpu_kernels_available
+from xlm.ops.cpu_kernels import paged_attention as paged_attention_cpu
 from xlm.ops.custom_op import CustomOp
 
 __all__ = [
@@ -63,15 +67,6 @@ KV_CACHE_SHARDING: tuple[str | None, ...] = (None, None, None, "model", None)
 # would otherwise store a size-1 axis whose TPU layout is not the kernel's, and XLA copied
 # the whole cache around every layer's write (found by `xlm plan`, docs/tpu.md).
 KV_CACHE_SHARDING_TPU: tuple[str | None, ...] = (None, None, "model", None)
-TP_AXIS = "model"
-
-
-def _tp_mesh() -> jax.sharding.AbstractMesh | None:
-    """The mesh being traced under when it splits the `model` axis, else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or TP_AXIS not in mesh.axis_names or mesh.shape[TP_AXIS] == 1:
-        return None
-    return mesh
 
 
 # Tokens of context per step of the attention loop.
@@ -249,6 +244,10 @@ class PagedAttention(CustomOp):
         self.logits_soft_cap = logits_soft_cap
         # The KV cache group whose block table this layer reads (models with several).
         self.kv_group = 0
+        if self._forward_name == "forward_cpu":
+            # Built and registered now: a saved program that calls the kernel loads from
+            # the executable cache without tracing this op again.
+            cpu_kernels_available()
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, dtype=jnp.float32
@@ -301,7 +300,7 @@ class PagedAttention(CustomOp):
         needs no collective since every device holds the KV heads its query heads use.
         """
         metadata = metadata.for_group(self.kv_group)
-        mesh = _tp_mesh()
+        mesh = tp_mesh()
         if mesh is None:
             return self._run_kernel_local(kernel, write, q, k, v, kv_cache, metadata)
         from jax.sharding import PartitionSpec as P
@@ -336,6 +335,26 @@ class PagedAttention(CustomOp):
             soft_cap=self.logits_soft_cap,
         )
         return out, kv_cache
+
+    def forward_cpu(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        kv_cache: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The native CPU kernel (xlm.ops.cpu_kernels): one call per layer instead of
+        XLA's tile loop of small instructions, reading float32 caches in place and
+        bfloat16, fp8 and int8 ones widened as read. bfloat16 queries, or no kernel, take
+        the jnp path."""
+        if (
+            q.dtype != jnp.float32
+            or kv_cache.dtype not in PAGED_ATTENTION_CACHE_DTYPES
+            or not cpu_kernels_available()
+        ):
+            return self.forward_native(q, k, v, kv_cache, metadata)
+        return self._run_kernel(paged_attention_cpu, write_kv, q, k, v, kv_cache, metadata)
 
     def forward_cuda(
         self,

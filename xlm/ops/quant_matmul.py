@@ -29,10 +29,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from xlm.distributed.mesh import tp_mesh
 from xlm.ops.cpu_kernels import available as cpu_kernels_available
 from xlm.ops.cpu_kernels import int4_matmul, int8_matmul
 from xlm.ops.custom_op import CustomOp
-from xlm.ops.paged_attention import _tp_mesh
 
 
 def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -125,7 +125,7 @@ class QuantMatmul(CustomOp):
         if (
             kernel.dtype not in (jnp.int8, jnp.uint8)
             or (w8a8 and rows > W8A8_KERNEL_MAX_ROWS)
-            or _tp_mesh() is not None  # no partitioning rule: XLA would gather the kernel
+            or tp_mesh() is not None  # no partitioning rule: XLA would gather the kernel
             or not cpu_kernels_available()
         ):
             return self.forward_native(x, kernel, scale, minimum)

@@ -29,20 +29,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.ragged_paged_attention.kv_quant import row_head_dim
 from xlm import disk_cache, envs
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCE = Path(__file__).with_name("quant_matmul.cc")
-_LIBRARY = "quant_matmul.so"
-_SYMBOLS = {"int8": "XlmInt8Matmul", "int4": "XlmInt4Matmul"}
+_HERE = Path(__file__).parent
+# kernel -> (its C++ source, the handler symbol it defines); one library holds them all.
+_KERNELS = {
+    "int8": ("quant_matmul.cc", "XlmInt8Matmul"),
+    "int4": ("quant_matmul.cc", "XlmInt4Matmul"),
+    "f32": ("quant_matmul.cc", "XlmF32Matmul"),
+    "paged_attention": ("paged_attention.cc", "XlmPagedAttention"),
+}
+_LIBRARY = "xlm_cpu_kernels.so"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
 _available: bool | None = None
 _library: ctypes.CDLL | None = None  # kept referenced: XLA holds pointers into it
-_targets: dict[str, str] = {}  # "int8" / "int4" -> registered FFI target name
+_targets: dict[str, str] = {}  # kernel -> its registered FFI target name
 
 
 class _Unavailable(Exception):
@@ -65,16 +72,16 @@ def _load() -> bool:
         logger.info("XLM_CPU_KERNELS=0: CPU kernels are off; ops use their jnp path.")
         return False
     try:
-        source = _SOURCE.read_text()
-        path = _build(source)
+        sources = {file: (_HERE / file).read_text() for file, _ in _KERNELS.values()}
+        path = _build(sources)
         library = ctypes.CDLL(str(path))
-        digest = hashlib.sha256(source.encode()).hexdigest()[:12]
         targets = {}
-        for kind, symbol in _SYMBOLS.items():
+        for kind, (file, symbol) in _KERNELS.items():
             handler = getattr(library, symbol)
-            # The name carries the source's hash: a saved program that calls an older
+            # The name carries its source's hash: a saved program that calls an older
             # build (whose arguments may differ) fails to load and is recompiled.
-            targets[kind] = f"xlm_{kind}_matmul_{digest}"
+            digest = hashlib.sha256(sources[file].encode()).hexdigest()[:12]
+            targets[kind] = f"xlm_{kind}_{digest}"
             jax.ffi.register_ffi_target(targets[kind], jax.ffi.pycapsule(handler), platform="cpu")
     except (_Unavailable, OSError, AttributeError, RuntimeError, ValueError) as e:
         logger.warning("xlm CPU kernels are unavailable, ops use their jnp path: %s", e)
@@ -115,24 +122,28 @@ def cpu_fingerprint() -> str:
     return f"{platform.machine()}|" + "|".join(fields)
 
 
-def _build(source: str) -> Path:
+def _build(sources: dict[str, str]) -> Path:
     """The path of the shared library, compiled into the cache if not there yet."""
     compiler, version = _compiler()
+    texts = [sources[name] for name in sorted(sources)]
     key = disk_cache.cache_key(
-        source, FLAGS, jax.__version__, compiler, version, cpu_fingerprint(), length=24
+        *texts, FLAGS, jax.__version__, compiler, version, cpu_fingerprint(), length=24
     )
-    directory = Path(envs.XLM_CACHE_ROOT) / "cpu_kernels" / f"quant_matmul-{key}"
+    directory = Path(envs.XLM_CACHE_ROOT) / "cpu_kernels" / f"xlm-{key}"
     if disk_cache.check_directory(directory):
         return directory / _LIBRARY
     logger.info("Compiling xlm CPU kernels into %s", directory)
     with disk_cache.atomic_directory(directory) as tmp:
-        (tmp / _SOURCE.name).write_text(source)
+        files = []
+        for file, text in sources.items():
+            files.append(tmp / file)
+            files[-1].write_text(text)
         cmd = [
             *shlex.split(compiler),
             *FLAGS,
             "-isystem",  # the FFI headers warn under -Wall; they are not ours to fix
             jax.ffi.include_dir(),
-            str(tmp / _SOURCE.name),
+            *map(str, files),
             "-o",
             str(tmp / _LIBRARY),
         ]
@@ -200,6 +211,18 @@ def _call(kind: str, x: jax.Array, k: int, weights: tuple, max_workers: int) -> 
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
+def f32_matmul(x: jax.Array, w: jax.Array, *, max_workers: int = 0) -> jax.Array:
+    """x [..., k] @ w float32 [k, n] through the kernels' packed GEMM (the int8 kernel's
+    batch path with float32 weights), for measuring against XLA's dot (benchmarks/
+    quant_matmul.py --f32-only): faster alone, slower inside the model's step, so the
+    engine keeps XLA's dot (docs/engine.md). Needs `available()`."""
+    if w.ndim != 2 or w.dtype != jnp.float32 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"x [..., k] and float32 w [k, n] expected; got {x.shape} and {w.shape}")
+    if not available():
+        raise RuntimeError("the xlm CPU kernels are unavailable (see the log for why)")
+    return _call("f32", x, w.shape[0], (w,), max_workers)
+
+
 def _check_int4_matmul(
     x: jax.Array, w: jax.Array, scale: jax.Array, minimum: jax.Array | None
 ) -> None:
@@ -251,3 +274,67 @@ def int4_matmul(
     minimum = jnp.zeros(scale.shape, jnp.float32) if minimum is None else minimum
     weights = (w, scale.astype(jnp.float32), minimum.astype(jnp.float32))
     return _call("int4", x, 2 * w.shape[0], weights, max_workers)
+
+
+# Cache element types the attention kernel reads.
+PAGED_ATTENTION_CACHE_DTYPES = tuple(
+    jnp.dtype(d) for d in ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
+)
+
+
+def paged_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    max_workers: int = 0,
+) -> jax.Array:
+    """Ragged paged attention (pallas_kernels.ragged_paged_attention's definition) in one
+    native call: q float32 [T, Hq, D] over kv_cache [2, blocks, block_size, Hkv, row] ->
+    [T, Hq, D]; rows past the real requests are zero. The cache is float32 (read in
+    place), bfloat16 or float8 (row = D), or int8 rows with their scale (row = D + 4,
+    pallas_kernels.ragged_paged_attention.kv_quant), widened as read. Needs
+    `available()`."""
+    if q.ndim != 3 or kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"q must be [T, Hq, D] and kv_cache [2, blocks, block_size, Hkv, D]; got "
+            f"{list(q.shape)} and {list(kv_cache.shape)}"
+        )
+    if q.dtype != jnp.float32 or jnp.dtype(kv_cache.dtype) not in PAGED_ATTENTION_CACHE_DTYPES:
+        raise ValueError(
+            f"q must be float32 and kv_cache one of "
+            f"{[d.name for d in PAGED_ATTENTION_CACHE_DTYPES]}; got {q.dtype} and "
+            f"{kv_cache.dtype}"
+        )
+    if row_head_dim(kv_cache.shape[4], kv_cache.dtype) != q.shape[2] or (
+        q.shape[1] % kv_cache.shape[3]
+    ):
+        raise ValueError(
+            f"q {list(q.shape)} and kv_cache {list(kv_cache.shape)} disagree on head_dim, "
+            "or the query heads are not a multiple of the KV heads"
+        )
+    if not available():
+        raise RuntimeError("the xlm CPU kernels are unavailable (see the log for why)")
+    call = jax.ffi.ffi_call(
+        _targets["paged_attention"],
+        jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(
+        q,
+        kv_cache,
+        block_tables.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+        max_workers=np.int64(max_workers),
+    )
