@@ -44,6 +44,7 @@ def test_prefill_decode_and_in_flight_token_match_a_per_token_loop():
     np.testing.assert_array_equal(attn.query_start_loc, [0, 6, 7, 8, 8])
     np.testing.assert_array_equal(attn.seq_lens, [6, 4, 4, 0])
     np.testing.assert_array_equal(inputs["logits_indices"], [5, 6, 7, 0])
+    assert inputs["num_logit_rows"].tolist() == [3]  # the real rows, first in the indices
     np.testing.assert_array_equal(attn.block_tables[:3, :2], [[5, 6], [2, 0], [3, 1]])
     assert int(attn.num_seqs[0]) == 3
     assert samples.tolist() == [True, True, True]

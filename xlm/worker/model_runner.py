@@ -92,6 +92,28 @@ def _weak(method: Any) -> Any:
     return call
 
 
+# A step with at most this many real logit rows (a prompt's prefill, a few decodes in a
+# large token bucket) runs the LM head on this many rows only: the bucket's other rows are
+# padding, and for a one-request 64-token prefill on SmolLM2 the full-width head was ~25 ms
+# of a ~130 ms first token (docs/engine.md, "Buckets and compile time").
+FEW_LOGIT_ROWS = 8
+
+
+def _logits(model: Any, hidden: jax.Array, num_rows: jax.Array) -> jax.Array:
+    """LM-head logits [L, V] of the step's gathered rows hidden [L, H], of which the first
+    `num_rows` are real: with few real rows only the first FEW_LOGIT_ROWS are computed (the
+    rest are zeros), chosen at run time by one `lax.cond`."""
+    total = hidden.shape[0]
+    if total <= FEW_LOGIT_ROWS:
+        return model.compute_logits(hidden)
+
+    def few(h: jax.Array) -> jax.Array:
+        out = model.compute_logits(h[:FEW_LOGIT_ROWS])
+        return jnp.pad(out, ((0, total - FEW_LOGIT_ROWS), (0, 0)))
+
+    return jax.lax.cond(num_rows <= FEW_LOGIT_ROWS, few, model.compute_logits, hidden)
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the jitted step; turns SchedulerOutputs into tokens."""
 
@@ -242,7 +264,7 @@ class ModelRunner:
             hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"])
         if self.pooling:  # no language-model head: the pooler reads the hidden states
             return kv_caches, None, self._replicate(hidden)
-        logits = model.compute_logits(hidden[inputs["logits_indices"]])
+        logits = _logits(model, hidden[inputs["logits_indices"]], inputs["num_logit_rows"][0])
         # Pad (not compute) up to the sampler's row bucket, so its program fits every step.
         rows = self.buckets.sampler_bucket(logits.shape[0])
         logits = jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))

@@ -109,6 +109,9 @@ def prepare_inputs(
         "prev_src": prev_src,
         "attn": attn,
         "logits_indices": logits_indices,
+        # Real rows of logits_indices (they come first): the program skips the LM head
+        # for the padding when there are few (ModelRunner._logits).
+        "num_logit_rows": np.array([int(row_counts.sum())], np.int32),
     }
     if lora_slots is not None:
         token_lora = np.zeros(num_tokens_padded, dtype=np.int32)  # padding: no adapter
