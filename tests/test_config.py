@@ -21,7 +21,7 @@ from xlm.platforms.cpu import CpuPlatform
         (lambda: ModelConfig(model="m", dtype="float8"), "ModelConfig.dtype='float8'.*bfloat16"),
         (lambda: ModelConfig(model="m", max_model_len=0), "max_model_len=0.*positive integer"),
         (lambda: ModelConfig(model="m", load_format="pt"), "load_format='pt'.*gguf"),
-        (lambda: ModelConfig(model="m", quantization="int4"), "quantization='int4'.*w8a8"),
+        (lambda: ModelConfig(model="m", quantization="int3"), "quantization='int3'.*w8a8"),
         (lambda: CacheConfig(block_size=12), "block_size=12.*power of two"),
         (lambda: CacheConfig(memory_utilization=1.5), r"memory_utilization=1.5.*\(0, 1\]"),
         (lambda: CacheConfig(kv_cache_memory=-1), "kv_cache_memory=-1"),
