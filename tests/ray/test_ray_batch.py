@@ -245,7 +245,10 @@ def test_run_batch_ray_parquet_in_and_out(ray_cluster, model, local_llm, tmp_pat
 def test_replica_killed_mid_job_every_row_exactly_once(ray_cluster, model, local_llm):
     n = 400
     rows = [{"idx": i, "prompt": prompt_text(i)} for i in range(n)]
-    params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    # Long enough rows that the replica still holds the ones it started when the kill
+    # lands (with 12 tokens a faster engine finished them between the snapshot and the
+    # SIGKILL, and nothing was left to retry).
+    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
     processor = build_llm_processor(config(model, batch_size=10), sampling_params=params)
     ds = processor(ray.data.from_items(rows))
     killed: list[int] = []
