@@ -329,7 +329,8 @@ class CompilationConfig:
 
     # [] keeps each op's default; else "all" / "none" followed by "+name" / "-name".
     custom_ops: list[str] = field(default_factory=list)
-    # Padded token counts per step (None: powers of two up to max_num_batched_tokens).
+    # Padded token counts per step (None: powers of two up to max_num_batched_tokens, with
+    # their 1.5x midpoints from 16 up).
     token_buckets: list[int] | None = None
     # Make programs ready before serving (False: each compiles on its first use).
     warmup: bool = True

@@ -15,7 +15,9 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
-# Small, fast engine settings for tests: short context, small KV pool, few buckets.
+# Small, fast engine settings for tests: short context, small KV pool, few buckets (powers
+# of two: the default's 1.5x midpoints would add 4 programs to every server's background
+# compile, for a bucket policy tests/worker tests on its own).
 DEFAULT_ARGS = [
     "--max-model-len",
     "256",
@@ -25,6 +27,8 @@ DEFAULT_ARGS = [
     "32",
     "--max-num-batched-tokens",
     "256",
+    "--token-buckets",
+    "1,2,4,8,16,32,64,128,256",
     "--max-logprobs",
     "5",
 ]

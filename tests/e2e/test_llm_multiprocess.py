@@ -16,7 +16,9 @@ def _engine_kwargs() -> dict:
     kwargs = {}
     for flag, value in zip(it, it):
         name = flag[2:].replace("-", "_")
-        if name != "max_logprobs":
+        if name == "token_buckets":
+            kwargs[name] = [int(b) for b in value.split(",")]
+        elif name != "max_logprobs":
             kwargs[name] = float(value) if "." in value else int(value)
     return kwargs
 

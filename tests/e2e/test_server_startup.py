@@ -14,8 +14,8 @@ from xlm import SamplingParams
 
 ENGINE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "64"]
-# First steps of 1 to 64 tokens: every token bucket (1, 2, 4, ..., 64).
-LENGTHS = [1, 2, 3, 6, 12, 25, 60]
+# First steps of 1 to 64 tokens: every token bucket (1, 2, 4, 8, 16, 24, 32, 48, 64).
+LENGTHS = [1, 2, 3, 6, 12, 20, 25, 40, 60]
 
 
 def _programs(server: RemoteServer) -> tuple[float | None, float | None]:

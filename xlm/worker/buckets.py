@@ -13,12 +13,26 @@ from dataclasses import dataclass
 
 from xlm.config import XlmConfig
 
+# A step with at most this many real rows of logits (one prompt's prefill, a few decodes in
+# a large bucket) computes its LM head on that many rows (one or FEW_ROWS) and samples on
+# FEW_ROWS rows: the model program also outputs its first FEW_ROWS rows of logits, and the
+# sampler of that bucket takes them (docs/engine.md, "Buckets and compile time").
+FEW_ROWS = 8
+
+# From this many tokens up, the buckets step by 1.5x as well as 2x (16, 24, 32, 48, 64, ...):
+# a prompt's prefill pads by at most a third instead of a half (docs/engine.md, "Buckets
+# and compile time"); below it a step is a few decodes, whose time hardly depends on T.
+FINE_BUCKETS_FROM = 16
+
 
 def default_token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from 1 up to the step's token budget (always included)."""
+    """Powers of two from 1 up to the step's token budget (always included), and from
+    FINE_BUCKETS_FROM up the 1.5x midpoints between them."""
     buckets, b = [], 1
     while b < max_num_batched_tokens:
         buckets.append(b)
+        if b >= FINE_BUCKETS_FROM and b * 3 // 2 < max_num_batched_tokens:
+            buckets.append(b * 3 // 2)
         b *= 2
     buckets.append(max_num_batched_tokens)
     return buckets
@@ -50,10 +64,12 @@ class Buckets:
                 f"max_num_batched_tokens={sched.max_num_batched_tokens}"
             )
         # The sampler compiles per row bucket, fewer than token buckets (its logits are
-        # padded up to the bucket): powers of four up to the most logit rows of a step.
+        # padded up to the bucket): powers of two up to the most logit rows of a step.
+        # (Powers of four padded a 32-row step to 64 rows and a 128-row one to 256: the
+        # zero rows cost 2 ms at 64 x 49152 and the sampler's time grows with its rows.)
         spec = config.speculative_config
         max_rows = sched.max_num_seqs if spec is None else spec.rows_needed(sched.max_num_seqs)
-        rows = sorted({min(4**i, max_rows) for i in range(16)})
+        rows = sorted({min(2**i, max_rows) for i in range(32)})
         return cls(tuple(tokens), tuple(rows), sched.max_num_seqs, max_rows)
 
     def token_bucket(self, num_tokens: int) -> int:
@@ -74,3 +90,14 @@ class Buckets:
 
     def sampler_bucket(self, num_rows: int) -> int:
         return next(b for b in self.sampler_buckets if b >= num_rows)
+
+    def few_rows_bucket(self, logit_rows: int) -> int | None:
+        """The sampler bucket of a step of `logit_rows` logit rows whose real rows are few
+        (at most FEW_ROWS), when it is smaller than the step's own; else None."""
+        few = self.sampler_bucket(min(FEW_ROWS, self.max_logit_rows))
+        return few if few < self.sampler_bucket(logit_rows) else None
+
+    def sampler_rows(self, logit_rows: int, real_rows: int) -> int:
+        """The sampler bucket a step runs: its logit rows', or the few-rows one."""
+        few = self.few_rows_bucket(logit_rows)
+        return few if few is not None and real_rows <= few else self.sampler_bucket(logit_rows)

@@ -35,7 +35,7 @@ from xlm.metrics import startup
 from xlm.ops import token_slots
 from xlm.worker import pooler, prompt_logprobs, spec_decode
 from xlm.worker import sampler as sampler_lib
-from xlm.worker.buckets import Buckets
+from xlm.worker.buckets import FEW_ROWS, Buckets
 from xlm.worker.compilation import (
     Compiler,
     MeshSpec,
@@ -92,26 +92,28 @@ def _weak(method: Any) -> Any:
     return call
 
 
-# A step with at most this many real logit rows (a prompt's prefill, a few decodes in a
-# large token bucket) runs the LM head on this many rows only: the bucket's other rows are
-# padding, and for a one-request 64-token prefill on SmolLM2 the full-width head was ~25 ms
-# of a ~130 ms first token (docs/engine.md, "Buckets and compile time").
-FEW_LOGIT_ROWS = 8
+# The LM head's few-rows tiers: a step whose real logit rows fit one (a prompt's prefill: 1;
+# a few decodes in a large bucket: FEW_ROWS) computes that many rows and zeros for the rest.
+# For one 59-token prompt on SmolLM2 the 64-row head cost ~25 ms of a ~130 ms first token,
+# and the 8-row head ~8 ms where one row streams the same 113 MB in ~4.
+LOGIT_ROW_TIERS = (1, FEW_ROWS)
 
 
-def _logits(model: Any, hidden: jax.Array, num_rows: jax.Array) -> jax.Array:
+def _logits(model: Any, hidden: jax.Array, num_rows: jax.Array, total: int | None = None) -> Any:
     """LM-head logits [L, V] of the step's gathered rows hidden [L, H], of which the first
-    `num_rows` are real: with few real rows only the first FEW_LOGIT_ROWS are computed (the
-    rest are zeros), chosen at run time by one `lax.cond`."""
-    total = hidden.shape[0]
-    if total <= FEW_LOGIT_ROWS:
+    `num_rows` are real: computed on the smallest LOGIT_ROW_TIERS tier below L that holds
+    them (zeros past it), or on every row; `lax.cond`s choose at run time."""
+    total = hidden.shape[0] if total is None else total
+    tiers = [t for t in LOGIT_ROW_TIERS if t < total]
+    if not tiers:
         return model.compute_logits(hidden)
+    tier = tiers[-1]
 
     def few(h: jax.Array) -> jax.Array:
-        out = model.compute_logits(h[:FEW_LOGIT_ROWS])
-        return jnp.pad(out, ((0, total - FEW_LOGIT_ROWS), (0, 0)))
+        out = _logits(model, h[:tier], num_rows, tier)
+        return jnp.pad(out, ((0, total - tier), (0, 0)))
 
-    return jax.lax.cond(num_rows <= FEW_LOGIT_ROWS, few, model.compute_logits, hidden)
+    return jax.lax.cond(num_rows <= tier, few, model.compute_logits, hidden)
 
 
 class ModelRunner:
@@ -265,9 +267,11 @@ class ModelRunner:
         if self.pooling:  # no language-model head: the pooler reads the hidden states
             return kv_caches, None, self._replicate(hidden)
         logits = _logits(model, hidden[inputs["logits_indices"]], inputs["num_logit_rows"][0])
-        # Pad (not compute) up to the sampler's row bucket, so its program fits every step.
+        # Pad (not compute) up to the sampler's row bucket, so its program fits every step;
+        # the first rows apart for the few-rows sampler (buckets.FEW_ROWS).
+        few = self.buckets.few_rows_bucket(logits.shape[0]) or logits.shape[0]
         rows = self.buckets.sampler_bucket(logits.shape[0])
-        logits = jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
+        logits = (jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0))), logits[:few])
         # Under a mesh the logits are gathered over the vocabulary shards: the sampler
         # runs whole on every device.
         logits, hidden = self._replicate((logits, hidden))
@@ -336,7 +340,7 @@ class ModelRunner:
         return ProgramKey(kind, size, self.mesh)
 
     def _model_spec(self, packed: Any, prev_sampled: Any, layout: Any) -> ProgramSpec:
-        logits = None if self.pooling else 0
+        logits = None if self.pooling else (0, 0)  # all rows, and the few-rows sampler's
         out_tree = jax.tree_util.tree_structure((list(self._kv_spec), logits, 0))
         args = (self.state, self._kv_spec, packed, prev_sampled)
         return ProgramSpec(self._model_fn, args, layout, out_tree, self.device_mesh)
@@ -432,7 +436,11 @@ class ModelRunner:
     def _run(self, num_tokens_padded: int, inputs: dict[str, Any], sampling: Any) -> Any:
         """Launch the step's model and sampler programs; returns their device outputs
         (the sampler's and the hidden states) without waiting for them."""
-        logits, hidden = self._run_model(num_tokens_padded, inputs)
+        (logits, few_logits), hidden = self._run_model(num_tokens_padded, inputs)
+        # The sampler's rows (step_inputs: Buckets.sampler_rows): the step's bucket, or
+        # the few-rows bucket, whose logits the model program output apart.
+        if sampling.temperature.shape[0] == few_logits.shape[0] < logits.shape[0]:
+            logits = few_logits
         packed, layout = pack(sampling)
         sample_args = (logits, self._put(packed))
         program = self.compiler.get(
@@ -633,7 +641,7 @@ class ModelRunner:
         bucket (the sampler's rows follow the bucket), and the prompt-logprobs program."""
         specs: dict[ProgramKey, ProgramSpec] = {}
         for bucket in self.buckets.token_buckets:
-            inputs, sampling, _, _ = self._prepare_inputs([], [], bucket)
+            inputs, _, _, _ = self._prepare_inputs([], [], bucket)
             packed, layout = pack(inputs)
             packed = self._abstract(packed.shape, packed.dtype)
             prev_sampled = self._abstract((self._max_rows,), jnp.int32)
@@ -644,11 +652,13 @@ class ModelRunner:
                     model_spec, inputs["attn"].query_start_loc
                 )
                 continue
-            packed, layout = pack(sampling)
-            packed = self._abstract(packed.shape, packed.dtype)
-            rows = self.buckets.sampler_bucket(self.buckets.logit_rows_for_tokens(bucket))
-            logits = self._abstract((rows, self.vocab_size), jnp.float32)
-            specs[self._key(ProgramKind.SAMPLER, rows)] = self._sampler_spec(logits, packed, layout)
+            for rows in self._sampler_rows(bucket):
+                sampling = self.input_batch.sampling_metadata(np.zeros(0, np.intp), rows, 0)
+                packed, layout = pack(sampling)
+                packed = self._abstract(packed.shape, packed.dtype)
+                logits = self._abstract((rows, self.vocab_size), jnp.float32)
+                spec = self._sampler_spec(logits, packed, layout)
+                specs[self._key(ProgramKind.SAMPLER, rows)] = spec
         if self.pooling:  # no sampler, no prompt logprobs: the pooler replaces them
             return specs
         hidden_size = self.hidden_size
@@ -667,8 +677,15 @@ class ModelRunner:
         its pooler)."""
         if self.pooling:
             return [self._key(ProgramKind.MODEL, bucket), self._key(ProgramKind.POOLER, bucket)]
-        rows = self.buckets.sampler_bucket(self.buckets.logit_rows_for_tokens(bucket))
-        return [self._key(ProgramKind.MODEL, bucket), self._key(ProgramKind.SAMPLER, rows)]
+        samplers = [self._key(ProgramKind.SAMPLER, rows) for rows in self._sampler_rows(bucket)]
+        return [self._key(ProgramKind.MODEL, bucket), *samplers]
+
+    def _sampler_rows(self, bucket: int) -> list[int]:
+        """The sampler buckets a step of this token bucket may run: its logit rows' and,
+        for a step with few real rows, the few-rows one."""
+        logit_rows = self.buckets.logit_rows_for_tokens(bucket)
+        few = self.buckets.few_rows_bucket(logit_rows)
+        return [self.buckets.sampler_bucket(logit_rows)] + ([few] if few is not None else [])
 
     def _ready_bucket(self, num_tokens: int) -> int:
         """The token bucket a step of `num_tokens` runs in: its own when its programs are

@@ -167,7 +167,8 @@ def decode_keys(worker: Worker, batch: int) -> list[ProgramKey]:
     if runner.pooling:
         keys.append(runner._key(ProgramKind.POOLER, tokens))
     else:
-        rows = runner.buckets.sampler_bucket(runner.buckets.logit_rows_for_tokens(tokens))
+        logit_rows = runner.buckets.logit_rows_for_tokens(tokens)
+        rows = runner.buckets.sampler_rows(logit_rows, batch)
         keys.append(runner._key(ProgramKind.SAMPLER, rows))
     return keys
 

@@ -96,7 +96,7 @@ def prepare_inputs(
             offsets < spec_lens[row_req], batch.token_ids[row_slots, next_pos], -1
         ).astype(np.int32)
         drafts = (draft_ids, offsets)
-    rows = buckets.sampler_bucket(len(logits_indices))
+    rows = buckets.sampler_rows(len(logits_indices), int(row_counts.sum()))
     grammar = _grammar_rows(req_ids, so, row_counts)
     sampling = batch.sampling_metadata(row_slots, rows, step_count, grammar, drafts)
     if unknown.size:
@@ -110,7 +110,7 @@ def prepare_inputs(
         "attn": attn,
         "logits_indices": logits_indices,
         # Real rows of logits_indices (they come first): the program skips the LM head
-        # for the padding when there are few (ModelRunner._logits).
+        # for the padding when there are few (model_runner._logits).
         "num_logit_rows": np.array([int(row_counts.sum())], np.int32),
     }
     if lora_slots is not None:
