@@ -18,7 +18,9 @@ pools in one process disturb each other. Engines that are not installed are skip
 - Workloads: batch x output length over `--batches` x `--output-lens`, greedy, EOS
   ignored; throughput = generated tokens / wall time of the whole batch, prefill included.
   One request: TTFT = time of a max_tokens=1 request; decode tok/s = (L-1)/(T(L)-T(1)),
-  L = the largest output length. Each is repeated `--repeats` times: median and min-max.
+  L = the largest output length. TTFT is also timed per prompt length (TTFT_LENGTHS,
+  16-64 tokens, cut from the same passages). Each is repeated `--repeats` times: median
+  and min-max.
   Each batch size gets one untimed warm-up call first. Prefix caching is off in xlm and
   vLLM so that repeats of the same prompts redo their prefill, as the others do.
 - Start-up: process start to the first token of a 1-token request. xlm: cold (a fresh
@@ -91,6 +93,9 @@ RESULT_TAG = "PEERS_RESULT "
 # "Engine core ready in X s", and any line about phases).
 PHASE_WORDS = re.compile(r"phase|ready in|compiled .* in|loaded .* in", re.IGNORECASE)
 PROMPT_MIN, PROMPT_MAX = 16, 64
+# TTFT is also timed on prompts of these lengths (spread over the prompt range, not on
+# xlm's buckets), each cut from the first prompt source long enough.
+TTFT_LENGTHS = (16, 22, 28, 34, 40, 46, 52, 58, 64)
 
 
 # ---- machine and fairness records (Linux /proc) ----------------------------------------
@@ -225,9 +230,9 @@ def gguf_tensor_bytes(path: str) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
 
 
-def load_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
+def load_prompts(tokenizer: Any, n: int, seed: int, cut: bool = True) -> list[list[int]]:
     """n prompts: passages of peers_prompts.txt in a seeded order, tokenized by xlm's
-    tokenizer of the model and cut to seeded lengths of 16-64 tokens."""
+    tokenizer of the model and cut to seeded lengths of 16-64 tokens (whole if not cut)."""
     text = (HERE / "peers_prompts.txt").read_text().splitlines()
     passages = [line for line in text if line.strip() and not line.startswith("#")]
     rng = np.random.default_rng(seed)
@@ -236,7 +241,7 @@ def load_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
     prompts = []
     for i in range(n):
         ids = tokenizer.encode(passages[order[i % len(passages)]], add_special_tokens=False)
-        prompts.append(ids[: int(lengths[i])])
+        prompts.append(ids[: int(lengths[i])] if cut else ids)
     return prompts
 
 
@@ -404,6 +409,25 @@ def make_runner(engine: str, spec: dict) -> tuple[Any, dict[str, str]]:
     raise ValueError(f"unknown engine {engine!r}; known: {ENGINES} and xlm-DTYPE")
 
 
+def ttft_by_length(runner: Any, prompts: list[list[int]], repeats: int) -> dict[str, list]:
+    """Time of a max_tokens=1 request per prompt, `repeats` times each, after one untimed
+    call (a prompt's own bucket may not have run yet)."""
+    out = {}
+    for prompt in prompts:
+        runner.generate([prompt], 1)
+        out[str(len(prompt))] = [time_call(runner.generate, [prompt], 1)[0] for _ in range(repeats)]
+    return out
+
+
+def ttft_prompts(sources: list[list[int]]) -> list[list[int]]:
+    """One prompt per TTFT_LENGTHS entry that some source is long enough for."""
+    return [
+        next(s for s in sources if len(s) >= n)[:n]
+        for n in TTFT_LENGTHS
+        if any(len(s) >= n for s in sources)
+    ]
+
+
 def timed(runner: Any, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list]:
     with OtherCpu() as cpu:
         wall, outs = time_call(runner.generate, prompts, max_tokens)
@@ -441,8 +465,9 @@ def worker(engine: str, spec_path: str, spawn_time: float, startup_only: bool) -
     runner.generate([prompts[0]], 2)
     with OtherCpu() as cpu:
         single = single_request(runner, prompts[0], target[1], spec["repeats"])
+        ttft = ttft_by_length(runner, spec["ttft_prompts"], spec["repeats"])
     single.update(output_len=target[1], other_cpu_s=cpu.other_s)
-    result.update(grid=grid, single=single, outputs=agreement)
+    result.update(grid=grid, single=single, ttft_by_length=ttft, outputs=agreement)
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
@@ -581,6 +606,9 @@ def summarize(result: dict) -> None:
     single["decode_tok_s"] = spread(
         [(length - 1) / (f - t) for t, f in zip(single["ttft_s"], single["full_s"])]
     )
+    result["ttft_by_length_ms"] = {
+        n: spread([1000 * t for t in times]) for n, times in result["ttft_by_length"].items()
+    }
     result["timed_other_cpu_s"] = single["other_cpu_s"] + sum(
         c["other_cpu_s"] for c in result["grid"]
     )
@@ -635,6 +663,20 @@ def tables(report: dict) -> str:
             f" | {fmt(r['single']['ttft_ms'], 0)} | {start} | {r['weight_bytes'] / 1e6:.0f} "
             f"| {100 * share:.0f}% of {floor:.1f} |"
         )
+    lengths = list(results[0]["ttft_by_length_ms"]) if results else []
+    lines += [
+        "",
+        "TTFT ms by prompt length (tokens), median (min-max) of "
+        f"{report['args']['repeats']}, one request, max_tokens=1:",
+        "",
+        "| engine | " + " | ".join(lengths) + " | mean |",
+        "|---|" + "---|" * (len(lengths) + 1),
+    ]
+    for r in results:
+        by = r["ttft_by_length_ms"]
+        mean = statistics.mean(by[n]["median"] for n in lengths)
+        cells = [f"{by[n]['median']:.0f} ({by[n]['min']:.0f}-{by[n]['max']:.0f})" for n in lengths]
+        lines.append(f"| {label(r['engine'])} | " + " | ".join(cells) + f" | {mean:.1f} |")
     cells = [(c["batch"], c["output_len"]) for c in results[0]["grid"]] if results else []
     lines += [
         "",
@@ -801,6 +843,7 @@ def main() -> None:
         "repeats": args.repeats,
         "llama_threads": args.llama_threads,
         "prompts": load_prompts(tokenizer, max(args.batches), args.seed),
+        "ttft_prompts": ttft_prompts(load_prompts(tokenizer, 64, args.seed, cut=False)),
     }
     spec_path = work_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
