@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import importlib.util
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -59,16 +59,12 @@ def main() -> None:
 
     import jax
     from jax._src.lib import _profile_data
+    from profile_step import real_prompts
 
     import xlm
     from xlm.worker.compilation import ProgramKind
 
-    spec = importlib.util.spec_from_file_location("benchmarks_peers", HERE / "peers.py")
-    peers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peers)
-
-    with open("/proc/loadavg") as f:
-        load_before = [float(x) for x in f.read().split()[:3]]
+    load_before = os.getloadavg()
     llm = xlm.LLM(
         model=args.model,
         max_num_seqs=max(args.batch, 1),
@@ -78,7 +74,7 @@ def main() -> None:
     )
     engine = llm.llm_engine
     runner = engine.engine_core.engine_core.executor.worker.model_runner
-    prompts = peers.load_prompts(llm.get_tokenizer(), args.batch, 0)
+    prompts = real_prompts(llm.get_tokenizer(), args.batch)
     params = xlm.SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": p}, params)
@@ -129,8 +125,7 @@ def main() -> None:
     for name, row in top.items():
         print(f"  {row['ms']:8.2f}  {name}  {row['hlo']}")
     if args.out:
-        with open("/proc/loadavg") as f:
-            load_after = [float(x) for x in f.read().split()[:3]]
+        load_after = os.getloadavg()
         Path(args.out).write_text(
             json.dumps(
                 {

@@ -97,6 +97,13 @@ class Buckets:
         few = self.sampler_bucket(min(FEW_ROWS, self.max_logit_rows))
         return few if few < self.sampler_bucket(logit_rows) else None
 
+    def sampler_buckets_for_tokens(self, num_tokens_padded: int) -> list[int]:
+        """The sampler buckets a step of this token bucket may run: its logit rows' and,
+        for a step with few real rows, the few-rows one."""
+        logit_rows = self.logit_rows_for_tokens(num_tokens_padded)
+        few = self.few_rows_bucket(logit_rows)
+        return [self.sampler_bucket(logit_rows)] + ([few] if few is not None else [])
+
     def sampler_rows(self, logit_rows: int, real_rows: int) -> int:
         """The sampler bucket a step runs: its logit rows', or the few-rows one."""
         few = self.few_rows_bucket(logit_rows)

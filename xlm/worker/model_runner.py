@@ -652,7 +652,7 @@ class ModelRunner:
                     model_spec, inputs["attn"].query_start_loc
                 )
                 continue
-            for rows in self._sampler_rows(bucket):
+            for rows in self.buckets.sampler_buckets_for_tokens(bucket):
                 sampling = self.input_batch.sampling_metadata(np.zeros(0, np.intp), rows, 0)
                 packed, layout = pack(sampling)
                 packed = self._abstract(packed.shape, packed.dtype)
@@ -677,15 +677,9 @@ class ModelRunner:
         its pooler)."""
         if self.pooling:
             return [self._key(ProgramKind.MODEL, bucket), self._key(ProgramKind.POOLER, bucket)]
-        samplers = [self._key(ProgramKind.SAMPLER, rows) for rows in self._sampler_rows(bucket)]
+        rows = self.buckets.sampler_buckets_for_tokens(bucket)
+        samplers = [self._key(ProgramKind.SAMPLER, r) for r in rows]
         return [self._key(ProgramKind.MODEL, bucket), *samplers]
-
-    def _sampler_rows(self, bucket: int) -> list[int]:
-        """The sampler buckets a step of this token bucket may run: its logit rows' and,
-        for a step with few real rows, the few-rows one."""
-        logit_rows = self.buckets.logit_rows_for_tokens(bucket)
-        few = self.buckets.few_rows_bucket(logit_rows)
-        return [self.buckets.sampler_bucket(logit_rows)] + ([few] if few is not None else [])
 
     def _ready_bucket(self, num_tokens: int) -> int:
         """The token bucket a step of `num_tokens` runs in: its own when its programs are
