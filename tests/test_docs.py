@@ -78,3 +78,51 @@ def test_module_map_matches_the_tree():
     assert folders - {f for f in folders if any(n.startswith(f) for n in named)} == set()
     stale = {n for n in named if not (ROOT / n).exists()}
     assert not stale, f"the map names files that do not exist: {sorted(stale)}"
+
+
+def _cli_flags() -> dict[str, set[str]]:
+    """Each `xlm` subcommand's option strings, from the real parser."""
+    from xlm.entrypoints.cli import SUBCOMMANDS, build_parser
+
+    flags = {}
+    for name in SUBCOMMANDS:
+        parser = build_parser(name)
+        sub = next(a for a in parser._actions if a.dest == "command").choices[name]
+        flags[name] = {s for action in sub._actions for s in action.option_strings}
+    return flags
+
+
+def _xlm_commands(text: str) -> list[tuple[str, str]]:
+    """(subcommand, rest of the line) of every `xlm SUBCOMMAND ...` a doc shows, with
+    backslash continuations joined."""
+    text = text.replace("\\\n", " ")
+    return re.findall(r"(?:^|[\s`(])xlm ([a-z-]+)((?:[^\n`]*))", text)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_cited_cli_flags_exist(doc):
+    """Every `--flag` on an `xlm SUBCOMMAND` line of the docs is a flag of that subcommand."""
+    flags = _cli_flags()
+    unknown = set()
+    for command, rest in _xlm_commands(doc.read_text()):
+        if command not in flags:
+            continue  # prose such as "xlm keeps", not a command
+        rest = rest.split("#", 1)[0]
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest):
+            if flag not in flags[command]:
+                unknown.add(f"xlm {command} {flag}")
+    assert not unknown, f"{doc.name} shows flags the CLI does not have: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_cited_extras_exist(doc):
+    """Every extra a doc installs (`.[x]`, `xlm[x]`) is one pyproject.toml declares."""
+    import tomllib
+
+    extras = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    named = set()
+    for group in re.findall(r"(?:\.|xlm)\[([\w,\s-]+)\]", doc.read_text()):
+        named.update(e.strip() for e in group.split(","))
+    assert named <= extras, f"{doc.name} installs extras pyproject.toml lacks: {named - extras}"
