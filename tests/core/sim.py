@@ -275,8 +275,8 @@ def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> Non
     """Block accounting and scheduling limits that must hold after every step."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
-    # One manager per KV cache group (a single one without groups), over one pool.
-    managers = getattr(kv, "groups", [kv])
+    # One manager per KV cache group, over one pool.
+    managers = kv.groups
     owners: Counter[int] = Counter()
     for m in managers:
         for blocks in m.req_to_blocks.values():

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
-from xlm.core.hybrid_kv_cache_manager import make_kv_cache_manager
-from xlm.core.kv_manager import KVManager
+from xlm.core.kv_cache_manager import KVCacheManager
 from xlm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -86,13 +85,13 @@ class Scheduler:
             scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         )
         self.policy = scheduler_config.policy
-        self.kv_cache_manager: KVManager = make_kv_cache_manager(
-            cache_config.kv_cache_groups,
+        self.kv_cache_manager = KVCacheManager(
             num_blocks,
             self.block_size,
             self.max_model_len,
             cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
+            kv_cache_groups=cache_config.kv_cache_groups,
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
         pool_tokens = self.kv_cache_manager.max_request_tokens
