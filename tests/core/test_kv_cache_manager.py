@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.core.sim import make_request
+from tests.core.sim import free_queue_blocks, make_request
 from xlm.core.kv_cache_groups import KVCacheGroupSpec
 from xlm.core.kv_cache_manager import KVCacheManager
 
@@ -124,7 +124,7 @@ def test_free_is_tail_first():
     admit(kv, a)
     table = kv.get_block_ids("a")
     kv.free(a)
-    free_ids = [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+    free_ids = [b.block_id for b in free_queue_blocks(kv.block_pool.free_block_queue)]
     # The tail block is evicted first, the first (most shareable) block last.
     assert free_ids[-3:] == table[2::-1]
     assert kv.get_block_ids("a") == []

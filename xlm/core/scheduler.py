@@ -600,10 +600,6 @@ class Scheduler:
             RequestStatus.PREEMPTED,
         )
 
-    def has_finished_requests(self) -> bool:
-        """Whether finished ids are pending for the next step's workers."""
-        return bool(self.finished_req_ids)
-
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; False while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
