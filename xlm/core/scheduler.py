@@ -5,13 +5,11 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
 from xlm.core.kv_cache_manager import KVCacheManager
 from xlm.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -20,6 +18,8 @@ from xlm.core.outputs import (
 )
 from xlm.core.request import Request, RequestStatus
 from xlm.core.request_queue import create_request_queue
+from xlm.core.sampled_tokens import append_sampled_tokens, roll_back_rejected
+from xlm.core.step_plan import StepPlan
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -28,36 +28,11 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _ERROR = RequestStatus.FINISHED_ERROR
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """What one schedule() call has decided so far, passed between its phases."""
-
-    token_budget: int
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    cached: CachedRequestData = field(default_factory=CachedRequestData)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    scheduled: list[Request] = field(default_factory=list)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-
-    def add_cached(
-        self, req_id: str, resumed: bool, block_ids: Any, num_computed: int, tokens: list[int]
-    ) -> None:
-        """Schedule a request the runner has seen (running, or resumed from preemption)."""
-        cached = self.cached
-        cached.req_ids.append(req_id)
-        cached.resumed_from_preemption.append(resumed)
-        cached.new_block_ids.append(block_ids)
-        cached.num_computed_tokens.append(num_computed)
-        cached.new_token_ids.append(tokens)
 
 
 class Scheduler:
@@ -199,14 +174,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocate their KV cache slots."""
-        step = _StepPlan(self.max_num_batched_tokens)
+        step = StepPlan(self.max_num_batched_tokens)
         self._schedule_running(step)
         # Then waiting requests, unless this step had to preempt.
         if not step.preempted_req_ids:
             self._schedule_waiting(step)
         return self._finish_schedule(step)
 
-    def _schedule_running(self, step: _StepPlan) -> None:
+    def _schedule_running(self, step: StepPlan) -> None:
         """Running requests first, in order; when blocks run out, preempt from the end."""
         allocate_slots = self.kv_cache_manager.allocate_slots
         threshold = self.long_prefill_token_threshold
@@ -270,7 +245,7 @@ class Scheduler:
             room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
         return spec[: max(room, 0)]
 
-    def _schedule_waiting(self, step: _StepPlan) -> None:
+    def _schedule_waiting(self, step: StepPlan) -> None:
         """Admit waiting requests while the budget, the row cap and the blocks allow."""
         kv = self.kv_cache_manager
         allocate_slots = kv.allocate_slots
@@ -356,7 +331,7 @@ class Scheduler:
             return set()
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
-    def _finish_schedule(self, step: _StepPlan) -> SchedulerOutput:
+    def _finish_schedule(self, step: StepPlan) -> SchedulerOutput:
         """Count the scheduled tokens as computed, build the grammar bitmask and the output."""
         num_scheduled_tokens, token_budget = step.num_scheduled_tokens, step.token_budget
         # The K/V of scheduled tokens count as computed from here on.
@@ -480,9 +455,9 @@ class Scheduler:
                         )
                     )
                 continue
-            new_token_ids, stopped = self._append_tokens(request, token_ids, max_len)
-            if not stopped:
-                stopped = self._advance_grammar(request, new_token_ids)
+            new_token_ids, stopped = append_sampled_tokens(
+                request, token_ids, max_len, self.structured_output_manager
+            )
             if stopped:
                 any_finished = True
                 if was_preempted:
@@ -505,12 +480,8 @@ class Scheduler:
         return outputs
 
     def _roll_back_rejected(self, request: Request, num_proposed: int, num_tokens: int) -> None:
-        """A verified request kept num_tokens - 1 proposals and one token of its own: the
-        K/V computed for the rejected proposals does not count (their slots are written
-        again by the next step; their blocks were never entered in the prefix cache,
-        which takes only blocks of known tokens)."""
-        num_accepted = num_tokens - 1
-        request.num_computed_tokens -= num_proposed - num_accepted
+        """Count a verified request's accepted proposals; the rejected ones' K/V is dropped."""
+        num_accepted = roll_back_rejected(request, num_proposed, num_tokens)
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_proposed
         self.spec_num_accepted_tokens += num_accepted
@@ -527,60 +498,6 @@ class Scheduler:
             first_scheduled_time=request.first_scheduled_time,
             pooled=pooled,
         )
-
-    def _append_tokens(
-        self, request: Request, token_ids: list[int], max_len: int
-    ) -> tuple[list[int], bool]:
-        """Append sampled tokens up to the first that stops the request: (kept, stopped)."""
-        if len(token_ids) == 1:
-            token_id = token_ids[0]
-            request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
-            return token_ids, self._check_stop(request, token_id, max_len)
-        for n, token_id in enumerate(token_ids, 1):
-            request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
-            if self._check_stop(request, token_id, max_len):
-                return token_ids[:n], True
-        return token_ids, False
-
-    def _advance_grammar(self, request: Request, token_ids: list[int]) -> bool:
-        """Advance a constrained request's matcher; whether its grammar ended it."""
-        constraint = request.structured_output_request
-        if constraint is None or constraint.matcher is None:
-            return False
-        # The grammar is complete ("stop") or, should it ever happen, refused the token:
-        # that ends this request with an error, never the engine.
-        verdict = self.structured_output_manager.advance(constraint, token_ids)
-        if verdict == "stop":
-            request.status = _STOPPED
-            return True
-        if verdict is not None:
-            logger.error("Request %s: %s", request.request_id, verdict)
-            request.status = _ERROR
-            request.stop_reason = verdict
-            return True
-        return False
-
-    @staticmethod
-    def _check_stop(request: Request, token_id: int, max_len: int) -> bool:
-        """Apply stop conditions after token_id was appended; set the status if stopped."""
-        num_output = len(request.output_token_ids)
-        if num_output >= request.min_tokens:
-            if token_id == request.eos_token_id and not request.ignore_eos:
-                request.status = _STOPPED
-                return True
-            if token_id in request.stop_token_ids:
-                request.status = _STOPPED
-                request.stop_reason = token_id
-                return True
-        max_tokens = request.max_tokens
-        if (max_tokens is not None and num_output >= max_tokens) or len(
-            request.all_token_ids
-        ) >= max_len:
-            request.status = _LENGTH_CAPPED
-            return True
-        return False
 
     # ---- queries --------------------------------------------------------------------------
 
