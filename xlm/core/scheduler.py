@@ -251,7 +251,6 @@ class Scheduler:
         allocate_slots = kv.allocate_slots
         threshold = self.long_prefill_token_threshold
         num_scheduled_tokens, scheduled = step.num_scheduled_tokens, step.scheduled
-        new_reqs = step.new_reqs
         token_budget = step.token_budget
         running = self.running
         waiting = self.waiting
@@ -289,41 +288,44 @@ class Scheduler:
             if new_block_ids is None:
                 break  # head of line waits for blocks
             waiting.pop_request()
-            if self.policy == "priority":
-                bisect.insort_right(running, request, key=_priority_key)
-            else:
-                running.append(request)
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.time()
-            req_id = request.request_id
-            if request.status == _PREEMPTED:
-                step.add_cached(
-                    req_id, True, kv.get_block_ids(req_id), num_hit, list(request.output_token_ids)
-                )
-            else:
-                new_reqs.append(
-                    NewRequestData(
-                        req_id,
-                        request.prompt_token_ids,
-                        request.sampling_params,
-                        kv.get_block_ids(req_id),
-                        num_hit,
-                        request.pooling_params,
-                        request.lora_request,
-                    )
-                )
-            request.status = _RUNNING
+            self._admit(step, request, num_hit)
             if lora is not None:
                 adapters.add(lora.lora_int_id)
-            num_scheduled_tokens[req_id] = num_new
+            num_scheduled_tokens[request.request_id] = num_new
             token_budget -= num_new
             scheduled.append(request)
         for request in reversed(skipped):
             waiting.prepend_request(request)
         step.token_budget = token_budget
+
+    def _admit(self, step: StepPlan, request: Request, num_hit: int) -> None:
+        """Move an allocated waiting request to running; the runner gets its whole table."""
+        if self.policy == "priority":
+            bisect.insort_right(self.running, request, key=_priority_key)
+        else:
+            self.running.append(request)
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+        req_id = request.request_id
+        block_ids = self.kv_cache_manager.get_block_ids(req_id)
+        if request.status == _PREEMPTED:
+            step.add_cached(req_id, True, block_ids, num_hit, list(request.output_token_ids))
+        else:
+            step.new_reqs.append(
+                NewRequestData(
+                    req_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    block_ids,
+                    num_hit,
+                    request.pooling_params,
+                    request.lora_request,
+                )
+            )
+        request.status = _RUNNING
 
     def _running_adapters(self) -> set[int]:
         """The LoRA adapter ids of the running requests."""
