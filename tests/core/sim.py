@@ -12,6 +12,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+from xlm.core.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
@@ -271,12 +272,23 @@ def reference_generate(
             return out, "length", None
 
 
+def free_queue_blocks(queue: FreeKVCacheBlockQueue) -> list[KVCacheBlock]:
+    """The free queue's blocks, head (reused first) to tail, read off its links."""
+    out = []
+    block = queue._head.next_free_block
+    while block is not queue._tail:
+        assert block is not None, "a free block's link is broken"
+        out.append(block)
+        block = block.next_free_block
+    return out
+
+
 def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> None:
     """Block accounting and scheduling limits that must hold after every step."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
-    # One manager per KV cache group (a single one without groups), over one pool.
-    managers = getattr(kv, "groups", [kv])
+    # One manager per KV cache group, over one pool.
+    managers = kv.groups
     owners: Counter[int] = Counter()
     for m in managers:
         for blocks in m.req_to_blocks.values():
@@ -289,7 +301,7 @@ def check_invariants(sched: Scheduler, so: SchedulerOutput | None = None) -> Non
         assert block.ref_cnt == owners[block.block_id], block
         if owners[block.block_id] > 1:
             assert block.block_hash is not None, f"{block} shared but not a cached block"
-    free = pool.free_block_queue.get_all_free_blocks()
+    free = free_queue_blocks(pool.free_block_queue)
     assert len(free) == pool.get_num_free_blocks()
     assert {b.block_id for b in free} == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
     prev = pool.free_block_queue._head

@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.core.sim import free_queue_blocks
 from xlm.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from xlm.core.kv_cache_utils import hash_block_tokens
 
@@ -13,20 +14,20 @@ def ids(blocks):
 def test_free_queue_popleft_append_remove():
     blocks = [KVCacheBlock(i) for i in range(5)]
     q = FreeKVCacheBlockQueue(blocks)
-    assert ids(q.get_all_free_blocks()) == [0, 1, 2, 3, 4]
+    assert ids(free_queue_blocks(q)) == [0, 1, 2, 3, 4]
     q.remove(blocks[2])
-    assert ids(q.get_all_free_blocks()) == [0, 1, 3, 4] and q.num_free_blocks == 4
+    assert ids(free_queue_blocks(q)) == [0, 1, 3, 4] and q.num_free_blocks == 4
     assert q.popleft() is blocks[0]
     q.append(blocks[2])
     q.appendleft(blocks[0])
-    assert ids(q.get_all_free_blocks()) == [0, 1, 3, 4, 2]
+    assert ids(free_queue_blocks(q)) == [0, 1, 3, 4, 2]
     with pytest.raises(RuntimeError):
         q.remove(KVCacheBlock(9))
     for _ in range(5):
         q.popleft()
     with pytest.raises(ValueError):
         q.popleft()
-    assert q.get_all_free_blocks() == [] and q.num_free_blocks == 0
+    assert free_queue_blocks(q) == [] and q.num_free_blocks == 0
 
 
 def test_null_block_never_handed_out():
@@ -57,14 +58,15 @@ def test_lru_eviction_order():
     hb = _cache(pool, b, 2)
     pool.free_blocks(reversed(a))  # a freed first (tail first), then b
     pool.free_blocks(reversed(b))
-    order = ids(pool.free_block_queue.get_all_free_blocks())
+    order = ids(free_queue_blocks(pool.free_block_queue))
     assert order == ids(a[::-1]) + ids(b[::-1])
     # Reallocation takes the least recently freed first, evicting exactly those hashes.
     got = pool.get_new_blocks(2)
     assert ids(got) == ids(a[::-1][:2])
-    assert pool.get_cached_block(ha[2]) is None and pool.get_cached_block(ha[1]) is None
-    assert pool.get_cached_block(ha[0]) is a[0]
-    assert all(pool.get_cached_block(h) is not None for h in hb)
+    cached = pool.cached_block_hash_to_block
+    assert cached.get(ha[2]) is None and cached.get(ha[1]) is None
+    assert cached.get(ha[0]) is a[0]
+    assert all(cached.get(h) is not None for h in hb)
     assert all(blk.block_hash is None for blk in got)
 
 
@@ -84,17 +86,17 @@ def test_touch_takes_cached_free_block_out_of_queue():
     hashes = _cache(pool, blocks, 5)
     pool.free_blocks(blocks)
     assert pool.get_num_free_blocks() == 3
-    hit = pool.get_cached_block(hashes[1])
+    hit = pool.cached_block_hash_to_block.get(hashes[1])
     assert hit is blocks[1] and hit.ref_cnt == 0  # lazily kept while free
     pool.touch([hit])
     assert hit.ref_cnt == 1 and pool.get_num_free_blocks() == 2
-    assert hit not in pool.free_block_queue.get_all_free_blocks()
+    assert hit not in free_queue_blocks(pool.free_block_queue)
     pool.touch([hit])
     assert hit.ref_cnt == 2
     pool.free_blocks([hit])
     assert pool.get_num_free_blocks() == 2
     pool.free_blocks([hit])
-    assert pool.free_block_queue.get_all_free_blocks()[-1] is hit
+    assert free_queue_blocks(pool.free_block_queue)[-1] is hit
 
 
 def test_duplicate_content_keeps_first_block():
@@ -103,7 +105,7 @@ def test_duplicate_content_keeps_first_block():
     h = hash_block_tokens(None, [1, 2])
     pool.cache_full_blocks([a], [h], 0, 1)
     pool.cache_full_blocks([b], [h], 0, 1)
-    assert pool.get_cached_block(h) is a and b.block_hash is None
+    assert pool.cached_block_hash_to_block.get(h) is a and b.block_hash is None
 
 
 def test_reset_prefix_cache_only_when_idle():
@@ -111,7 +113,7 @@ def test_reset_prefix_cache_only_when_idle():
     blocks = pool.get_new_blocks(2)
     hashes = _cache(pool, blocks, 7)
     assert pool.reset_prefix_cache() is False
-    assert pool.get_cached_block(hashes[0]) is blocks[0]
+    assert pool.cached_block_hash_to_block.get(hashes[0]) is blocks[0]
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache() is True
     assert pool.cached_block_hash_to_block == {}

@@ -376,7 +376,7 @@ def test_randomized_workloads_leak_no_blocks(seed):
             step(sched, runner)
     run_to_completion(sched, runner)
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks - 1
-    assert sched.kv_cache_manager.req_to_blocks == {}
+    assert sched.kv_cache_manager.groups[0].req_to_blocks == {}
 
 
 def test_no_admission_in_a_step_that_preempted():

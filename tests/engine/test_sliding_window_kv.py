@@ -19,8 +19,8 @@ import pytest
 import xlm
 from tests.conftest import VOCAB_SIZE, write_tiny_checkpoint
 from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf, scheduler
-from xlm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from xlm.core.kv_cache_groups import window_block_bound
+from xlm.core.kv_cache_manager import KVCacheManager
 from xlm.worker.worker import kv_cache_bytes_per_block, kv_cache_groups, shared_sliding_window
 
 WINDOW = 8  # TINY_CONFIGS["mistral"]
@@ -120,7 +120,7 @@ def run_checking_groups(llm, prompt: list[int], request_id: str) -> tuple[list[i
     """Generate step by step asserting every step's per-group bounds; (output, steps)."""
     engine = llm.llm_engine
     kv = scheduler(llm).kv_cache_manager
-    assert isinstance(kv, HybridKVCacheManager)
+    assert isinstance(kv, KVCacheManager) and len(kv.groups) > 1
     engine.add_request(request_id, prompt, greedy(NEW_TOKENS))
     steps, out, computed = 0, None, 0
     while engine.has_unfinished_requests():

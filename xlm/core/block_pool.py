@@ -69,31 +69,18 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         """Put a block at the tail (evicted last)."""
-        last = self._tail.prev_free_block
-        last.next_free_block = block
-        block.prev_free_block = last
-        block.next_free_block = self._tail
-        self._tail.prev_free_block = block
-        self.num_free_blocks += 1
+        self._link(self._tail.prev_free_block, block, self._tail)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put a block at the head (reused first)."""
-        first = self._head.next_free_block
-        first.prev_free_block = block
-        block.next_free_block = first
-        block.prev_free_block = self._head
-        self._head.next_free_block = block
-        self.num_free_blocks += 1
+        self._link(self._head, block, self._head.next_free_block)
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Walk the list head to tail (tests and debugging)."""
-        out = []
-        block = self._head.next_free_block
-        while block is not self._tail:
-            assert block is not None
-            out.append(block)
-            block = block.next_free_block
-        return out
+    def _link(self, prev: KVCacheBlock, block: KVCacheBlock, nxt: KVCacheBlock) -> None:
+        prev.next_free_block = block
+        block.prev_free_block = prev
+        block.next_free_block = nxt
+        nxt.prev_free_block = block
+        self.num_free_blocks += 1
 
 
 class BlockPool:
@@ -119,10 +106,6 @@ class BlockPool:
         """Fraction of the usable (non-null) blocks held by requests."""
         usable = self.num_blocks - 1
         return (usable - self.free_block_queue.num_free_blocks) / usable
-
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """The cached block holding this content, if any (in use or free)."""
-        return self.cached_block_hash_to_block.get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take num_blocks from the head of the free queue, evicting their cached hashes."""

@@ -1,43 +1,29 @@
-"""Which KV cache blocks each request holds: prefix-cache lookup, allocation, freeing.
+"""Which KV cache blocks each request holds, over one or several KV cache groups.
 
-With a sliding window (every attention layer of the model attends to at most `window`
-past tokens), blocks whose tokens all fell out of the window are freed while the request
-runs and replaced by the null block in its table, so a request holds at most
-ceil(window / block_size) + 1 blocks past its prefill (plus the blocks of one step's new
-tokens). Freed full blocks stay in the prefix cache until reused, like any freed block.
-
-One manager serves one KV cache group; a model with layers of several windows has one per
-group over a shared BlockPool (xlm.core.hybrid_kv_cache_manager).
+One SingleTypeKVCacheManager per group (xlm.core.kv_cache_groups) over one shared
+BlockPool: each group keeps its own block table per request; a windowed group frees the
+blocks that fell out of its window, a full-attention group keeps them all. Allocation is
+all-or-nothing over the groups; a prefix-cache hit is the longest prefix every group can
+serve. Block ids go out as one list for one group, a tuple of lists for several; the
+scheduler passes them through to the runner without looking inside.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from xlm.core.block_pool import BlockPool, KVCacheBlock
-from xlm.core.kv_cache_utils import BlockHash, update_block_hashes
-from xlm.core.kv_manager import KVManager
+from xlm.core.kv_cache_groups import KVCacheGroupSpec, blocks_for_request
+from xlm.core.kv_cache_utils import update_block_hashes
 from xlm.core.request import Request
+from xlm.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, num_evictable
+
+# A request's block ids: one list, or one sequence per KV cache group.
+BlockIds = list[int] | tuple[Sequence[int], ...]
 
 
-class GroupKeys:
-    """Prefix-cache keys of one KV cache group: (group id, block hash) by block index."""
-
-    __slots__ = ("group_id", "hashes")
-
-    def __init__(self, group_id: int, hashes: list[BlockHash]) -> None:
-        self.group_id = group_id
-        self.hashes = hashes
-
-    def __getitem__(self, i: int) -> tuple[int, BlockHash]:
-        return (self.group_id, self.hashes[i])
-
-
-def num_evictable(blocks: list[KVCacheBlock]) -> int:
-    """Blocks of a hit that sit in the free queue (taking them shrinks what is free)."""
-    return sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
-
-
-class KVCacheManager(KVManager):
-    """Maps requests to block tables over one BlockPool, with prefix caching."""
+class KVCacheManager:
+    """Maps requests to block tables (one per KV cache group) over one BlockPool."""
 
     def __init__(
         self,
@@ -46,241 +32,182 @@ class KVCacheManager(KVManager):
         max_model_len: int,
         enable_caching: bool = True,
         sliding_window: int | None = None,
-        block_pool: BlockPool | None = None,
-        group_id: int | None = None,
+        kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window={sliding_window} is invalid: must be >= 1 or None")
-        self.sliding_window = sliding_window
+        """`sliding_window`: every layer's window when kv_cache_groups is None (one group)."""
+        if not kv_cache_groups:
+            kv_cache_groups = [KVCacheGroupSpec(sliding_window, ())]
+        self.specs = list(kv_cache_groups)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = (
-            BlockPool(num_blocks, enable_caching) if block_pool is None else block_pool
-        )
-        # One of several groups: its cached blocks are keyed (group_id, hash), since the same
-        # tokens give other K/V in other layers.
-        self.group_id = group_id
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are registered in the prefix cache.
-        self.num_cached_block: dict[str, int] = {}
-        # Sliding window: how many leading blocks of each request were freed (now null).
-        self.num_dropped_block: dict[str, int] = {}
+        # The most tokens one step computes for a request (bounds a window's blocks).
+        self.max_step_tokens = max_num_batched_tokens or max_model_len
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        one = len(self.specs) == 1
+        # One group's cached blocks are keyed by hash alone; several groups' by (group, hash).
+        self.groups = [
+            SingleTypeKVCacheManager(
+                self.block_pool, block_size, enable_caching, spec.sliding_window, None if one else g
+            )
+            for g, spec in enumerate(self.specs)
+        ]
+        # The window of every layer (None: full attention, or several groups).
+        self.sliding_window = self.specs[0].sliding_window if one else None
+        self._no_hits: tuple[None, ...] = (None,) * len(self.groups)
+        self._no_new_blocks: tuple[tuple[int, ...], ...] = ((),) * len(self.groups)
+        # Groups of one window always hold the same number of (cached, dropped) blocks:
+        # the decode fast path checks one group per window.
+        first_of_window = {}
+        for g in self.groups:
+            first_of_window.setdefault(g.sliding_window, g)
+        self._window_representatives = list(first_of_window.values())
         self.prefix_cache_queries = 0  # tokens looked up, once per admission
         self.prefix_cache_hits = 0  # of which found cached
 
     @property
     def usage(self) -> float:
-        """Fraction of usable blocks in use."""
+        """Fraction of usable blocks in use (all groups)."""
         return self.block_pool.get_usage()
 
     @property
     def num_usable_blocks(self) -> int:
-        """Blocks a request may hold (all but the null block)."""
+        """Blocks all groups together may hold (all but the null block)."""
         return self.block_pool.num_blocks - 1
 
+    # One group is sized (and hit, in get_computed_blocks) as if it kept every block, window
+    # or not; several groups bound a windowed group's blocks by its window.
+
     def num_blocks_to_fit(self, num_tokens: int) -> int:
-        """Blocks a request of num_tokens needs at most, alone."""
-        return -(-num_tokens // self.block_size)
+        """Blocks a request of num_tokens needs at most, alone, over all groups."""
+        if len(self.groups) == 1:
+            return -(-num_tokens // self.block_size)
+        return blocks_for_request(self.specs, num_tokens, self.block_size, self.max_step_tokens)
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of num_tokens could ever fit, alone, in the whole pool."""
-        return -(-num_tokens // self.block_size) <= self.num_usable_blocks
+        return self.num_blocks_to_fit(num_tokens) <= self.num_usable_blocks
 
     @property
     def max_request_tokens(self) -> int:
-        """The longest request the whole pool holds."""
-        return self.num_usable_blocks * self.block_size
+        """The longest request the whole pool holds alone (several groups: <= max_model_len)."""
+        if len(self.groups) == 1:
+            return self.num_usable_blocks * self.block_size
+        lo, hi = 0, self.max_model_len  # can_fit is monotone in the length
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.can_fit(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of the request, as blocks and a token count.
+    def get_computed_blocks(
+        self, request: Request
+    ) -> tuple[list[KVCacheBlock] | tuple[list[KVCacheBlock], ...], int]:
+        """The longest cached prefix: (its blocks, or blocks per group, token count).
 
         Never the whole sequence: its last token is always recomputed to produce logits.
+        ([], 0) on a miss.
         """
         if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         hashes = update_block_hashes(request, bs, max_blocks)
-        get = self.block_pool.cached_block_hash_to_block.get
-        blocks = []
-        for i in range(max_blocks):
-            block = get(hashes[i])
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks, len(blocks) * bs
+        groups = self.groups
+        if len(groups) == 1:
+            blocks = groups[0].find_cached_prefix(hashes, max_blocks)
+            return blocks, len(blocks) * bs
+        found: list[list[KVCacheBlock]] = [[] for _ in groups]
+        k = max_blocks
+        # Each group shortens the hit to what it can serve (a window's answer for a shorter
+        # hit may differ); done when every group in a row accepted the same length.
+        agreed, g = 0, 0
+        while agreed < len(groups) and k > 0:
+            blocks = groups[g].find_cached_blocks(hashes, k)
+            agreed = 1 if len(blocks) < k else agreed + 1
+            k = len(blocks)
+            found[g] = blocks
+            g = (g + 1) % len(groups)
+        if k == 0:
+            return [], 0
+        return tuple(found), k * bs
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
-    ) -> list[int] | None:
+        new_computed_blocks: list[KVCacheBlock] | tuple[list[KVCacheBlock], ...] | None = None,
+    ) -> BlockIds | None:
         """Give the request slots for num_new_tokens more tokens; None if blocks run out.
 
         new_computed_blocks / num_new_computed_tokens are a prefix-cache hit from
         get_computed_blocks (admission only). Returns the ids of newly allocated blocks.
-        Blocks that become full with the scheduled tokens are entered in the prefix cache
-        at once, so a request scheduled later in the same step can share them: the runner
-        writes each layer's new K/V before any attention reads it.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} is invalid: must be > 0")
         request_id = request.request_id
-        req_blocks = self.req_to_blocks.get(request_id)
-        bs = self.block_size
-        if req_blocks is not None and not new_computed_blocks:
-            # Fast path (most decode steps): the tokens fit, no block becomes full and none
-            # leaves the window.
-            num_computed = request.num_computed_tokens + num_new_computed_tokens
-            num_total = num_computed + num_new_tokens
-            if (
-                num_total <= len(req_blocks) * bs
-                and (
-                    not self.enable_caching or num_total // bs <= self.num_cached_block[request_id]
-                )
-                and self._first_block_in_window(num_computed) <= self.num_dropped_block[request_id]
-            ):
-                return []
-            self._drop_out_of_window(request_id, req_blocks, num_computed)
+        groups = self.groups
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
-        num_hit = len(new_computed_blocks) if new_computed_blocks else 0
-        num_held = 0 if req_blocks is None else len(req_blocks)
-        num_new_blocks = -(-num_total // bs) - num_held - num_hit
-        if num_new_blocks > 0 or num_hit:
-            # Hit blocks sitting in the free queue stop being allocatable once touched.
-            num_evictable_hits = num_evictable(new_computed_blocks) if num_hit else 0
-            free = self.block_pool.free_block_queue.num_free_blocks
-            if num_new_blocks > free - num_evictable_hits:
-                return None
-        if req_blocks is None:
+        is_new = request_id not in groups[0].req_to_blocks
+        if not is_new and not new_computed_blocks:
+            for g in self._window_representatives:
+                if not g.fits_without_change(request_id, num_computed, num_total):
+                    break
+            else:
+                # Fast path (most decode steps): no group needs a new, full or dropped block.
+                return [] if len(groups) == 1 else self._no_new_blocks
+            for g in groups:
+                g.drop_out_of_window(request_id, num_computed)
+        if not new_computed_blocks:
+            hits = self._no_hits
+        elif len(groups) == 1:
+            hits = (new_computed_blocks,)
+        else:
+            hits = new_computed_blocks
+        num_new_blocks = num_evictable_hits = 0
+        for g, hit in zip(groups, hits):
+            num_new_blocks += g.num_new_blocks(request_id, num_total, len(hit) if hit else 0)
+            if hit:
+                num_evictable_hits += num_evictable(hit)
+        # Hit blocks sitting in the free queue stop being allocatable once touched.
+        if num_new_blocks > self.block_pool.free_block_queue.num_free_blocks - num_evictable_hits:
+            return None
+        if is_new:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_new_computed_tokens
-        return self.commit_slots(request, num_computed, num_total, new_computed_blocks)
+        if new_computed_blocks:
+            # Every group takes its hits before any group allocates: a hit block waiting in
+            # the free queue must not be handed out as another group's new block.
+            for g, hit in zip(groups, hits):
+                g.commit_slots(request, num_computed, num_computed, hit)
+        new_ids = [g.commit_slots(request, num_computed, num_total, None) for g in groups]
+        return self._block_ids(new_ids)
 
-    def fits_without_change(self, request_id: str, num_computed: int, num_total: int) -> bool:
-        """Whether a running request's step needs no new, newly full or dropped block."""
-        bs = self.block_size
-        return (
-            num_total <= len(self.req_to_blocks[request_id]) * bs
-            and (not self.enable_caching or num_total // bs <= self.num_cached_block[request_id])
-            and self._first_block_in_window(num_computed) <= self.num_dropped_block[request_id]
-        )
+    def _block_ids(self, per_group: list[list[int]]) -> BlockIds:
+        """One group's list as is; several groups' as a tuple (the runner tells them apart)."""
+        return per_group[0] if len(per_group) == 1 else tuple(per_group)
 
-    def commit_slots(
-        self,
-        request: Request,
-        num_computed: int,
-        num_total: int,
-        hit_blocks: list[KVCacheBlock] | None,
-    ) -> list[int]:
-        """Take the hit blocks and enough new ones for num_total tokens (capacity checked)."""
-        request_id = request.request_id
-        req_blocks = self.req_to_blocks.get(request_id)
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[request_id] = []
-            self.num_cached_block[request_id] = 0
-            self.num_dropped_block[request_id] = 0
-        pool = self.block_pool
-        bs = self.block_size
-        if hit_blocks:
-            pool.touch([b for b in hit_blocks if not b.is_null])
-            req_blocks.extend(hit_blocks)
-            # Hits are cached already (nulls: a windowed group's blocks before its window).
-            self.num_cached_block[request_id] = len(req_blocks)
-            self._drop_out_of_window(request_id, req_blocks, num_computed)
-        num_new_blocks = -(-num_total // bs) - len(req_blocks)
-        if num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            req_blocks.extend(new_blocks)
-            new_ids = [b.block_id for b in new_blocks]
-        else:
-            new_ids = []
-        if self.enable_caching:
-            # Only blocks of known tokens are hashed: with async scheduling the last
-            # scheduled token may still be in flight (hashed at the next allocation).
-            num_full = min(num_total, len(request.all_token_ids)) // bs
-            num_cached = self.num_cached_block[request_id]
-            if num_full > num_cached:
-                hashes = update_block_hashes(request, bs, num_full)
-                keys = hashes if self.group_id is None else GroupKeys(self.group_id, hashes)
-                pool.cache_full_blocks(req_blocks, keys, num_cached, num_full)
-                self.num_cached_block[request_id] = num_full
-        return new_ids
-
-    def find_cached_blocks(self, hashes: list[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
-        """This group's longest usable hit of at most max_blocks blocks.
-
-        Full attention needs every block of the prefix; a window needs only the blocks the
-        next query (at the hit's end) can see, the ones before it come back as null.
-        """
-        get = self.block_pool.cached_block_hash_to_block.get
-        keys = hashes if self.group_id is None else GroupKeys(self.group_id, hashes)
-        if self.sliding_window is None:
-            blocks = []
-            for i in range(max_blocks):
-                block = get(keys[i])
-                if block is None:
-                    break
-                blocks.append(block)
-            return blocks
-        k = max_blocks
-        while k > 0:
-            first = self._first_block_in_window(k * self.block_size)
-            tail = []
-            for i in range(k - 1, first - 1, -1):
-                block = get(keys[i])
-                if block is None:
-                    break
-                tail.append(block)
-            else:
-                tail.reverse()
-                return [self.block_pool.null_block] * first + tail
-            k = i  # block i is missing: every longer hit would need it
-        return []
-
-    def _first_block_in_window(self, num_computed: int) -> int:
-        """Index of the first block the next query (at position num_computed) can see."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, num_computed - self.sliding_window + 1) // self.block_size
-
-    def _drop_out_of_window(
-        self, request_id: str, req_blocks: list[KVCacheBlock], num_computed: int
-    ) -> None:
-        """Free the leading blocks no query from position num_computed on can attend to.
-
-        The model runner keeps their stale ids in its table; attention masks every key
-        outside the window by position, so whatever a reused block holds is never read.
-        """
-        first = min(self._first_block_in_window(num_computed), len(req_blocks))
-        dropped = self.num_dropped_block[request_id]
-        if first <= dropped:
-            return
-        null = self.block_pool.null_block
-        out = [b for b in req_blocks[dropped:first] if not b.is_null]
-        req_blocks[dropped:first] = [null] * (first - dropped)
-        self.num_dropped_block[request_id] = first
-        self.block_pool.free_blocks(out)
+    def num_held_blocks_per_group(self, request_id: str) -> list[int]:
+        """Blocks the request holds now in each group (dropped ones not counted)."""
+        return [g.num_held_blocks(request_id) for g in self.groups]
 
     def num_held_blocks(self, request_id: str) -> int:
-        """Blocks the request holds now (null placeholders of dropped blocks not counted)."""
-        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
+        """Blocks the request holds now, all groups together."""
+        return sum(self.num_held_blocks_per_group(request_id))
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so shared prefixes are evicted last."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_block.pop(request.request_id, None)
-        self.num_dropped_block.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
+        """Release the request's blocks in every group, tail first (shared prefixes last)."""
+        for g in self.groups:
+            g.free(request)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        """The request's block table (one per group for several groups)."""
+        return self._block_ids([g.get_block_ids(request_id) for g in self.groups])
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash; False (nothing done) while any block is in use."""

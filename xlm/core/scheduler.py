@@ -5,14 +5,11 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
-from xlm.core.hybrid_kv_cache_manager import make_kv_cache_manager
-from xlm.core.kv_manager import KVManager
+from xlm.core.kv_cache_manager import KVCacheManager
 from xlm.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -21,6 +18,8 @@ from xlm.core.outputs import (
 )
 from xlm.core.request import Request, RequestStatus
 from xlm.core.request_queue import create_request_queue
+from xlm.core.sampled_tokens import append_sampled_tokens, roll_back_rejected
+from xlm.core.step_plan import StepPlan
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -29,36 +28,11 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _ERROR = RequestStatus.FINISHED_ERROR
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """What one schedule() call has decided so far, passed between its phases."""
-
-    token_budget: int
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    cached: CachedRequestData = field(default_factory=CachedRequestData)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    scheduled: list[Request] = field(default_factory=list)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-
-    def add_cached(
-        self, req_id: str, resumed: bool, block_ids: Any, num_computed: int, tokens: list[int]
-    ) -> None:
-        """Schedule a request the runner has seen (running, or resumed from preemption)."""
-        cached = self.cached
-        cached.req_ids.append(req_id)
-        cached.resumed_from_preemption.append(resumed)
-        cached.new_block_ids.append(block_ids)
-        cached.num_computed_tokens.append(num_computed)
-        cached.new_token_ids.append(tokens)
 
 
 class Scheduler:
@@ -86,13 +60,13 @@ class Scheduler:
             scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         )
         self.policy = scheduler_config.policy
-        self.kv_cache_manager: KVManager = make_kv_cache_manager(
-            cache_config.kv_cache_groups,
+        self.kv_cache_manager = KVCacheManager(
             num_blocks,
             self.block_size,
             self.max_model_len,
             cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
+            kv_cache_groups=cache_config.kv_cache_groups,
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
         pool_tokens = self.kv_cache_manager.max_request_tokens
@@ -200,14 +174,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocate their KV cache slots."""
-        step = _StepPlan(self.max_num_batched_tokens)
+        step = StepPlan(self.max_num_batched_tokens)
         self._schedule_running(step)
         # Then waiting requests, unless this step had to preempt.
         if not step.preempted_req_ids:
             self._schedule_waiting(step)
         return self._finish_schedule(step)
 
-    def _schedule_running(self, step: _StepPlan) -> None:
+    def _schedule_running(self, step: StepPlan) -> None:
         """Running requests first, in order; when blocks run out, preempt from the end."""
         allocate_slots = self.kv_cache_manager.allocate_slots
         threshold = self.long_prefill_token_threshold
@@ -271,13 +245,12 @@ class Scheduler:
             room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
         return spec[: max(room, 0)]
 
-    def _schedule_waiting(self, step: _StepPlan) -> None:
+    def _schedule_waiting(self, step: StepPlan) -> None:
         """Admit waiting requests while the budget, the row cap and the blocks allow."""
         kv = self.kv_cache_manager
         allocate_slots = kv.allocate_slots
         threshold = self.long_prefill_token_threshold
         num_scheduled_tokens, scheduled = step.num_scheduled_tokens, step.scheduled
-        new_reqs = step.new_reqs
         token_budget = step.token_budget
         running = self.running
         waiting = self.waiting
@@ -315,41 +288,44 @@ class Scheduler:
             if new_block_ids is None:
                 break  # head of line waits for blocks
             waiting.pop_request()
-            if self.policy == "priority":
-                bisect.insort_right(running, request, key=_priority_key)
-            else:
-                running.append(request)
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.time()
-            req_id = request.request_id
-            if request.status == _PREEMPTED:
-                step.add_cached(
-                    req_id, True, kv.get_block_ids(req_id), num_hit, list(request.output_token_ids)
-                )
-            else:
-                new_reqs.append(
-                    NewRequestData(
-                        req_id,
-                        request.prompt_token_ids,
-                        request.sampling_params,
-                        kv.get_block_ids(req_id),
-                        num_hit,
-                        request.pooling_params,
-                        request.lora_request,
-                    )
-                )
-            request.status = _RUNNING
+            self._admit(step, request, num_hit)
             if lora is not None:
                 adapters.add(lora.lora_int_id)
-            num_scheduled_tokens[req_id] = num_new
+            num_scheduled_tokens[request.request_id] = num_new
             token_budget -= num_new
             scheduled.append(request)
         for request in reversed(skipped):
             waiting.prepend_request(request)
         step.token_budget = token_budget
+
+    def _admit(self, step: StepPlan, request: Request, num_hit: int) -> None:
+        """Move an allocated waiting request to running; the runner gets its whole table."""
+        if self.policy == "priority":
+            bisect.insort_right(self.running, request, key=_priority_key)
+        else:
+            self.running.append(request)
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+        req_id = request.request_id
+        block_ids = self.kv_cache_manager.get_block_ids(req_id)
+        if request.status == _PREEMPTED:
+            step.add_cached(req_id, True, block_ids, num_hit, list(request.output_token_ids))
+        else:
+            step.new_reqs.append(
+                NewRequestData(
+                    req_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    block_ids,
+                    num_hit,
+                    request.pooling_params,
+                    request.lora_request,
+                )
+            )
+        request.status = _RUNNING
 
     def _running_adapters(self) -> set[int]:
         """The LoRA adapter ids of the running requests."""
@@ -357,7 +333,7 @@ class Scheduler:
             return set()
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
-    def _finish_schedule(self, step: _StepPlan) -> SchedulerOutput:
+    def _finish_schedule(self, step: StepPlan) -> SchedulerOutput:
         """Count the scheduled tokens as computed, build the grammar bitmask and the output."""
         num_scheduled_tokens, token_budget = step.num_scheduled_tokens, step.token_budget
         # The K/V of scheduled tokens count as computed from here on.
@@ -481,9 +457,9 @@ class Scheduler:
                         )
                     )
                 continue
-            new_token_ids, stopped = self._append_tokens(request, token_ids, max_len)
-            if not stopped:
-                stopped = self._advance_grammar(request, new_token_ids)
+            new_token_ids, stopped = append_sampled_tokens(
+                request, token_ids, max_len, self.structured_output_manager
+            )
             if stopped:
                 any_finished = True
                 if was_preempted:
@@ -506,12 +482,8 @@ class Scheduler:
         return outputs
 
     def _roll_back_rejected(self, request: Request, num_proposed: int, num_tokens: int) -> None:
-        """A verified request kept num_tokens - 1 proposals and one token of its own: the
-        K/V computed for the rejected proposals does not count (their slots are written
-        again by the next step; their blocks were never entered in the prefix cache,
-        which takes only blocks of known tokens)."""
-        num_accepted = num_tokens - 1
-        request.num_computed_tokens -= num_proposed - num_accepted
+        """Count a verified request's accepted proposals; the rejected ones' K/V is dropped."""
+        num_accepted = roll_back_rejected(request, num_proposed, num_tokens)
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_proposed
         self.spec_num_accepted_tokens += num_accepted
@@ -528,60 +500,6 @@ class Scheduler:
             first_scheduled_time=request.first_scheduled_time,
             pooled=pooled,
         )
-
-    def _append_tokens(
-        self, request: Request, token_ids: list[int], max_len: int
-    ) -> tuple[list[int], bool]:
-        """Append sampled tokens up to the first that stops the request: (kept, stopped)."""
-        if len(token_ids) == 1:
-            token_id = token_ids[0]
-            request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
-            return token_ids, self._check_stop(request, token_id, max_len)
-        for n, token_id in enumerate(token_ids, 1):
-            request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
-            if self._check_stop(request, token_id, max_len):
-                return token_ids[:n], True
-        return token_ids, False
-
-    def _advance_grammar(self, request: Request, token_ids: list[int]) -> bool:
-        """Advance a constrained request's matcher; whether its grammar ended it."""
-        constraint = request.structured_output_request
-        if constraint is None or constraint.matcher is None:
-            return False
-        # The grammar is complete ("stop") or, should it ever happen, refused the token:
-        # that ends this request with an error, never the engine.
-        verdict = self.structured_output_manager.advance(constraint, token_ids)
-        if verdict == "stop":
-            request.status = _STOPPED
-            return True
-        if verdict is not None:
-            logger.error("Request %s: %s", request.request_id, verdict)
-            request.status = _ERROR
-            request.stop_reason = verdict
-            return True
-        return False
-
-    @staticmethod
-    def _check_stop(request: Request, token_id: int, max_len: int) -> bool:
-        """Apply stop conditions after token_id was appended; set the status if stopped."""
-        num_output = len(request.output_token_ids)
-        if num_output >= request.min_tokens:
-            if token_id == request.eos_token_id and not request.ignore_eos:
-                request.status = _STOPPED
-                return True
-            if token_id in request.stop_token_ids:
-                request.status = _STOPPED
-                request.stop_reason = token_id
-                return True
-        max_tokens = request.max_tokens
-        if (max_tokens is not None and num_output >= max_tokens) or len(
-            request.all_token_ids
-        ) >= max_len:
-            request.status = _LENGTH_CAPPED
-            return True
-        return False
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -600,10 +518,6 @@ class Scheduler:
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
         )
-
-    def has_finished_requests(self) -> bool:
-        """Whether finished ids are pending for the next step's workers."""
-        return bool(self.finished_req_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; False while any request holds blocks."""

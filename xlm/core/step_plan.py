@@ -1,0 +1,33 @@
+"""What one Scheduler.schedule() call has decided so far, passed between its phases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xlm.core.kv_cache_manager import BlockIds
+from xlm.core.outputs import CachedRequestData, NewRequestData
+from xlm.core.request import Request
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's scheduled requests and token counts, filled phase by phase."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    cached: CachedRequestData = field(default_factory=CachedRequestData)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    scheduled: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    def add_cached(
+        self, req_id: str, resumed: bool, block_ids: BlockIds, num_computed: int, tokens: list[int]
+    ) -> None:
+        """Schedule a request the runner has seen (running, or resumed from preemption)."""
+        cached = self.cached
+        cached.req_ids.append(req_id)
+        cached.resumed_from_preemption.append(resumed)
+        cached.new_block_ids.append(block_ids)
+        cached.num_computed_tokens.append(num_computed)
+        cached.new_token_ids.append(tokens)
