@@ -10,16 +10,20 @@ write there and no request reads it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import dequantize, kv_cache_shape, write_kv
 from xlm.distributed.mesh import TP_AXIS, tp_mesh
+from xlm.logger import init_logger
 from xlm.ops.cpu_kernels import PAGED_ATTENTION_CACHE_DTYPES
 from xlm.ops.cpu_kernels import available as cpu_kernels_available
 from xlm.ops.cpu_kernels import paged_attention as paged_attention_cpu
 from xlm.ops.custom_op import CustomOp
+
+logger = init_logger(__name__)
 
 __all__ = [
     "KV_CACHE_SHARDING",
@@ -68,6 +72,11 @@ KV_CACHE_SHARDING: tuple[str | None, ...] = (None, None, None, "model", None)
 # the whole cache around every layer's write (found by `xlm plan`, docs/tpu.md).
 KV_CACHE_SHARDING_TPU: tuple[str | None, ...] = (None, None, "model", None)
 
+
+# Shapes the CPU kernel accepts (cpu_kernels/paged_attention.cc: kMaxPage and
+# kMaxGroupRows, checked in PagedAttentionImpl); larger ones take the jnp path.
+CPU_KERNEL_MAX_BLOCK_SIZE = 256
+CPU_KERNEL_MAX_QUERIES_PER_KV = 64
 
 # Tokens of context per step of the attention loop.
 _TILE_TOKENS = 64
@@ -213,6 +222,24 @@ def ragged_paged_attention(
     return out[token_row].astype(q.dtype)
 
 
+@functools.cache
+def _cpu_kernel_fits(block_size: int, queries_per_kv: int) -> bool:
+    """Whether the CPU kernel takes these shapes; says once at info when it does not."""
+    fits = (
+        block_size <= CPU_KERNEL_MAX_BLOCK_SIZE and queries_per_kv <= CPU_KERNEL_MAX_QUERIES_PER_KV
+    )
+    if not fits:
+        logger.info(
+            "CPU attention takes the jnp path: the kernel needs block_size <= %d and <= %d "
+            "query heads per KV head (got %d and %d)",
+            CPU_KERNEL_MAX_BLOCK_SIZE,
+            CPU_KERNEL_MAX_QUERIES_PER_KV,
+            block_size,
+            queries_per_kv,
+        )
+    return fits
+
+
 @CustomOp.register("paged_attention")
 class PagedAttention(CustomOp):
     """Writes a step's new K/V into the paged cache and attends causally over each context."""
@@ -346,12 +373,13 @@ class PagedAttention(CustomOp):
     ) -> tuple[jax.Array, jax.Array]:
         """The native CPU kernel (xlm.ops.cpu_kernels): one call per layer instead of
         XLA's tile loop of small instructions, reading float32 caches in place and
-        bfloat16, fp8 and int8 ones widened as read. bfloat16 queries, or no kernel, take
-        the jnp path."""
+        bfloat16, fp8 and int8 ones widened as read. bfloat16 queries, shapes past the
+        kernel's limits, or no kernel, take the jnp path."""
         if (
             q.dtype != jnp.float32
             or kv_cache.dtype not in PAGED_ATTENTION_CACHE_DTYPES
             or not cpu_kernels_available()
+            or not _cpu_kernel_fits(kv_cache.shape[2], self.num_heads // self.num_kv_heads)
         ):
             return self.forward_native(q, k, v, kv_cache, metadata)
         return self._run_kernel(paged_attention_cpu, write_kv, q, k, v, kv_cache, metadata)
