@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -274,6 +275,27 @@ def _cpu_kernel_fits(block_size: int, queries_per_kv: int) -> bool:
     return fits
 
 
+def _kernel_path(select: Callable) -> Callable:
+    """A forward method running the (kernel, write) pair `select(op, q, kv_cache)` picks
+    for its inputs (PagedAttention._run_kernel), or the jnp path where it picks None."""
+
+    def forward(
+        self: PagedAttention,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        kv_cache: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        kernel = select(self, q, kv_cache)
+        if kernel is None:
+            return self.forward_native(q, k, v, kv_cache, metadata)
+        return self._run_kernel(*kernel, q, k, v, kv_cache, metadata)
+
+    forward.__doc__ = select.__doc__
+    return forward
+
+
 @CustomOp.register("paged_attention")
 class PagedAttention(CustomOp):
     """Writes a step's new K/V into the paged cache and attends causally over each context."""
@@ -397,14 +419,7 @@ class PagedAttention(CustomOp):
         )
         return out, kv_cache
 
-    def forward_cpu(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        kv_cache: jax.Array,
-        metadata: AttentionMetadata,
-    ) -> tuple[jax.Array, jax.Array]:
+    def _cpu_kernel(self, q: jax.Array, kv_cache: jax.Array) -> tuple[Callable, Callable] | None:
         """The native CPU kernel (xlm.ops.cpu_kernels): one call per layer instead of
         XLA's tile loop of small instructions, reading float32 caches in place and
         bfloat16, fp8 and int8 ones widened as read. bfloat16 queries, shapes past the
@@ -415,30 +430,16 @@ class PagedAttention(CustomOp):
             or not cpu_kernels_available()
             or not _cpu_kernel_fits(kv_cache.shape[2], self.num_heads // self.num_kv_heads)
         ):
-            return self.forward_native(q, k, v, kv_cache, metadata)
-        return self._run_kernel(paged_attention_cpu, write_kv, q, k, v, kv_cache, metadata)
+            return None
+        return paged_attention_cpu, write_kv
 
-    def forward_cuda(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        kv_cache: jax.Array,
-        metadata: AttentionMetadata,
-    ) -> tuple[jax.Array, jax.Array]:
+    def _cuda_kernel(self, q: jax.Array, kv_cache: jax.Array) -> tuple[Callable, Callable]:
         """The Pallas Triton kernel over the shared layout."""
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu
 
-        return self._run_kernel(ragged_paged_attention_gpu, write_kv, q, k, v, kv_cache, metadata)
+        return ragged_paged_attention_gpu, write_kv
 
-    def forward_tpu(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        kv_cache: jax.Array,
-        metadata: AttentionMetadata,
-    ) -> tuple[jax.Array, jax.Array]:
+    def _tpu_kernel(self, q: jax.Array, kv_cache: jax.Array) -> tuple[Callable, Callable]:
         """The Pallas Mosaic kernel over its own (head-major pages) layout."""
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv_tpu
 
@@ -454,4 +455,8 @@ class PagedAttention(CustomOp):
             local_kv_heads = q.shape[1] * self.num_kv_heads // self.num_heads
             return ragged_paged_attention_tpu(q, pages(cache, local_kv_heads), *args, **kwargs)
 
-        return self._run_kernel(kernel, write, q, k, v, kv_cache, metadata)
+        return kernel, write
+
+    forward_cpu = _kernel_path(_cpu_kernel)
+    forward_cuda = _kernel_path(_cuda_kernel)
+    forward_tpu = _kernel_path(_tpu_kernel)
