@@ -9,7 +9,8 @@ input dimension (G == 1: one scale per output channel). The real weight is
 - ``w8a8``: the same weights; activations quantized to int8 per token at run time, the
   product an int8 x int8 -> int32 dot (W8A8, vLLM's and tpu-inference's dynamic int8).
 - ``fp8``: float8 e4m3 weights per output channel (scale = max |w| / 448), float
-  activations (W8A16 in fp8; native fp8 dots on TPU v5p/v6e and Hopper GPUs).
+  activations (W8A16 in fp8): the kernel is widened to the activations' dtype in the dot
+  on every platform, so it saves memory and bandwidth, not dot throughput.
 - ``gguf``: a GGUF's own block quants (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) kept as
   int8 codes with float32 scales per group of 16 or 32 inputs and, for the types that have
   one, a per-group ``weight_min``: ``W = kernel * scale + min`` (xlm.models.loader.
@@ -184,20 +185,3 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     amax = np.abs(x).max(axis=-1, keepdims=True)
     scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
     return np.clip(np.rint(x / scale), -127, 127).astype(np.int8), scale
-
-
-def reference_matmul(
-    x: np.ndarray,
-    q: np.ndarray,
-    scale: np.ndarray,
-    scheme: QuantScheme,
-    minimum: np.ndarray | None = None,
-) -> np.ndarray:
-    """float64 numpy definition of the quantized projection (tests' reference); `q` is the
-    stored kernel (packed for int4)."""
-    w = dequantize(q, scale, minimum, scheme).astype(np.float64)
-    x = np.asarray(x, np.float32)
-    if scheme.activations == "int8":
-        xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
-        x = (xq.astype(np.float64) * xs).reshape(x.shape)
-    return np.asarray(x, np.float64) @ w

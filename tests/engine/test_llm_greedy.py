@@ -147,3 +147,13 @@ def test_smollm2_greedy_in_preempting_batch_equals_transformers(smollm2_case):
     assert preempted > 0, "the KV pool was meant to be too small for the batch"
     for out, ref in zip(outs, refs):
         assert_greedy_matches(out.outputs[0].token_ids, ref.token_ids, ref.logits)
+
+
+def test_block_size_past_the_cpu_kernels_limit_equals_transformers(tiny_checkpoint):
+    """Pages of 512 tokens (more than the CPU kernel takes) run on the jnp path."""
+    path = tiny_checkpoint("llama")
+    engine = dict(TINY_ENGINE, block_size=512, num_gpu_blocks_override=4)
+    llm = xlm.LLM(model=path, **engine)
+    prompt = np.random.default_rng(3).integers(6, VOCAB_SIZE, size=17).tolist()
+    (out,) = llm.generate([prompt], greedy(TINY_NEW_TOKENS), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(load_hf(path), prompt, TINY_NEW_TOKENS).token_ids

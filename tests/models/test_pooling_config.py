@@ -77,3 +77,14 @@ def test_sentence_transformers_layout(tmp_path, mode, normalize, expected):
 def test_plain_checkpoint_defaults_to_last_token_normalized(tmp_path):
     p = default_pooling_params(str(tmp_path))
     assert (p.pooling_type, p.normalize, p.dimensions) == (PoolingType.LAST, True, None)
+
+
+def test_a_dense_module_after_pooling_is_refused_not_skipped(tmp_path):
+    model_dir = write_st(tmp_path, "mean_tokens", normalize=True)
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    modules.insert(
+        2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    )
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match=r"sentence_transformers\.models\.Dense.*'2_Dense'"):
+        default_pooling_params(model_dir)

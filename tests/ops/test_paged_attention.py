@@ -146,6 +146,29 @@ def test_op_writes_cache_and_attends():
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,block_size",
+    [(130, 2, BLOCK_SIZE), (4, 2, 512)],  # 65 query heads per KV head; pages of 512
+)
+def test_cpu_path_past_the_kernels_limits_matches_reference(
+    on_platform, num_heads, num_kv_heads, block_size
+):
+    from xlm.platforms.cpu import CpuPlatform
+
+    on_platform(CpuPlatform)
+    op = PagedAttention(num_heads, num_kv_heads, HEAD_DIM, HEAD_DIM**-0.5)
+    assert op._forward_name == "forward_cpu"
+    md = build_metadata([StepRequest([1, 2, 3], 0, 9)], block_size, max_blocks=3)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((9, num_heads, HEAD_DIM)).astype(np.float32)
+    k = rng.standard_normal((9, num_kv_heads, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((9, num_kv_heads, HEAD_DIM)).astype(np.float32)
+    cache = jnp.zeros(op.kv_cache_shape(4, block_size))
+    out, _ = jax.jit(op)(q, k, v, cache, md)
+    ref = reference_attention(q, k, v, 0, HEAD_DIM**-0.5, None, None)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_chunk_choice_per_token_for_decode_and_wide_for_prefill():
     assert choose_query_chunk(64, 64, 1024, 9, 3) == 1
     assert choose_query_chunk(512, 1, 1024, 9, 3) > 1

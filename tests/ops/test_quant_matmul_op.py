@@ -12,6 +12,7 @@ from xlm.config import QUANTIZATION_METHODS
 from xlm.ops.quant_matmul import QuantMatmul
 from xlm.quantization import (
     SCHEMES,
+    QuantScheme,
     dequantize,
     dequantize_weight,
     get_scheme,
@@ -20,9 +21,26 @@ from xlm.quantization import (
     quantize_activations,
     quantize_int4,
     quantize_weight,
-    reference_matmul,
     unpack_int4,
 )
+
+
+def reference_matmul(
+    x: np.ndarray,
+    q: np.ndarray,
+    scale: np.ndarray,
+    scheme: QuantScheme,
+    minimum: np.ndarray | None = None,
+) -> np.ndarray:
+    """float64 numpy definition of the quantized projection; `q` is the stored kernel
+    (packed for int4)."""
+    w = dequantize(q, scale, minimum, scheme).astype(np.float64)
+    x = np.asarray(x, np.float32)
+    if scheme.activations == "int8":
+        xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
+        x = (xq.astype(np.float64) * xs).reshape(x.shape)
+    return np.asarray(x, np.float64) @ w
+
 
 # The schemes that store one code per element (int4 packs two per byte: tested below).
 UNPACKED = [name for name in QUANTIZATION_METHODS if not get_scheme(name).packed]

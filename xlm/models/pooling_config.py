@@ -5,7 +5,9 @@ its checkpoint says so: a sentence-transformers layout (`modules.json` naming a 
 module) or an architecture that has no language-model head (`Qwen3Model`, `LlamaModel`,
 `*ForSequenceClassification`...). Its default pooling comes from
 `1_Pooling/config.json` (last token, mean or CLS) and whether `modules.json` lists a
-Normalize module; without them decoder embedders pool the last token, normalized.
+Normalize module; without them decoder embedders pool the last token, normalized. A
+sentence-transformers module xlm does not apply (a `Dense` projection after pooling, ...)
+is refused rather than served without it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ _ST_MODES = (
     ("pooling_mode_mean_tokens", PoolingType.MEAN),
     ("pooling_mode_cls_token", PoolingType.CLS),
 )
+# sentence-transformers modules whose effect the pooler reproduces.
+_ST_APPLIED = ("Transformer", "Pooling", "Normalize")
 
 
 def _read_json(path: str) -> object | None:
@@ -62,6 +66,7 @@ def default_pooling_params(model_dir: str) -> PoolingParams:
     """The checkpoint's own pooling (sentence-transformers files), else last token + L2."""
     pooling_type, normalize = PoolingType.LAST, True
     if os.path.isdir(model_dir) and _is_st_pooler(model_dir):
+        _check_st_modules(model_dir)
         pooling_dir = next(
             m.get("path", "") for m in _st_modules(model_dir) if m["type"].endswith("Pooling")
         )
@@ -71,3 +76,15 @@ def default_pooling_params(model_dir: str) -> PoolingParams:
             str(m.get("type", "")).endswith("Normalize") for m in _st_modules(model_dir)
         )
     return PoolingParams(pooling_type=pooling_type, normalize=normalize)
+
+
+def _check_st_modules(model_dir: str) -> None:
+    """Raise for a module in `modules.json` that xlm would skip (its embeddings would differ)."""
+    for m in _st_modules(model_dir):
+        kind = str(m.get("type", ""))
+        if not kind.endswith(_ST_APPLIED):
+            raise ValueError(
+                f"{model_dir}: modules.json lists {kind} (in {m.get('path') or '.'!r}), a "
+                "sentence-transformers module xlm does not apply; serving without it would "
+                f"give other embeddings. Supported modules: {', '.join(_ST_APPLIED)}"
+            )

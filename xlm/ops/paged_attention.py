@@ -10,16 +10,21 @@ write there and no request reads it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import dequantize, kv_cache_shape, write_kv
 from xlm.distributed.mesh import TP_AXIS, tp_mesh
+from xlm.logger import init_logger
 from xlm.ops.cpu_kernels import PAGED_ATTENTION_CACHE_DTYPES
 from xlm.ops.cpu_kernels import available as cpu_kernels_available
 from xlm.ops.cpu_kernels import paged_attention as paged_attention_cpu
 from xlm.ops.custom_op import CustomOp
+
+logger = init_logger(__name__)
 
 __all__ = [
     "KV_CACHE_SHARDING",
@@ -69,6 +74,11 @@ KV_CACHE_SHARDING: tuple[str | None, ...] = (None, None, None, "model", None)
 KV_CACHE_SHARDING_TPU: tuple[str | None, ...] = (None, None, "model", None)
 
 
+# Shapes the CPU kernel accepts (cpu_kernels/paged_attention.cc: kMaxPage and
+# kMaxGroupRows, checked in PagedAttentionImpl); larger ones take the jnp path.
+CPU_KERNEL_MAX_BLOCK_SIZE = 256
+CPU_KERNEL_MAX_QUERIES_PER_KV = 64
+
 # Tokens of context per step of the attention loop.
 _TILE_TOKENS = 64
 
@@ -107,6 +117,46 @@ def choose_query_chunk(
         c *= 2
 
 
+@dataclasses.dataclass(frozen=True)
+class _Chunks:
+    """Each request's query rows cut into chunks of `size` rows: chunk v is rows
+    [v * size, (v + 1) * size) of the chunked layout, all of one request."""
+
+    size: int
+    count: int
+    start: jax.Array  # [R] the first chunk of each request
+    req: jax.Array  # [V] the request of each chunk
+    row_token: jax.Array  # [V, Q] the query token of each row (clipped for padding rows)
+    row_pos: jax.Array  # [V, Q] each row's position in its request's context
+
+    @classmethod
+    def of(cls, metadata: AttentionMetadata, num_tokens: int, size: int) -> _Chunks:
+        num_reqs = metadata.block_tables.shape[0]
+        count = num_query_chunks(num_tokens, num_reqs, size)
+        qsl = metadata.query_start_loc
+        q_lens = qsl[1:] - qsl[:-1]  # [R]
+        per_req = (q_lens + size - 1) // size
+        end = jnp.cumsum(per_req)
+        start = end - per_req
+        ids = jnp.arange(count, dtype=jnp.int32)
+        req = jnp.searchsorted(end, ids, side="right").astype(jnp.int32)
+        req = jnp.minimum(req, num_reqs - 1)
+        row_local = ((ids - start[req]) * size)[:, None] + jnp.arange(size, dtype=jnp.int32)
+        row_token = jnp.clip(qsl[req][:, None] + row_local, 0, num_tokens - 1)
+        # The new tokens are the last q_len ones of the context.
+        row_pos = (metadata.seq_lens - q_lens)[req][:, None] + row_local
+        return cls(size, count, start, req, row_token, row_pos)
+
+    def token_rows(self, qsl: jax.Array, num_tokens: int) -> jax.Array:
+        """[T] each token's row in the chunked layout."""
+        token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
+        token_req = jnp.searchsorted(qsl, token_ids, side="right").astype(jnp.int32) - 1
+        token_req = jnp.clip(token_req, 0, self.start.shape[0] - 1)
+        local = token_ids - qsl[token_req]
+        row = (self.start[token_req] + local // self.size) * self.size + local % self.size
+        return jnp.clip(row, 0, self.count * self.size - 1)
+
+
 def ragged_paged_attention(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -126,55 +176,59 @@ def ragged_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_reqs, max_blocks = metadata.block_tables.shape
-    context_len = max_blocks * block_size
-    group = num_heads // num_kv_heads
     if query_chunk is None:
-        query_chunk = choose_query_chunk(num_tokens, num_reqs, context_len, num_heads, num_kv_heads)
-    qc = query_chunk
-    num_chunks = num_query_chunks(num_tokens, num_reqs, qc)
-
-    qsl = metadata.query_start_loc
-    q_lens = qsl[1:] - qsl[:-1]  # [R]
-    chunks_per_req = (q_lens + qc - 1) // qc
-    chunk_end = jnp.cumsum(chunks_per_req)
-    chunk_start = chunk_end - chunks_per_req
-
-    # Chunk -> (request, first query row).
-    chunk_ids = jnp.arange(num_chunks, dtype=jnp.int32)
-    chunk_req = jnp.searchsorted(chunk_end, chunk_ids, side="right").astype(jnp.int32)
-    chunk_req = jnp.minimum(chunk_req, num_reqs - 1)
-    chunk_local = (chunk_ids - chunk_start[chunk_req]) * qc
-    row_local = chunk_local[:, None] + jnp.arange(qc, dtype=jnp.int32)[None, :]  # [V, Q]
-    row_token = jnp.clip(qsl[chunk_req][:, None] + row_local, 0, num_tokens - 1)
-    # Position of each query row in its context: the new tokens are the last q_len ones.
-    ctx_start = metadata.seq_lens - q_lens  # [R]
-    row_pos = ctx_start[chunk_req][:, None] + row_local  # [V, Q]
-
+        query_chunk = choose_query_chunk(
+            num_tokens, num_reqs, max_blocks * block_size, num_heads, num_kv_heads
+        )
+    chunks = _Chunks.of(metadata, num_tokens, query_chunk)
     # Heads-major layouts make both einsums plain batched matmuls over (chunk, kv head);
     # on CPU the other output layouts cost a transpose as large as the matmul.
-    queries = q[row_token].reshape(num_chunks, qc, num_kv_heads, group, head_dim)
+    queries = q[chunks.row_token].reshape(
+        chunks.count, query_chunk, num_kv_heads, num_heads // num_kv_heads, head_dim
+    )
     queries = queries * jnp.asarray(scale, q.dtype)
+    out = _attend_tiles(
+        queries, kv_cache, metadata, chunks, sliding_window, logits_soft_cap
+    )  # [V, K, G, Q, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(chunks.count * query_chunk, num_heads, head_dim)
+    return out[chunks.token_rows(metadata.query_start_loc, num_tokens)].astype(q.dtype)
+
+
+def _attend_tiles(
+    queries: jax.Array,
+    kv_cache: jax.Array,
+    metadata: AttentionMetadata,
+    chunks: _Chunks,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> jax.Array:
+    """Scaled queries [V, Q, K, G, D] over their chunks' pages -> float32 [V, K, G, Q, D]."""
+    num_chunks, qc, num_kv_heads, group, head_dim = queries.shape
+    dtype = queries.dtype
+    block_size = kv_cache.shape[2]
+    num_reqs, max_blocks = metadata.block_tables.shape
+    row_pos = chunks.row_pos
     # Pages are visited in tiles with an online softmax; the loop runs only over the tiles
     # the step's longest context needs, so work follows real context lengths, not the
     # block-table width (sized for max_model_len), with one small loop body to compile.
     tile_pages = max(1, min(max_blocks, _TILE_TOKENS // block_size))
     num_tiles_max = -(-max_blocks // tile_pages)
-    pages = metadata.block_tables[chunk_req]  # [V, B]
+    pages = metadata.block_tables[chunks.req]  # [V, B]
     pages = jnp.pad(pages, ((0, 0), (0, num_tiles_max * tile_pages - max_blocks)))
     tile_len = tile_pages * block_size
     longest = jnp.max(jnp.where(jnp.arange(num_reqs) < metadata.num_seqs[0], metadata.seq_lens, 0))
     num_tiles = jnp.minimum((longest + tile_len - 1) // tile_len, num_tiles_max)
     # float32 accumulation; asked for only when inputs are narrower (on CPU, asking for it
     # with float32 inputs picked a slower dot).
-    acc_kw = {} if q.dtype == jnp.float32 else {"preferred_element_type": jnp.float32}
+    acc_kw = {} if dtype == jnp.float32 else {"preferred_element_type": jnp.float32}
 
     def tile(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
         m, denom, acc = carry
         tile_pages_ids = jax.lax.dynamic_slice_in_dim(pages, i * tile_pages, tile_pages, axis=1)
         # An fp8 or int8 cache is widened to the queries' dtype as it is read.
-        keys = dequantize(kv_cache[0][tile_pages_ids], q.dtype)
+        keys = dequantize(kv_cache[0][tile_pages_ids], dtype)
         keys = keys.reshape(num_chunks, tile_len, num_kv_heads, head_dim)
-        values = dequantize(kv_cache[1][tile_pages_ids], q.dtype)
+        values = dequantize(kv_cache[1][tile_pages_ids], dtype)
         values = values.reshape(num_chunks, tile_len, num_kv_heads, head_dim)
         scores = jnp.einsum("vqkgd,vckd->vkgqc", queries, keys, **acc_kw)
         scores = scores.astype(jnp.float32)
@@ -190,7 +244,7 @@ def ragged_paged_attention(
         p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
         denom = denom * correction + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("vkgqc,vckd->vkgqd", p.astype(q.dtype), values, **acc_kw)
+        pv = jnp.einsum("vkgqc,vckd->vkgqd", p.astype(dtype), values, **acc_kw)
         return m_new, denom, acc * correction[..., None] + pv.astype(jnp.float32)
 
     stats_shape = (num_chunks, num_kv_heads, group, qc)
@@ -200,17 +254,46 @@ def ragged_paged_attention(
         jnp.zeros((*stats_shape, head_dim), jnp.float32),
     )
     _, denom, acc = jax.lax.fori_loop(0, num_tiles, tile, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # padding rows saw no key: zeros
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_chunks * qc, num_heads, head_dim)
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # padding rows saw no key: zeros
 
-    # Token -> its row in the chunked output.
-    token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_req = jnp.searchsorted(qsl, token_ids, side="right").astype(jnp.int32) - 1
-    token_req = jnp.clip(token_req, 0, num_reqs - 1)
-    token_local = token_ids - qsl[token_req]
-    token_row = (chunk_start[token_req] + token_local // qc) * qc + token_local % qc
-    token_row = jnp.clip(token_row, 0, num_chunks * qc - 1)
-    return out[token_row].astype(q.dtype)
+
+@functools.cache
+def _cpu_kernel_fits(block_size: int, queries_per_kv: int) -> bool:
+    """Whether the CPU kernel takes these shapes; says once at info when it does not."""
+    fits = (
+        block_size <= CPU_KERNEL_MAX_BLOCK_SIZE and queries_per_kv <= CPU_KERNEL_MAX_QUERIES_PER_KV
+    )
+    if not fits:
+        logger.info(
+            "CPU attention takes the jnp path: the kernel needs block_size <= %d and <= %d "
+            "query heads per KV head (got %d and %d)",
+            CPU_KERNEL_MAX_BLOCK_SIZE,
+            CPU_KERNEL_MAX_QUERIES_PER_KV,
+            block_size,
+            queries_per_kv,
+        )
+    return fits
+
+
+def _kernel_path(select: Callable) -> Callable:
+    """A forward method running the (kernel, write) pair `select(op, q, kv_cache)` picks
+    for its inputs (PagedAttention._run_kernel), or the jnp path where it picks None."""
+
+    def forward(
+        self: PagedAttention,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        kv_cache: jax.Array,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        kernel = select(self, q, kv_cache)
+        if kernel is None:
+            return self.forward_native(q, k, v, kv_cache, metadata)
+        return self._run_kernel(*kernel, q, k, v, kv_cache, metadata)
+
+    forward.__doc__ = select.__doc__
+    return forward
 
 
 @CustomOp.register("paged_attention")
@@ -336,47 +419,27 @@ class PagedAttention(CustomOp):
         )
         return out, kv_cache
 
-    def forward_cpu(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        kv_cache: jax.Array,
-        metadata: AttentionMetadata,
-    ) -> tuple[jax.Array, jax.Array]:
+    def _cpu_kernel(self, q: jax.Array, kv_cache: jax.Array) -> tuple[Callable, Callable] | None:
         """The native CPU kernel (xlm.ops.cpu_kernels): one call per layer instead of
         XLA's tile loop of small instructions, reading float32 caches in place and
-        bfloat16, fp8 and int8 ones widened as read. bfloat16 queries, or no kernel, take
-        the jnp path."""
+        bfloat16, fp8 and int8 ones widened as read. bfloat16 queries, shapes past the
+        kernel's limits, or no kernel, take the jnp path."""
         if (
             q.dtype != jnp.float32
             or kv_cache.dtype not in PAGED_ATTENTION_CACHE_DTYPES
             or not cpu_kernels_available()
+            or not _cpu_kernel_fits(kv_cache.shape[2], self.num_heads // self.num_kv_heads)
         ):
-            return self.forward_native(q, k, v, kv_cache, metadata)
-        return self._run_kernel(paged_attention_cpu, write_kv, q, k, v, kv_cache, metadata)
+            return None
+        return paged_attention_cpu, write_kv
 
-    def forward_cuda(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        kv_cache: jax.Array,
-        metadata: AttentionMetadata,
-    ) -> tuple[jax.Array, jax.Array]:
+    def _cuda_kernel(self, q: jax.Array, kv_cache: jax.Array) -> tuple[Callable, Callable]:
         """The Pallas Triton kernel over the shared layout."""
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu
 
-        return self._run_kernel(ragged_paged_attention_gpu, write_kv, q, k, v, kv_cache, metadata)
+        return ragged_paged_attention_gpu, write_kv
 
-    def forward_tpu(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        kv_cache: jax.Array,
-        metadata: AttentionMetadata,
-    ) -> tuple[jax.Array, jax.Array]:
+    def _tpu_kernel(self, q: jax.Array, kv_cache: jax.Array) -> tuple[Callable, Callable]:
         """The Pallas Mosaic kernel over its own (head-major pages) layout."""
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv_tpu
 
@@ -392,4 +455,8 @@ class PagedAttention(CustomOp):
             local_kv_heads = q.shape[1] * self.num_kv_heads // self.num_heads
             return ragged_paged_attention_tpu(q, pages(cache, local_kv_heads), *args, **kwargs)
 
-        return self._run_kernel(kernel, write, q, k, v, kv_cache, metadata)
+        return kernel, write
+
+    forward_cpu = _kernel_path(_cpu_kernel)
+    forward_cuda = _kernel_path(_cuda_kernel)
+    forward_tpu = _kernel_path(_tpu_kernel)

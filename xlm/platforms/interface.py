@@ -29,8 +29,6 @@ class Platform:
     device_type: str
     # The backend name given to jax.devices(); None: JAX's default backend.
     jax_platform: str | None = None
-    # Attention implementation used by default on this platform (module:Class).
-    attn_backend: str = "xlm.ops.paged_attention:PagedAttention"
     # Whether bfloat16 runs fast here; else float32 is the "auto" dtype.
     supports_fast_bf16: bool = True
 
@@ -46,17 +44,11 @@ class Platform:
     def is_rocm(self) -> bool:
         return self._enum == PlatformEnum.ROCM
 
-    def is_cuda_alike(self) -> bool:
-        return self._enum in (PlatformEnum.CUDA, PlatformEnum.ROCM)
-
     def is_cpu(self) -> bool:
         return self._enum == PlatformEnum.CPU
 
     def is_out_of_tree(self) -> bool:
         return self._enum == PlatformEnum.OOT
-
-    def is_unspecified(self) -> bool:
-        return self._enum == PlatformEnum.UNSPECIFIED
 
     # Device queries initialize the JAX backend: call them only when devices are needed.
     def devices(self) -> list[jax.Device]:
@@ -95,14 +87,6 @@ class Platform:
         # backend now (jax.distributed must be able to initialize first).
         jax.config.update("jax_platforms", self.jax_platform)
         jax.config.update("jax_default_device", self.jax_platform)
-
-    def default_dtype(self) -> str:
-        """The dtype "auto" resolves to when the checkpoint gives none we want."""
-        return "bfloat16" if self.supports_fast_bf16 else "float32"
-
-    def get_attn_backend_cls(self) -> str:
-        """Qualified name (module:Class) of the attention op used on this platform."""
-        return self.attn_backend
 
     def check_and_update_config(self, config: XlmConfig) -> None:
         """Adjust a config to this platform (block size, buckets, ...); raise if unsupported."""
