@@ -275,15 +275,3 @@ def test_int4_rejects_odd_groups() -> None:
     x, packed, scale, minimum = make_int4(1, 96, 8, 1)
     with pytest.raises(ValueError, match="even groups"):
         cpu_kernels.int4_matmul(x, packed, scale[:1].repeat(32, 0), minimum[:1].repeat(32, 0))
-
-
-@pytest.mark.parametrize("m", [1, 17, 64])
-def test_f32_weights_through_the_packed_gemm(m) -> None:
-    """float32 weights through the kernel (the measured alternative to XLA's dot) equal
-    the float64 product, odd widths included."""
-    rng = np.random.default_rng(m)
-    for k, n in ((576, 960), (100, 37)):
-        x = rng.standard_normal((m, k)).astype(np.float32)
-        w = rng.standard_normal((k, n)).astype(np.float32)
-        got = np.asarray(jax.jit(cpu_kernels.f32_matmul)(x, w))
-        np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)

@@ -40,7 +40,6 @@ _HERE = Path(__file__).parent
 _KERNELS = {
     "int8": ("quant_matmul.cc", "XlmInt8Matmul"),
     "int4": ("quant_matmul.cc", "XlmInt4Matmul"),
-    "f32": ("quant_matmul.cc", "XlmF32Matmul"),
     "paged_attention": ("paged_attention.cc", "XlmPagedAttention"),
 }
 _LIBRARY = "xlm_cpu_kernels.so"
@@ -209,18 +208,6 @@ def _call(kind: str, x: jax.Array, k: int, weights: tuple, max_workers: int) -> 
     )
     y = call(x2, *weights, max_workers=np.int64(max_workers))
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
-
-
-def f32_matmul(x: jax.Array, w: jax.Array, *, max_workers: int = 0) -> jax.Array:
-    """x [..., k] @ w float32 [k, n] through the kernels' packed GEMM (the int8 kernel's
-    batch path with float32 weights), for measuring against XLA's dot (benchmarks/
-    quant_matmul.py --f32-only): faster alone, slower inside the model's step, so the
-    engine keeps XLA's dot (docs/engine.md). Needs `available()`."""
-    if w.ndim != 2 or w.dtype != jnp.float32 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"x [..., k] and float32 w [k, n] expected; got {x.shape} and {w.shape}")
-    if not available():
-        raise RuntimeError("the xlm CPU kernels are unavailable (see the log for why)")
-    return _call("f32", x, w.shape[0], (w,), max_workers)
 
 
 def _check_int4_matmul(
