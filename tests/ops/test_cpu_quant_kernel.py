@@ -4,6 +4,7 @@ float64 reference."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -187,6 +188,34 @@ def test_disabled_by_environment(tmp_path) -> None:
     proc = _run(FALLBACK, tmp_path, XLM_CPU_KERNELS="0")
     assert proc.returncode == 0, proc.stderr
     assert "CPU kernels are unavailable" not in proc.stderr
+
+
+BACKGROUND = """
+    import os, pathlib, shutil
+    from xlm.ops import cpu_kernels
+    cpu_kernels.start_build()
+    cpu_kernels.start_build()  # already under way: no second build
+    # The compiler waits for this file: start_build returned while it runs.
+    pathlib.Path(os.environ["GATE"]).touch()
+    assert cpu_kernels.available()
+    print("built", len(list(pathlib.Path(os.environ["XLM_CACHE_ROOT"]).rglob("*.so"))))
+"""
+
+
+def test_build_runs_in_the_background_and_available_waits(tmp_path) -> None:
+    """start_build() returns while the compiler runs; available() waits for the library."""
+    gate = tmp_path / "gate"
+    compiler = tmp_path / "gated-c++"
+    real = shutil.which("c++") or shutil.which("g++")
+    compiler.write_text(
+        f'#!/bin/sh\n[ "$1" = --version ] && exec {real} --version\n'
+        f'while [ ! -e {gate} ]; do sleep 0.05; done\nexec {real} "$@"\n'
+    )
+    compiler.chmod(0o755)
+    proc = _run(BACKGROUND, tmp_path, CXX=str(compiler), GATE=str(gate), XLM_LOGGING_LEVEL="INFO")
+    assert proc.returncode == 0, proc.stderr
+    assert "built 1" in proc.stdout
+    assert proc.stderr.count("Compiling xlm CPU kernels") == 1, proc.stderr
 
 
 SAVED_PROGRAM = """

@@ -462,6 +462,19 @@ def get_model(
 ) -> nnx.Module:
     """Read the config, build the model abstractly and load its weights (`abstract`: a
     compile target's sharded ShapeDtypeStructs instead; no weights are read)."""
+    from xlm.ops import cpu_kernels
+
+    kernels = not abstract and platforms.current_platform.is_cpu()
+    if kernels:
+        cpu_kernels.start_build()  # compiles while the config and the weights load
+    model = _load_model(xlm_config, mesh, abstract)
+    if kernels:
+        # A saved program that calls the kernels loads only once they are registered.
+        cpu_kernels.available()
+    return model
+
+
+def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx.Module:
     load_general_plugins()  # plugins may register architectures; runs once per process
     model_config = xlm_config.model_config
     load_format = resolve_load_format(model_config.model, model_config.load_format)

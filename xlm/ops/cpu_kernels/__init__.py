@@ -7,11 +7,18 @@ loaded with ctypes and registered as an FFI target once per process. Without a c
 when the build fails, or with XLM_CPU_KERNELS=0, `available()` is False, one line is
 logged and the ops fall back to their plain-jnp path.
 
+`start_build()` begins that work in a background thread (the ops call it when they are
+built, the loader when it starts), so the compiler runs while the weights load;
+`available()` waits for it. Whether a program traced now calls the kernels is
+`available()`: it blocks until the build has succeeded or failed, so its answer never
+changes within a process.
+
 A compiled program that contains the call needs the target registered before it is
 loaded, including one from the persistent executable cache (which skips tracing): call
-`available()` first, e.g. when the layer is built; otherwise deserializing fails with "No
-FFI handler registered". The target's name carries a hash of the C++ source, so a program
-saved by another build fails to load (and is recompiled) rather than calling this one.
+`available()` first (the loader does before it returns a model); otherwise deserializing
+fails with "No FFI handler registered". The target's name carries a hash of the C++
+source, so a program saved by another build fails to load (and is recompiled) rather than
+calling this one.
 """
 
 from __future__ import annotations
@@ -46,7 +53,9 @@ _LIBRARY = "xlm_cpu_kernels.so"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
+_start_lock = threading.Lock()
 _available: bool | None = None
+_builder: threading.Thread | None = None
 _library: ctypes.CDLL | None = None  # kept referenced: XLA holds pointers into it
 _targets: dict[str, str] = {}  # kernel -> its registered FFI target name
 
@@ -63,6 +72,16 @@ def available() -> bool:
             if _available is None:
                 _available = _load()
     return _available
+
+
+def start_build() -> None:
+    """Start building and registering the kernels in a background thread, unless done or
+    under way; `available()` waits for it."""
+    global _builder
+    with _start_lock:
+        if _available is None and _builder is None:
+            _builder = threading.Thread(target=available, name="xlm-cpu-kernels", daemon=True)
+            _builder.start()
 
 
 def _load() -> bool:
@@ -133,26 +152,47 @@ def _build(sources: dict[str, str]) -> Path:
         return directory / _LIBRARY
     logger.info("Compiling xlm CPU kernels into %s", directory)
     with disk_cache.atomic_directory(directory) as tmp:
-        files = []
+        argv = [*shlex.split(compiler), *FLAGS]
+        objects = []
+        compiles = []
+        # One compiler per source, at once: each takes seconds, mostly in the FFI headers.
         for file, text in sources.items():
-            files.append(tmp / file)
-            files[-1].write_text(text)
-        cmd = [
-            *shlex.split(compiler),
-            *FLAGS,
-            "-isystem",  # the FFI headers warn under -Wall; they are not ours to fix
-            jax.ffi.include_dir(),
-            *map(str, files),
-            "-o",
-            str(tmp / _LIBRARY),
-        ]
+            (tmp / file).write_text(text)
+            objects.append(str(tmp / f"{file}.o"))
+            # -isystem: the FFI headers warn under -Wall; they are not ours to fix.
+            cmd = [*argv, "-isystem", jax.ffi.include_dir(), "-c", str(tmp / file)]
+            compiles.append(_start(cmd + ["-o", objects[-1]]))
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise _Unavailable(f"{shlex.join(cmd)} did not run: {e}") from e
-        if proc.returncode != 0:
-            raise _Unavailable(f"{shlex.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+            for cmd, proc in compiles:
+                _finish(cmd, proc)
+        finally:
+            for _, proc in compiles:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        _finish(*_start([*argv, *objects, "-o", str(tmp / _LIBRARY)]))
+        for obj in objects:
+            Path(obj).unlink()
     return directory / _LIBRARY
+
+
+def _start(cmd: list[str]) -> tuple[list[str], subprocess.Popen]:
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        raise _Unavailable(f"{shlex.join(cmd)} did not run: {e}") from e
+    return cmd, proc
+
+
+def _finish(cmd: list[str], proc: subprocess.Popen) -> None:
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired as e:
+        proc.kill()
+        proc.communicate()
+        raise _Unavailable(f"{shlex.join(cmd)} timed out") from e
+    if proc.returncode != 0:
+        raise _Unavailable(f"{shlex.join(cmd)} failed:\n{stderr[-4000:]}")
 
 
 def _check_int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
