@@ -24,6 +24,7 @@ calling this one.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import platform
 import shlex
@@ -150,6 +151,17 @@ def _build(sources: dict[str, str]) -> Path:
     directory = Path(envs.XLM_CACHE_ROOT) / "cpu_kernels" / f"xlm-{key}"
     if disk_cache.check_directory(directory):
         return directory / _LIBRARY
+    disk_cache.make_private_dir(directory.parent)
+    # A process building the same library (the API server's beside its engine's, replicas
+    # starting together) is waited for rather than compiled beside.
+    with open(directory.parent / f"{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not disk_cache.check_directory(directory):
+            _compile(compiler, sources, directory)
+    return directory / _LIBRARY
+
+
+def _compile(compiler: str, sources: dict[str, str], directory: Path) -> None:
     logger.info("Compiling xlm CPU kernels into %s", directory)
     with disk_cache.atomic_directory(directory) as tmp:
         argv = [*shlex.split(compiler), *FLAGS]
@@ -173,7 +185,6 @@ def _build(sources: dict[str, str]) -> Path:
         _finish(*_start([*argv, *objects, "-o", str(tmp / _LIBRARY)]))
         for obj in objects:
             Path(obj).unlink()
-    return directory / _LIBRARY
 
 
 def _start(cmd: list[str]) -> tuple[list[str], subprocess.Popen]:
