@@ -1,6 +1,6 @@
 """Weight-only int8 matmul on XLA:CPU: the native kernel against what XLA does by itself.
 
-Usage: python benchmarks/quant_matmul.py [--quick] [--int4-only | --f32-only] [--out ...json]
+Usage: python benchmarks/quant_matmul.py [--quick] [--int4-only] [--out ...json]
 
 For each m (rows of x) and (k, n) weight shape, times side by side, interleaved, warm, the
 median of repeats of one jitted call each:
@@ -20,9 +20,6 @@ quant_matmul op as the engine calls it: `i4native` (forward_native: unpack by sh
 mask, grouped dot, the minimums' term), `i4op` (forward_cpu: the FFI int4 kernel, which adds
 the minimums itself), `i4kernel` (the kernel called directly), beside `f32` and the int8
 `kernel`.
-
-Then float32 weights through the kernel's packed GEMM (`xlm.ops.cpu_kernels.f32_matmul`)
-against XLA's own dot at 16, 64 and 256 rows on those shapes (`--f32-only`: just this).
 """
 
 from __future__ import annotations
@@ -185,40 +182,12 @@ def bench_int4(rows: list[int], shapes: list[tuple[int, int]], repeats: int) -> 
     return results
 
 
-# float32 weights through the kernel's packed GEMM against XLA's dot (issue 25: "measure a
-# float32 GEMM through it against XLA's dot at the batch-64 shapes, keep it where it wins").
-F32_ROWS = [16, 64, 256]
-F32_VARIANTS = {
-    "f32": jax.jit(lambda x, wf: x @ wf),
-    "f32kernel": jax.jit(lambda x, wf: cpu_kernels.f32_matmul(x, wf)),
-}
-
-
-def bench_f32(rows: list[int], shapes: list[tuple[int, int]], repeats: int) -> list[dict]:
-    results = []
-    for m in rows:
-        for k, n in shapes:
-            x, wf, _, _ = make_inputs(m, k, n)
-            times = interleaved(F32_VARIANTS, (x, wf), repeats)
-            row = {"m": m, "k": k, "n": n, **{f"{name}_us": t * 1e6 for name, t in times.items()}}
-            results.append(row)
-            print(
-                f"m={m:3d} k={k:5d} n={n:6d} XLA dot {row['f32_us']:9.1f}  kernel "
-                f"{row['f32kernel_us']:9.1f}  dot/kernel {times['f32'] / times['f32kernel']:5.2f}",
-                flush=True,
-            )
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--chain", type=int, default=200, help="calls per program in the chain")
     parser.add_argument("--int4-only", action="store_true", help="only the int4 section")
-    parser.add_argument(
-        "--f32-only", action="store_true", help="only float32 weights: kernel vs XLA's dot"
-    )
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = parser.parse_args()
     if not cpu_kernels.available():
@@ -230,12 +199,10 @@ def main() -> None:
     print(f"load average before: {load_before}")
     print("times in us (median of interleaved repeats, warm)")
     results = chain = int4 = []
-    f32 = bench_f32(F32_ROWS, INT4_SHAPES, repeats) if not args.int4_only else []
-    if not (args.int4_only or args.f32_only):
+    if not args.int4_only:
         results = bench_shapes(rows, shapes, repeats)
         chain = bench_chain(args.chain, max(3, repeats // 2))
-    if not args.f32_only:
-        int4 = bench_int4(INT4_ROWS, INT4_SHAPES, repeats)
+    int4 = bench_int4(INT4_ROWS, INT4_SHAPES, repeats)
     at64 = [r for r in results if r["m"] == 64]
     wins = [r for r in at64 if r["kernel_us"] < r["f32_us"]]
     ratios = ", ".join(f"{r['f32_us'] / r['kernel_us']:.2f}" for r in at64)
@@ -258,7 +225,6 @@ def main() -> None:
         "shapes": results,
         "chain": {"length": args.chain, "rows": chain},
         "int4": int4,
-        "f32_weights": f32,
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

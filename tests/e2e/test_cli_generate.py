@@ -57,6 +57,34 @@ def test_generate_prints_the_greedy_completion(tiny_path):
     assert "First step (" in result.stderr
 
 
+# What `xlm generate` must not pay for: the server, the cluster runner, structured output.
+UNUSED_BY_GENERATE = ("fastapi", "uvicorn", "starlette", "prometheus_client", "ray", "llguidance")
+IMPORTED = """
+import sys
+from xlm.entrypoints.cli import main
+code = main(sys.argv[1:])
+print("loaded:", sorted(m for m in {unused} if m in sys.modules))
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_generate_imports_no_server_or_cluster_modules(tiny_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLM_TARGET_PLATFORM")}
+    args = ["generate", "--model", tiny_path, PROMPT, "--max-tokens", "2"]
+    args += cli_engine_flags(TINY_ENGINE)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTED.format(unused=UNUSED_BY_GENERATE), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "XLM_DISABLE_PROGRESS_BARS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "loaded: []" in result.stdout, result.stdout
+    assert "E0000" not in result.stderr  # no backend of an absent accelerator started
+
+
 def parse_startup_line(stderr: str) -> dict[str, float]:
     """Phase -> seconds from the "Engine ready in T s: name S s, ..." line (sum checked)."""
     line = next(x for x in stderr.splitlines() if "Engine ready in" in x)

@@ -15,6 +15,7 @@ from xlm.models.loader.gguf_quants import (
     QuantizedWeight,
     decode,
     dequantize,
+    dequantize_raw,
     unpermute_rotary,
 )
 
@@ -58,8 +59,11 @@ def assert_matches_reference(raw: np.ndarray, qtype, out: int, in_: int) -> Quan
     else:
         assert qw.minimum is None
     assert fmt.code_min <= qw.codes.min() and qw.codes.max() <= fmt.code_max
-    expected = reference_dequantize(raw, qtype).reshape(out, in_).T
-    np.testing.assert_array_equal(dequantize(qw), expected)
+    expected = reference_dequantize(raw, qtype).reshape(out, in_)
+    np.testing.assert_array_equal(dequantize(qw), expected.T)
+    direct = dequantize_raw(raw, qtype, (out, in_))  # the loader's float32 path
+    assert direct.dtype == np.float32 and direct.flags.owndata
+    np.testing.assert_array_equal(direct, expected)
     return qw
 
 

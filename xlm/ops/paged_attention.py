@@ -22,6 +22,7 @@ from xlm.logger import init_logger
 from xlm.ops.cpu_kernels import PAGED_ATTENTION_CACHE_DTYPES
 from xlm.ops.cpu_kernels import available as cpu_kernels_available
 from xlm.ops.cpu_kernels import paged_attention as paged_attention_cpu
+from xlm.ops.cpu_kernels import start_build as start_cpu_kernels_build
 from xlm.ops.custom_op import CustomOp
 
 logger = init_logger(__name__)
@@ -328,9 +329,9 @@ class PagedAttention(CustomOp):
         # The KV cache group whose block table this layer reads (models with several).
         self.kv_group = 0
         if self._forward_name == "forward_cpu":
-            # Built and registered now: a saved program that calls the kernel loads from
-            # the executable cache without tracing this op again.
-            cpu_kernels_available()
+            # Built in the background from now; the loader waits for it before it returns
+            # the model, so a saved program that calls the kernel loads without tracing.
+            start_cpu_kernels_build()
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, dtype=jnp.float32

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from xlm.distributed.mesh import tp_mesh
 from xlm.ops.cpu_kernels import available as cpu_kernels_available
 from xlm.ops.cpu_kernels import int4_matmul, int8_matmul
+from xlm.ops.cpu_kernels import start_build as start_cpu_kernels_build
 from xlm.ops.custom_op import CustomOp
 
 
@@ -74,9 +75,9 @@ class QuantMatmul(CustomOp):
         super().__init__(enforce_enable=enforce_enable)
         self.activations = activations
         if self._forward_name == "forward_cpu":
-            # Built and registered now: a saved program that calls the kernel loads from
-            # the executable cache without tracing this op again.
-            cpu_kernels_available()
+            # Built in the background from now; the loader waits for it before it returns
+            # the model, so a saved program that calls the kernel loads without tracing.
+            start_cpu_kernels_build()
 
     def forward_native(
         self,

@@ -164,14 +164,26 @@ def __getattr__(name: str) -> Any:
     global _current_platform
     if name == "current_platform":
         if _current_platform is None:
-            platform = resolve_obj_by_qualname(resolve_current_platform_cls_qualname())()
-            if envs.XLM_TARGET_PLATFORM is not None:
+            qualname = resolve_current_platform_cls_qualname()
+            platform = resolve_obj_by_qualname(qualname)()
+            if envs.XLM_TARGET_PLATFORM is not None or _cpu_without_jax_platforms(qualname):
                 # A forced platform must also be the one JAX runs on (else a CUDA machine
-                # told to use the CPU would still put every array on the GPU).
+                # told to use the CPU would still put every array on the GPU). A detected
+                # CPU means no accelerator is present: JAX would still start every
+                # installed plugin's backend (libtpu logs errors on a host without a TPU).
                 platform.pin_jax_backend()
             _current_platform = platform
         return _current_platform
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _cpu_without_jax_platforms(qualname: str) -> bool:
+    """Whether the built-in CPU platform was detected and JAX_PLATFORMS chooses nothing."""
+    if qualname != BUILTIN_PLATFORMS["cpu"]:
+        return False
+    import jax
+
+    return not jax.config.jax_platforms
 
 
 def swap_current_platform(platform: Platform | None) -> Platform | None:

@@ -60,6 +60,8 @@ def resolve_load_format(model: str, load_format: str) -> str:
 
 def load_hf_config(model: str, load_format: str = "auto") -> Any:
     """The transformers config of a model directory or GGUF file."""
+    # An engine reads its model's config first: the kernels compile from here on.
+    _start_cpu_kernels_build()
     if resolve_load_format(model, load_format) == "gguf":
         if not os.path.isfile(model):
             raise FileNotFoundError(f"GGUF file {model!r} does not exist")
@@ -462,6 +464,28 @@ def get_model(
 ) -> nnx.Module:
     """Read the config, build the model abstractly and load its weights (`abstract`: a
     compile target's sharded ShapeDtypeStructs instead; no weights are read)."""
+    from xlm.ops import cpu_kernels
+
+    kernels = not abstract and _start_cpu_kernels_build()
+    model = _load_model(xlm_config, mesh, abstract)
+    if kernels:
+        # A saved program that calls the kernels loads only once they are registered.
+        cpu_kernels.available()
+    return model
+
+
+def _start_cpu_kernels_build() -> bool:
+    """On CPU, start building the native kernels in the background (they compile while
+    the config and the weights load); whether this is CPU."""
+    if not platforms.current_platform.is_cpu():
+        return False
+    from xlm.ops import cpu_kernels
+
+    cpu_kernels.start_build()
+    return True
+
+
+def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx.Module:
     load_general_plugins()  # plugins may register architectures; runs once per process
     model_config = xlm_config.model_config
     load_format = resolve_load_format(model_config.model, model_config.load_format)

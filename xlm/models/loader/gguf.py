@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from xlm import envs
 from xlm.logger import init_logger
-from xlm.models.loader.gguf_quants import SUPPORTED, decode, unpermute_rotary
+from xlm.models.loader.gguf_quants import SUPPORTED, decode, dequantize_raw, unpermute_rotary
 from xlm.models.loader.gguf_reader import GGUFFile
 from xlm.models.loader.gguf_tokenizer import gguf_tokenizer
 from xlm.quantization import QuantLayout
@@ -409,8 +409,11 @@ def iter_gguf_tensors(path: str, keep_quantized: bool = False) -> Iterator[tuple
                 weight = unpermute_rotary(weight, config["num_key_value_heads"])
             yield hf_name, weight
             continue
-        weights = dequantize(gguf_file.raw(gguf_name), info.tensor_type)
-        weights = np.asarray(weights, dtype=np.float32).reshape(info.shape)
+        if info.tensor_type in SUPPORTED and len(info.shape) == 2:
+            weights = dequantize_raw(gguf_file.raw(gguf_name), info.tensor_type, info.shape)
+        else:
+            weights = dequantize(gguf_file.raw(gguf_name), info.tensor_type)
+            weights = np.asarray(weights, dtype=np.float32).reshape(info.shape)
         if permute and ".attn_q." in gguf_name:
             weights = _unpermute_rotary(weights, config["num_attention_heads"])
         elif permute and ".attn_k." in gguf_name:

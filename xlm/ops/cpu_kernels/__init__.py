@@ -7,16 +7,24 @@ loaded with ctypes and registered as an FFI target once per process. Without a c
 when the build fails, or with XLM_CPU_KERNELS=0, `available()` is False, one line is
 logged and the ops fall back to their plain-jnp path.
 
+`start_build()` begins that work in a background thread (the ops call it when they are
+built, the loader when it starts), so the compiler runs while the weights load;
+`available()` waits for it. Whether a program traced now calls the kernels is
+`available()`: it blocks until the build has succeeded or failed, so its answer never
+changes within a process.
+
 A compiled program that contains the call needs the target registered before it is
 loaded, including one from the persistent executable cache (which skips tracing): call
-`available()` first, e.g. when the layer is built; otherwise deserializing fails with "No
-FFI handler registered". The target's name carries a hash of the C++ source, so a program
-saved by another build fails to load (and is recompiled) rather than calling this one.
+`available()` first (the loader does before it returns a model); otherwise deserializing
+fails with "No FFI handler registered". The target's name carries a hash of the C++
+source, so a program saved by another build fails to load (and is recompiled) rather than
+calling this one.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import platform
 import shlex
@@ -40,14 +48,15 @@ _HERE = Path(__file__).parent
 _KERNELS = {
     "int8": ("quant_matmul.cc", "XlmInt8Matmul"),
     "int4": ("quant_matmul.cc", "XlmInt4Matmul"),
-    "f32": ("quant_matmul.cc", "XlmF32Matmul"),
     "paged_attention": ("paged_attention.cc", "XlmPagedAttention"),
 }
 _LIBRARY = "xlm_cpu_kernels.so"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
+_start_lock = threading.Lock()
 _available: bool | None = None
+_builder: threading.Thread | None = None
 _library: ctypes.CDLL | None = None  # kept referenced: XLA holds pointers into it
 _targets: dict[str, str] = {}  # kernel -> its registered FFI target name
 
@@ -64,6 +73,16 @@ def available() -> bool:
             if _available is None:
                 _available = _load()
     return _available
+
+
+def start_build() -> None:
+    """Start building and registering the kernels in a background thread, unless done or
+    under way; `available()` waits for it."""
+    global _builder
+    with _start_lock:
+        if _available is None and _builder is None:
+            _builder = threading.Thread(target=available, name="xlm-cpu-kernels", daemon=True)
+            _builder.start()
 
 
 def _load() -> bool:
@@ -132,28 +151,59 @@ def _build(sources: dict[str, str]) -> Path:
     directory = Path(envs.XLM_CACHE_ROOT) / "cpu_kernels" / f"xlm-{key}"
     if disk_cache.check_directory(directory):
         return directory / _LIBRARY
+    disk_cache.make_private_dir(directory.parent)
+    # A process building the same library (the API server's beside its engine's, replicas
+    # starting together) is waited for rather than compiled beside.
+    with open(directory.parent / f"{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not disk_cache.check_directory(directory):
+            _compile(compiler, sources, directory)
+    return directory / _LIBRARY
+
+
+def _compile(compiler: str, sources: dict[str, str], directory: Path) -> None:
     logger.info("Compiling xlm CPU kernels into %s", directory)
     with disk_cache.atomic_directory(directory) as tmp:
-        files = []
+        argv = [*shlex.split(compiler), *FLAGS]
+        objects = []
+        compiles = []
+        # One compiler per source, at once: each takes seconds, mostly in the FFI headers.
         for file, text in sources.items():
-            files.append(tmp / file)
-            files[-1].write_text(text)
-        cmd = [
-            *shlex.split(compiler),
-            *FLAGS,
-            "-isystem",  # the FFI headers warn under -Wall; they are not ours to fix
-            jax.ffi.include_dir(),
-            *map(str, files),
-            "-o",
-            str(tmp / _LIBRARY),
-        ]
+            (tmp / file).write_text(text)
+            objects.append(str(tmp / f"{file}.o"))
+            # -isystem: the FFI headers warn under -Wall; they are not ours to fix.
+            cmd = [*argv, "-isystem", jax.ffi.include_dir(), "-c", str(tmp / file)]
+            compiles.append(_start(cmd + ["-o", objects[-1]]))
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise _Unavailable(f"{shlex.join(cmd)} did not run: {e}") from e
-        if proc.returncode != 0:
-            raise _Unavailable(f"{shlex.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-    return directory / _LIBRARY
+            for cmd, proc in compiles:
+                _finish(cmd, proc)
+        finally:
+            for _, proc in compiles:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        _finish(*_start([*argv, *objects, "-o", str(tmp / _LIBRARY)]))
+        for obj in objects:
+            Path(obj).unlink()
+
+
+def _start(cmd: list[str]) -> tuple[list[str], subprocess.Popen]:
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        raise _Unavailable(f"{shlex.join(cmd)} did not run: {e}") from e
+    return cmd, proc
+
+
+def _finish(cmd: list[str], proc: subprocess.Popen) -> None:
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired as e:
+        proc.kill()
+        proc.communicate()
+        raise _Unavailable(f"{shlex.join(cmd)} timed out") from e
+    if proc.returncode != 0:
+        raise _Unavailable(f"{shlex.join(cmd)} failed:\n{stderr[-4000:]}")
 
 
 def _check_int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
@@ -209,18 +259,6 @@ def _call(kind: str, x: jax.Array, k: int, weights: tuple, max_workers: int) -> 
     )
     y = call(x2, *weights, max_workers=np.int64(max_workers))
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
-
-
-def f32_matmul(x: jax.Array, w: jax.Array, *, max_workers: int = 0) -> jax.Array:
-    """x [..., k] @ w float32 [k, n] through the kernels' packed GEMM (the int8 kernel's
-    batch path with float32 weights), for measuring against XLA's dot (benchmarks/
-    quant_matmul.py --f32-only): faster alone, slower inside the model's step, so the
-    engine keeps XLA's dot (docs/engine.md). Needs `available()`."""
-    if w.ndim != 2 or w.dtype != jnp.float32 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"x [..., k] and float32 w [k, n] expected; got {x.shape} and {w.shape}")
-    if not available():
-        raise RuntimeError("the xlm CPU kernels are unavailable (see the log for why)")
-    return _call("f32", x, w.shape[0], (w,), max_workers)
 
 
 def _check_int4_matmul(

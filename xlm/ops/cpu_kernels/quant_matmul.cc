@@ -74,7 +74,6 @@ struct Problem {
   int64_t m, k, n, groups, group_size;
   const float* minimum = nullptr;  // int4: [G, n]
   const float* xsum = nullptr;     // int4: [m, G], each row's sum over each group of x
-  const float* wf = nullptr;       // float32 weights w [k, n] (no scale applied)
 };
 
 constexpr int64_t kTileCols = 64;         // columns of one decode tile (a cache line of w)
@@ -259,21 +258,6 @@ void decode_columns(const Problem& p, int64_t c0, int64_t c1) {
 // buf[i][0:kBufCols] = w[kc0 + i, j0 : j0 + cols] * scale[group of the row], zero-padded.
 void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, float* buf) {
   const int64_t n = p.n, gs = p.group_size;
-  if (p.wf != nullptr) {  // float32 weights: copied as they are
-    for (int64_t i = 0; i < kc; ++i) {
-      const float* wr = p.wf + (kc0 + i) * n + j0;
-      float* b = buf + i * kBufCols;
-      if (cols == kBufCols) {
-        XLM_UNROLL
-        for (int v = 0; v < kBufCols / 8; ++v) {
-          _mm256_storeu_ps(b + 8 * v, _mm256_loadu_ps(wr + 8 * v));
-        }
-      } else {
-        for (int c = 0; c < kBufCols; ++c) b[c] = c < cols ? wr[c] : 0.0f;
-      }
-    }
-    return;
-  }
   if (p.w4 != nullptr) {  // rows in pairs (kc0 and kc are even), one packed row each
     for (int64_t i = 0; i < kc; i += 2) {
       const int64_t row = kc0 + i;
@@ -401,9 +385,7 @@ void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
 // Row i of w at columns [c0, c0 + width) as floats (int4: unpacked).
 [[maybe_unused]] void widen_row(const Problem& p, int64_t i, int64_t c0, int64_t width,
                                 float* out) {
-  if (p.wf != nullptr) {
-    std::copy(p.wf + i * p.n + c0, p.wf + i * p.n + c0 + width, out);
-  } else if (p.w4 != nullptr) {
+  if (p.w4 != nullptr) {
     const uint8_t* wr = p.w4 + (i / 2) * p.n + c0;
     const int shift = (i % 2) * 4;
     for (int64_t j = 0; j < width; ++j) out[j] = static_cast<float>((wr[j] >> shift) & 15);
@@ -441,9 +423,7 @@ void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
 
 void compute_columns(const Problem& p, int64_t c0, int64_t c1) {
 #if XLM_HAVE_AVX2
-  if (p.wf != nullptr && p.m < kPackedMinRows) {
-    generic_columns(p, c0, c1);  // float32 weights are for batches; few rows: plain loop
-  } else if (p.m >= kPackedMinRows) {
+  if (p.m >= kPackedMinRows) {
     packed_columns(p, c0, c1);
   } else {
     decode_columns(p, c0, c1);
@@ -576,25 +556,6 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return RunMatmul(pool, p, max_workers);
 }
 
-// float32 weights through the packed GEMM, measured against XLA's own dot at batch shapes
-// (benchmarks/quant_matmul.py --f32-only). Faster alone, slower inside the model's step
-// (docs/engine.md, "Quantization"), so the engine does not call it.
-ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         ffi::ResultBuffer<ffi::F32> y, int64_t max_workers) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || yd[0] != xd[0] ||
-      yd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("xlm_f32_matmul: x [m, k], w [k, n], y [m, n]; got x " +
-                                       shape_str(xd) + ", w " + shape_str(wd) + ", y " +
-                                       shape_str(yd));
-  }
-  std::vector<float> ones(std::max<int64_t>(1, wd[1]), 1.0f);
-  Problem p{x.typed_data(), nullptr, nullptr, ones.data(), y->typed_data(),
-            xd[0],          xd[1],   wd[1],   1,           xd[1]};
-  p.wf = w.typed_data();
-  return RunMatmul(pool, p, max_workers);
-}
-
 ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_workers) {
   const int64_t m = p.m, k = p.k, n = p.n;
   if (m == 0 || n == 0) return ffi::Error::Success();
@@ -672,15 +633,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmInt4Matmul, Int4MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // w [k / 2, n], 2 codes/byte
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // minimum [G, n]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
-                                  .Attr<int64_t>("max_workers")  // threads to use; 0: all
-);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmF32Matmul, F32MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [m, k]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [k, n]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
                                   .Attr<int64_t>("max_workers")  // threads to use; 0: all
 );
