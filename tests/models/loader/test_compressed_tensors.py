@@ -28,8 +28,8 @@ import xlm
 from tests.conftest import VOCAB_SIZE
 from tests.engine.reference import TINY_ENGINE, hf_greedy
 from tests.quantization.reference import PROJECTIONS, _fake_quantize_input
-from tests.quantization.test_quant_engine import ATOL, NEW_TOKENS, greedy, log_softmax
-from tests.quantization.test_quant_engine import stored_params as stored
+from tests.test_quantization import ATOL, NEW_TOKENS, greedy, log_softmax
+from tests.test_quantization import stored_params as stored
 from xlm.quantization import get_scheme, quantize_weight
 
 pytest.importorskip("compressed_tensors")
