@@ -29,8 +29,6 @@ NOT_YET_MIRRORED = {
     "xlm/core/outputs.py",
     "xlm/core/request.py",
     "xlm/core/request_queue.py",
-    "xlm/distributed/coordination.py",
-    "xlm/distributed/mesh.py",
     "xlm/engine/arg_utils.py",
     "xlm/engine/core_proc.py",
     "xlm/engine/detokenizer.py",
