@@ -53,7 +53,6 @@ NOT_YET_MIRRORED = {
     "xlm/entrypoints/openai/serving_engine.py",
     "xlm/entrypoints/openai/tool_parsers.py",
     "xlm/entrypoints/run_batch.py",
-    "xlm/entrypoints/run_batch_cli.py",
     "xlm/entrypoints/serve.py",
     "xlm/executor/__init__.py",
     "xlm/executor/abstract.py",

@@ -1,36 +1,46 @@
-"""`xlm run-batch --merge`: shard files copied from the hosts become one output in input
-order, without running a model; a missing shard or record is a clear error."""
+"""The `xlm` command line: subcommands listed without importing them, errors as one line."""
 
 from __future__ import annotations
 
-import json
+import subprocess
+import sys
 
-from xlm.entrypoints.cli import main
+import pytest
+
+import xlm
+from xlm.entrypoints.cli import SUBCOMMANDS, build_parser, main
 
 
-def write_jsonl(path, rows) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+def test_every_subcommand_is_listed_and_only_the_chosen_one_has_its_flags():
+    parser = build_parser("convert")
+    help_text = parser.format_help()
+    for name in SUBCOMMANDS:
+        assert name in help_text
+    args = parser.parse_args(["convert", "in.gguf", "out", "--dtype", "bfloat16"])
+    assert (args.model, args.output_dir, args.dtype) == ("in.gguf", "out", "bfloat16")
+    with pytest.raises(SystemExit):  # generate was only listed: it takes no flags here
+        parser.parse_args(["generate", "--max-tokens", "3"])
 
 
-def test_merge_orders_shards_by_input_and_names_what_is_missing(tmp_path, capsys):
-    ids = [f"r{i}" for i in range(5)]
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    body = {"prompt": "p", "max_tokens": 1}
-    write_jsonl(
-        inp,
-        [{"custom_id": c, "method": "POST", "url": "/v1/completions", "body": body} for c in ids],
+def test_no_subcommand_prints_the_help(capsys):
+    assert main([]) == 0
+    assert "COMMAND" in capsys.readouterr().out
+
+
+def test_a_bad_serve_config_file_is_one_line(tmp_path, capsys):
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xlm serve: error: ") and err.count("\n") == 1
+
+
+def test_version_and_no_eager_imports(capsys):
+    code = (
+        "import sys; from xlm.entrypoints.cli import build_parser; build_parser('convert');"
+        "print('xlm.entrypoints.openai.api_server' in sys.modules)"
     )
-    args = ["run-batch", "-i", str(inp), "-o", str(out), "--num-shards", "2", "--merge"]
-    assert main(args) == 2
-    assert "shard file(s) not found" in capsys.readouterr().err
-
-    # Replica k took records k, k + 2, ...; replica 1 wrote in its own completion order.
-    write_jsonl(tmp_path / "out.jsonl.shard-0-of-2", [{"custom_id": c} for c in ids[0::2]])
-    write_jsonl(tmp_path / "out.jsonl.shard-1-of-2", [{"custom_id": "r3"}])
-    assert main(args) == 2
-    assert "custom_id 'r1'" in capsys.readouterr().err
-
-    write_jsonl(tmp_path / "out.jsonl.shard-1-of-2", [{"custom_id": "r3"}, {"custom_id": "r1"}])
-    assert main(args) == 0
-    merged = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
-    assert merged == ids
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # the server's modules stay unimported
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"xlm {xlm.__version__}\n"
