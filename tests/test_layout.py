@@ -36,7 +36,6 @@ NOT_YET_MIRRORED = {
     "xlm/engine/messages.py",
     "xlm/engine/parallel_sampling.py",
     "xlm/entrypoints/collect_env.py",
-    "xlm/entrypoints/convert.py",
     "xlm/entrypoints/generate.py",
     "xlm/entrypoints/openai/admission.py",
     "xlm/entrypoints/openai/chat_output.py",
