@@ -192,7 +192,7 @@ def model_runs(checkpoints) -> dict:
     model-level cases: one compile each instead of an engine's five."""
     from flax import nnx
 
-    from tests.models.test_logits import PROMPT_LENS, SCHEDULE, run_schedule
+    from tests.models.logits_check import PROMPT_LENS, SCHEDULE, run_schedule
     from xlm.config import ModelConfig, XlmConfig
     from xlm.models.loader import get_model
 
@@ -357,7 +357,7 @@ import sys
 import jax
 import numpy as np
 from jax.sharding import AxisType
-from tests.models.test_logits import run_schedule
+from tests.models.logits_check import run_schedule
 from xlm.config import ModelConfig, ParallelConfig, XlmConfig
 from xlm.models.loader import get_model
 
