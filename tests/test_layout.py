@@ -45,7 +45,6 @@ NOT_YET_MIRRORED = {
     "xlm/entrypoints/openai/routes/generate.py",
     "xlm/entrypoints/openai/routes/models.py",
     "xlm/entrypoints/openai/routes/system.py",
-    "xlm/entrypoints/openai/security.py",
     "xlm/entrypoints/openai/serving_chat.py",
     "xlm/entrypoints/openai/serving_completion.py",
     "xlm/entrypoints/openai/serving_embedding.py",
