@@ -57,7 +57,6 @@ NOT_YET_MIRRORED = {
     "xlm/executor/multihost.py",
     "xlm/executor/uniproc.py",
     "xlm/lora/slots.py",
-    "xlm/metrics/loggers.py",
     "xlm/models/builtin.py",
     "xlm/models/layers.py",
     "xlm/models/loader/dummy_format.py",
