@@ -11,7 +11,7 @@ import time
 import pytest
 
 import xlm
-from tests.engine.reference import TINY_ENGINE, cli_engine_flags
+from tests.engine.reference import TINY_ENGINE, cli_engine_flags, tiny_engine
 
 PROMPT = "w10 w20 w30 w40 w50"
 
@@ -34,7 +34,7 @@ def tiny_path(tiny_checkpoint) -> str:
 
 @pytest.mark.slow
 def test_generate_prints_the_greedy_completion(tiny_path):
-    llm = xlm.LLM(model=tiny_path, **TINY_ENGINE)
+    llm = tiny_engine(tiny_path)
     params = xlm.SamplingParams(temperature=0.0, max_tokens=8)
     expected = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
     assert expected.strip()
