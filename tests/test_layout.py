@@ -63,7 +63,6 @@ NOT_YET_MIRRORED = {
     "xlm/models/loader/gguf_reader.py",
     "xlm/models/loader/gguf_tokenizer.py",
     "xlm/models/loader/safetensors_format.py",
-    "xlm/platforms/cpu.py",
     "xlm/platforms/interface.py",
     "xlm/platforms/tpu.py",
     "xlm/ray/processor.py",
