@@ -64,7 +64,6 @@ NOT_YET_MIRRORED = {
     "xlm/models/loader/gguf_tokenizer.py",
     "xlm/models/loader/safetensors_format.py",
     "xlm/platforms/interface.py",
-    "xlm/platforms/tpu.py",
     "xlm/ray/processor.py",
     "xlm/ray/replica.py",
     "xlm/structured_output/backend.py",
