@@ -52,7 +52,6 @@ NOT_YET_MIRRORED = {
     "xlm/entrypoints/openai/tool_parsers.py",
     "xlm/entrypoints/run_batch.py",
     "xlm/entrypoints/serve.py",
-    "xlm/executor/__init__.py",
     "xlm/executor/abstract.py",
     "xlm/executor/multihost.py",
     "xlm/executor/uniproc.py",
