@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,23 +35,28 @@ DEFAULT_ARGS = [
 STARTUP_TIMEOUT_S = 420.0
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# `xlm serve --port 0` logs this once its socket is bound: the port comes from the server,
+# so no other process can take it between a test choosing it and the server binding it.
+LISTENING = re.compile(r"Listening on http://127\.0\.0\.1:(\d+)")
+
+
+def bound_port(log: str) -> int | None:
+    """The port a `--port 0` server logged once bound, if it has."""
+    match = LISTENING.search(log)
+    return int(match.group(1)) if match else None
 
 
 class RemoteServer:
     """An `xlm serve` subprocess; its log goes to a temp file shown on failure."""
 
     def __init__(self, extra_args: list[str] | None = None, model: str = MODEL) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port: int | None = None
+        self.url = ""
         self.log = tempfile.NamedTemporaryFile("w+", prefix="xlm-serve-", suffix=".log")
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env.setdefault("XLM_DISABLE_PROGRESS_BARS", "1")
+        env.setdefault("XLM_LOGGING_LEVEL", "INFO")  # the "Listening on" line
         cmd = [
             sys.executable,
             "-m",
@@ -61,7 +66,7 @@ class RemoteServer:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            "0",
             *DEFAULT_ARGS,
             *(extra_args or []),
         ]
@@ -83,11 +88,16 @@ class RemoteServer:
                 raise RuntimeError(
                     f"xlm serve exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.port is None:
+                self.log.flush()
+                self.port = bound_port(Path(self.log.name).read_text(errors="replace"))
+                self.url = f"http://127.0.0.1:{self.port}" if self.port else ""
+            if self.port is not None:
+                try:
+                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"xlm serve not healthy in {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")

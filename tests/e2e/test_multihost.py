@@ -18,8 +18,9 @@ import openai
 import pytest
 
 import xlm
-from tests.e2e.server_utils import free_port
+from tests.e2e.server_utils import bound_port
 from tests.engine_args import cli_flags
+from tests.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(
@@ -34,6 +35,8 @@ FLAGS = cli_flags(ENGINE)
 PROMPTS = [f"w{i} w{i + 7} w{i + 30} w{2 * i + 1}" for i in range(12)]
 MAX_TOKENS = 8
 FAULT_S = 30.0  # the issue's bound on noticing a dead process
+PORT_ATTEMPTS = 3
+JOINED = "follower process(es) joined"  # the leader's line once its ports are bound
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +57,21 @@ class Pod:
     """Two `xlm` processes (process 0 leads) forming one TP=4 engine on 127.0.0.1."""
 
     def __init__(self, tmp_path: Path, command: list[str], leader_extra: list[str] = ()):
-        self.coordinator = f"127.0.0.1:{free_port()}"
+        # The coordinator's port (and the step channel's two after it) must be known to
+        # both processes before the leader binds them, so they cannot come from binding
+        # port 0; another process may take them in between: start again on fresh ports.
+        for attempt in range(PORT_ATTEMPTS):
+            self._start(tmp_path, command, list(leader_extra))
+            if not self._lost_port_race() or attempt == PORT_ATTEMPTS - 1:
+                return
+            self.close()
+
+    def _start(self, tmp_path: Path, command: list[str], leader_extra: list[str]) -> None:
+        self.coordinator = f"127.0.0.1:{free_ports(3)}"
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-        env.update(JAX_PLATFORMS="cpu", XLM_DISABLE_PROGRESS_BARS="1")
+        env.update(JAX_PLATFORMS="cpu", XLM_DISABLE_PROGRESS_BARS="1", XLM_LOGGING_LEVEL="INFO")
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         for process_id in (1, 0):
             log = tmp_path / f"process{process_id}-{time.monotonic_ns()}.log"
@@ -69,7 +82,7 @@ class Pod:
                 "--num-processes=2",
                 f"--process-id={process_id}",
             ]
-            extra = list(leader_extra) if process_id == 0 else []
+            extra = leader_extra if process_id == 0 else []
             # Each process hashes strings differently, as separate hosts do: anything
             # that must agree across processes may not follow a set's order.
             env["PYTHONHASHSEED"] = str(process_id + 1)
@@ -87,6 +100,18 @@ class Pod:
                 ),
             )
             self.logs.insert(0, log)
+
+    def _lost_port_race(self) -> bool:
+        """Wait until the leader has bound its ports and the follower joined (True: the
+        leader died because a port was taken)."""
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if JOINED in self.log(0):
+                return False
+            if self.leader.poll() is not None:
+                return "address already in use" in self.log(0).lower()
+            time.sleep(0.2)
+        return False
 
     @property
     def leader(self) -> subprocess.Popen:
@@ -209,15 +234,15 @@ def test_run_batch_survives_a_killed_follower_by_rerun(pods, model, expected, tm
 
 @pytest.mark.slow
 def test_serve_over_two_processes_then_leader_death_ends_the_follower(pods, model, expected):
-    port = free_port()
-    pod = pods(["serve", model, "--host", "127.0.0.1", "--port", str(port)])
-    url = f"http://127.0.0.1:{port}"
+    pod = pods(["serve", model, "--host", "127.0.0.1", "--port", "0"])
     deadline = time.monotonic() + 900
     while True:
         assert pod.leader.poll() is None, pod.log(0)[-4000:]
         assert time.monotonic() < deadline, "server never became healthy"
+        port = bound_port(pod.log(0))
+        url = f"http://127.0.0.1:{port}"
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if port and httpx.get(url + "/health", timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
             pass

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 import xlm
-from tests.e2e.server_utils import REPO_ROOT, RemoteServer, free_port
+from tests.e2e.server_utils import REPO_ROOT, RemoteServer
 from tests.engine.reference import TINY_ENGINE, cli_engine_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -359,7 +359,7 @@ def test_a_bad_start_up_adapter_fails_the_start(adapters):
         "serve",
         adapters["base"],
         "--port",
-        str(free_port()),
+        "0",
         *ENGINE_FLAGS,
         "--lora-modules",
         f"a1={adapters['a1']}",

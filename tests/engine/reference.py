@@ -23,6 +23,18 @@ TINY_ENGINE = dict(
 )
 SMOLLM2_ENGINE = dict(TINY_ENGINE, num_gpu_blocks_override=20)
 
+_tiny_engines: dict[str, object] = {}
+
+
+def tiny_engine(path: str):
+    """The session's one TINY_ENGINE LLM of a checkpoint: tests that only generate greedily
+    with it share it (each build loads weights and every program again)."""
+    if path not in _tiny_engines:
+        import xlm
+
+        _tiny_engines[path] = xlm.LLM(model=path, **TINY_ENGINE)
+    return _tiny_engines[path]
+
 
 def cli_engine_flags(engine: dict) -> list[str]:
     """The `xlm generate` / examples flags for an engine dict like TINY_ENGINE."""

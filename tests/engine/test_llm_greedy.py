@@ -8,11 +8,11 @@ import pytest
 import xlm
 from tests.conftest import TINY_CONFIGS, VOCAB_SIZE
 from tests.engine.reference import (
-    TINY_ENGINE,
     hf_greedy,
     load_hf,
     mixed_batch,
     num_preemptions,
+    tiny_engine,
 )
 
 TINY_NEW_TOKENS = 24
@@ -54,7 +54,7 @@ def run_in_preempting_batch(llm, prompts, max_tokens, vocab_size, max_prompt, ma
 def tiny_case(request, tiny_checkpoint):
     """(engine, transformers references) for one architecture, built once."""
     path = tiny_checkpoint(request.param)
-    llm = xlm.LLM(model=path, **TINY_ENGINE)
+    llm = tiny_engine(path)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(6, VOCAB_SIZE, size=n).tolist() for n in (5, 17, 70)]
     hf = load_hf(path)

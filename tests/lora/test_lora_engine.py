@@ -9,7 +9,7 @@ import pytest
 
 import xlm
 from tests.conftest import VOCAB_SIZE
-from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf
+from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf, tiny_engine
 from tests.lora.adapters import TARGETS, write_adapter
 
 NEW_TOKENS = 16
@@ -184,7 +184,7 @@ def test_bad_adapters_fail_alone(mixed, tmp_path):
 
 
 def test_lora_request_without_enable_lora_is_refused(tiny_checkpoint, tmp_path):
-    llm = xlm.LLM(model=tiny_checkpoint("llama"), **TINY_ENGINE)
+    llm = tiny_engine(tiny_checkpoint("llama"))
     lora = xlm.LoRARequest("a", 1, str(tmp_path))
     with pytest.raises(ValueError, match="LoRA is off: start the engine with enable_lora=True"):
         llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False, lora_request=lora)

@@ -1,11 +1,8 @@
-"""Front-end request statistics and the Prometheus / log stat loggers."""
+"""Front-end request statistics: first-token, inter-token and end-to-end times per request."""
 
 from __future__ import annotations
 
-from prometheus_client import generate_latest
-
-from xlm.core.outputs import EngineCoreOutput, SchedulerStats
-from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from xlm.core.outputs import EngineCoreOutput
 from xlm.metrics.stats import RequestStatsTracker
 
 
@@ -23,71 +20,3 @@ def test_tracker_times_first_token_inter_token_and_finish():
     stopped = tracker.finish("b", "stop", now=12.0)
     assert stopped.finish_reason == "stop" and stopped.time_to_first_token is None
     assert tracker.requests == {}
-
-
-def test_prometheus_logger_counts_deltas_and_histograms():
-    logger = PrometheusStatLogger("m")
-    tracker = RequestStatsTracker()
-    tracker.add("a", 0.0, 4)
-    it = tracker.update([EngineCoreOutput("a", [7], "stop")], now=0.25)
-    it.queue_times = [0.01, 0.02]
-    stats = SchedulerStats(
-        num_running_reqs=2,
-        kv_cache_usage=0.5,
-        prefix_cache_queries=10,
-        prefix_cache_hits=4,
-        num_preemptions=1,
-    )
-    logger.record(stats, it)
-    logger.record(SchedulerStats(prefix_cache_queries=12, prefix_cache_hits=4), None)
-    logger.record_aborted(2)
-    text = generate_latest(logger.registry).decode()
-    assert 'xlm:num_requests_running{model_name="m"} 0.0' in text  # the latest snapshot
-    assert 'xlm:kv_cache_usage_perc{model_name="m"} 0.0' in text
-    assert 'xlm:num_preemptions_total{model_name="m"} 1.0' in text
-    assert 'xlm:prefix_cache_queries_total{model_name="m"} 12.0' in text
-    assert 'xlm:prefix_cache_hits_total{model_name="m"} 4.0' in text
-    assert 'xlm:prompt_tokens_total{model_name="m"} 4.0' in text
-    assert 'xlm:generation_tokens_total{model_name="m"} 1.0' in text
-    assert 'xlm:request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
-    assert 'xlm:request_success_total{finished_reason="abort",model_name="m"} 2.0' in text
-    assert 'xlm:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
-    assert 'xlm:e2e_request_latency_seconds_sum{model_name="m"} 0.25' in text
-    assert 'xlm:request_queue_time_seconds_count{model_name="m"} 2.0' in text
-
-
-def test_logging_stat_logger_logs_one_line(caplog):
-    logger = LoggingStatLogger()
-    tracker = RequestStatsTracker()
-    tracker.add("a", 0.0, 4)
-    logger.record(
-        SchedulerStats(num_running_reqs=1), tracker.update([EngineCoreOutput("a", [1])], 1)
-    )
-    import logging
-
-    xlm_logger = logging.getLogger("xlm")
-    xlm_logger.addHandler(caplog.handler)
-    try:
-        logger.log()
-    finally:
-        xlm_logger.removeHandler(caplog.handler)
-    assert "Avg generation throughput" in caplog.text and "Running: 1 reqs" in caplog.text
-
-
-def test_prometheus_logger_exports_speculative_decoding():
-    logger = PrometheusStatLogger("m")
-    logger.record(
-        SchedulerStats(spec_num_drafts=4, spec_num_draft_tokens=12, spec_num_accepted_tokens=6),
-        None,
-    )
-    logger.record(
-        SchedulerStats(spec_num_drafts=5, spec_num_draft_tokens=16, spec_num_accepted_tokens=8),
-        None,
-    )
-    text = generate_latest(logger.registry).decode()
-    assert 'xlm:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
-    assert 'xlm:spec_decode_num_draft_tokens_total{model_name="m"} 16.0' in text
-    assert 'xlm:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0' in text
-    assert 'xlm:spec_decode_acceptance_rate{model_name="m"} 0.5' in text
-    # 1 + 8 accepted over 5 verifications.
-    assert 'xlm:spec_decode_mean_accepted_length{model_name="m"} 2.6' in text

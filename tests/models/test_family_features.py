@@ -1,6 +1,6 @@
 """Each new family's distinctive feature matters: switched off, xlm stops matching transformers.
 
-tests/models/test_logits.py shows the full models match transformers within 1e-4 on the
+tests/models/logits_check.py shows the full models match transformers within 1e-4 on the
 mixed chunked/paged schedule; here the same schedule with one feature disabled must
 miss transformers' logits by far more than that tolerance, so the match is not an
 accident of the feature being inert in the tiny checkpoints.
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import VOCAB_SIZE
-from tests.models.test_logits import PROMPT_LENS, SCHEDULE, hf_logits, run_schedule
+from tests.models.logits_check import PROMPT_LENS, SCHEDULE, hf_logits, run_schedule
 from xlm.config import ModelConfig, XlmConfig
 from xlm.models.loader import get_model
 from xlm.ops import RMSNorm
 
-# A disabled feature must move the logits by 10x the match tolerance of test_logits.
+# A disabled feature must move the logits by 10x the match tolerance of logits_check.
 MISMATCH = 1e-3
 
 

@@ -14,7 +14,7 @@ from gguf import GGUFWriter
 from safetensors.numpy import load_file
 
 from tests.conftest import VOCAB_SIZE, write_tiny_checkpoint
-from tests.models.test_logits import PROMPT_LENS, SCHEDULE, hf_logits, run_schedule
+from tests.models.logits_check import PROMPT_LENS, SCHEDULE, hf_logits, run_schedule
 from xlm.config import ModelConfig, XlmConfig
 from xlm.models.loader import get_model
 from xlm.models.loader.gguf import (

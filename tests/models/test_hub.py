@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import xlm
-from tests.engine.reference import TINY_ENGINE, cli_engine_flags
+from tests.engine.reference import TINY_ENGINE, cli_engine_flags, tiny_engine
 from xlm.models.builtin import resolve_model_name
 
 REPO = "some-org/tiny-model"
@@ -138,7 +138,7 @@ def test_cli_generate_by_name_offline(hub_home, tiny_checkpoint):
     flags = [PROMPT, "--max-tokens", "6", "--temperature", "0", *cli_engine_flags(TINY_ENGINE)]
     result = _cli(hub_home, "--model", REPO, *flags)
     assert result.returncode == 0, result.stderr
-    llm = xlm.LLM(model=tiny_checkpoint("llama"), **TINY_ENGINE)
+    llm = tiny_engine(tiny_checkpoint("llama"))
     params = xlm.SamplingParams(temperature=0.0, max_tokens=6)
     assert result.stdout == llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text + "\n"
 

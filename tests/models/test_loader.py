@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from tests.models.test_logits import run_schedule
+from tests.models.logits_check import run_schedule
 from xlm.config import ModelConfig, XlmConfig
 from xlm.models.loader import get_model, resolve_dtype, resolve_load_format
 from xlm.models.loader.safetensors_format import iter_safetensors_tensors

@@ -13,7 +13,7 @@ import sys
 import jax
 import numpy as np
 from jax.sharding import AxisType
-from tests.models.test_logits import run_schedule
+from tests.models.logits_check import run_schedule
 from xlm.config import ModelConfig, XlmConfig
 from xlm.models.loader import get_model
 

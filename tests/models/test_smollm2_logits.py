@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tests.models.test_logits import PROMPT_LENS, SCHEDULE, run_schedule
+from tests.models.logits_check import PROMPT_LENS, SCHEDULE, run_schedule
 from xlm.config import ModelConfig, XlmConfig
 from xlm.models.loader import get_model
 from xlm.tokenizer import get_tokenizer

@@ -126,7 +126,6 @@ def test_register_oot_substitutes_the_constructed_class(monkeypatch):
 
     op = SiluAndMul()
     assert type(op) is MySiluAndMul
-    assert isinstance(op, SiluAndMul)
     # Constructing the replacement itself, or an unrelated op, is unaffected.
     assert type(MySiluAndMul()) is MySiluAndMul
     assert type(RMSNorm(4)) is RMSNorm

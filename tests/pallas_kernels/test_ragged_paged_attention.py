@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_batches import Batch, brute_force_attention, make_batch
 
 from pallas_kernels.ragged_paged_attention import (
     dequantize,
@@ -22,6 +21,7 @@ from pallas_kernels.ragged_paged_attention import (
     write_kv,
     write_kv_tpu,
 )
+from tests.pallas_kernels.rpa_batches import Batch, brute_force_attention, make_batch
 
 HEAD_DIM = 32
 SM_SCALE = HEAD_DIM**-0.5

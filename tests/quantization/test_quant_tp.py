@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tests.conftest import write_tiny_checkpoint
 from tests.distributed.test_tensor_parallel import assert_equal_to_tp1, run_checks
-from tests.quantization.test_quant_engine import WIDE
+from tests.test_quantization import WIDE
 
 
 def test_quantized_tp_equals_tp1(tmp_path, tiny_checkpoint):

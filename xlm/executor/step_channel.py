@@ -58,10 +58,14 @@ class LeaderChannel:
         self._last_seen: dict[int, float] = {}
         self._closing = threading.Event()
         self._hb_ready = threading.Event()
+        self._hb_bind_error: zmq.ZMQError | None = None
         self._hb_thread = threading.Thread(target=self._heartbeats, name="xlm-heartbeats")
         self._hb_thread.daemon = True
         self._hb_thread.start()
         self._hb_ready.wait()
+        if self._hb_bind_error is not None:  # e.g. the port was taken: fail, not hang
+            self.steps.close(linger=0)
+            raise self._hb_bind_error
         self._wait_for_followers(num_processes - 1)
 
     def _wait_for_followers(self, count: int) -> None:
@@ -89,7 +93,13 @@ class LeaderChannel:
     def _heartbeats(self) -> None:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self._hb_addr)
+        try:
+            sock.bind(self._hb_addr)
+        except zmq.ZMQError as e:
+            sock.close()
+            self._hb_bind_error = e
+            self._hb_ready.set()
+            return
         self._hb_ready.set()
         while not self._closing.is_set():
             if sock.poll(int(HEARTBEAT_INTERVAL_S * 1000)):

@@ -189,6 +189,15 @@ class _DrainingServer:
                         return
                 super().handle_exit(sig, frame)
 
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets)
+                # The bound address, whatever uvicorn's log level: with --port 0 this line is
+                # how a caller learns the port the system chose.
+                for listener in self.servers:
+                    for sock in listener.sockets:
+                        host, port = sock.getsockname()[:2]
+                        logger.info("Listening on http://%s:%d", host, port)
+
         self.server = Server(config)
         self.state = state
         self.shutdown_timeout = shutdown_timeout

@@ -151,7 +151,12 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     """Flags of the HTTP server itself."""
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="port to listen on (0: a free one, logged once bound)",
+    )
     group.add_argument(
         "--served-model-name",
         nargs="+",

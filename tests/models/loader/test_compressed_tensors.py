@@ -28,8 +28,8 @@ import xlm
 from tests.conftest import VOCAB_SIZE
 from tests.engine.reference import TINY_ENGINE, hf_greedy
 from tests.quantization.reference import PROJECTIONS, _fake_quantize_input
-from tests.quantization.test_quant_engine import ATOL, NEW_TOKENS, greedy, log_softmax
-from tests.quantization.test_quant_engine import stored_params as stored
+from tests.test_quantization import ATOL, NEW_TOKENS, greedy, log_softmax
+from tests.test_quantization import stored_params as stored
 from xlm.quantization import get_scheme, quantize_weight
 
 pytest.importorskip("compressed_tensors")
@@ -192,7 +192,7 @@ def model_runs(checkpoints) -> dict:
     model-level cases: one compile each instead of an engine's five."""
     from flax import nnx
 
-    from tests.models.test_logits import PROMPT_LENS, SCHEDULE, run_schedule
+    from tests.models.logits_check import PROMPT_LENS, SCHEDULE, run_schedule
     from xlm.config import ModelConfig, XlmConfig
     from xlm.models.loader import get_model
 
@@ -357,7 +357,7 @@ import sys
 import jax
 import numpy as np
 from jax.sharding import AxisType
-from tests.models.test_logits import run_schedule
+from tests.models.logits_check import run_schedule
 from xlm.config import ModelConfig, ParallelConfig, XlmConfig
 from xlm.models.loader import get_model
 

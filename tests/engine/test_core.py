@@ -11,7 +11,13 @@ import pytest
 
 import xlm
 from tests.conftest import TINY_CONFIGS
-from tests.engine.reference import SMOLLM2_ENGINE, TINY_ENGINE, num_preemptions, scheduler
+from tests.engine.reference import (
+    SMOLLM2_ENGINE,
+    TINY_ENGINE,
+    num_preemptions,
+    scheduler,
+    tiny_engine,
+)
 from xlm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Speculate at any batch size (so the 32-request batch verifies proposals while it
@@ -71,8 +77,7 @@ def reference_ids(path: str) -> list[list[int]]:
     checkpoint: both proposers' tests compare with it)."""
     if path not in _references:
         prompts, params = batch_of_32()
-        llm = xlm.LLM(model=path, **TINY_ENGINE)
-        _references[path] = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        _references[path] = token_ids(tiny_engine(path).generate(prompts, params, use_tqdm=False))
     return _references[path]
 
 

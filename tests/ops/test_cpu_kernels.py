@@ -5,17 +5,12 @@ and under vmap-free shapes the engine uses; shape errors before tracing."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
+from tests.pallas_kernels.rpa_batches import brute_force_attention, make_batch
 from xlm.ops import cpu_kernels
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "pallas_kernels"))
-from rpa_batches import brute_force_attention, make_batch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler")
 

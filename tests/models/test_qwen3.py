@@ -1,0 +1,10 @@
+"""Qwen3 (q/k norms, a head_dim of its own):
+logits over a paged, chunked batch equal transformers'."""
+
+from __future__ import annotations
+
+from tests.models.logits_check import check_logits_match_transformers
+
+
+def test_logits_match_transformers(tiny_checkpoint):
+    check_logits_match_transformers("qwen3", tiny_checkpoint)

@@ -1,0 +1,73 @@
+"""xlm.envs: variables read at access time, typed, with errors naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from xlm import envs
+
+
+def test_values_follow_the_environment_at_access_time(monkeypatch):
+    monkeypatch.setenv("XLM_PLUGINS", " a, ,b ")
+    assert envs.XLM_PLUGINS == ["a", "b"]
+    monkeypatch.setenv("XLM_PLUGINS", "")
+    assert envs.XLM_PLUGINS == []  # empty loads none
+    monkeypatch.delenv("XLM_PLUGINS")
+    assert envs.XLM_PLUGINS is None  # unset loads all
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1", True), ("TRUE", True), (" on ", True), ("0", False), ("no", False)],
+)
+def test_booleans(monkeypatch, value, expected):
+    monkeypatch.setenv("XLM_DISABLE_PROGRESS_BARS", value)
+    assert envs.XLM_DISABLE_PROGRESS_BARS is expected
+
+
+def test_defaults_when_unset_or_empty(monkeypatch):
+    monkeypatch.setenv("XLM_CPU_KERNELS", "")
+    assert envs.XLM_CPU_KERNELS is True
+    monkeypatch.delenv("XLM_LOG_STATS_INTERVAL", raising=False)
+    assert envs.XLM_LOG_STATS_INTERVAL == 10.0
+    monkeypatch.setenv("XLM_LOGGING_LEVEL", "debug")
+    assert envs.XLM_LOGGING_LEVEL == "DEBUG"
+
+
+def test_cache_dirs_follow_the_cache_root(monkeypatch, tmp_path):
+    monkeypatch.setenv("XLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("XLM_COMPILATION_CACHE_DIR", raising=False)
+    assert envs.XLM_COMPILATION_CACHE_DIR == str(tmp_path / "compiled_programs")
+    monkeypatch.delenv("XLM_CACHE_ROOT")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert envs.XLM_CACHE_ROOT == str(tmp_path / "xdg" / "xlm")
+
+
+def test_bad_numbers_name_the_variable(monkeypatch):
+    monkeypatch.setenv("XLM_ENGINE_READY_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="XLM_ENGINE_READY_TIMEOUT_S='soon' is not a number"):
+        getattr(envs, "XLM_ENGINE_READY_TIMEOUT_S")  # noqa: B009 (read for its error)
+    monkeypatch.setenv("XLM_NUM_PROCESSES", "2.5")
+    with pytest.raises(ValueError, match="XLM_NUM_PROCESSES='2.5' is not an integer"):
+        getattr(envs, "XLM_NUM_PROCESSES")  # noqa: B009 (read for its error)
+    monkeypatch.setenv("XLM_NUM_PROCESSES", "4")
+    assert envs.XLM_NUM_PROCESSES == 4
+
+
+def test_tpu_worker_id_prefers_tpu_worker_id(monkeypatch):
+    monkeypatch.delenv("TPU_WORKER_ID", raising=False)
+    monkeypatch.delenv("CLOUD_TPU_TASK_ID", raising=False)
+    assert envs.tpu_worker_id() is None
+    monkeypatch.setenv("CLOUD_TPU_TASK_ID", "3")
+    assert envs.tpu_worker_id() == 3
+    monkeypatch.setenv("TPU_WORKER_ID", "1")
+    assert envs.tpu_worker_id() == 1
+
+
+def test_unknown_names_are_refused(monkeypatch):
+    with pytest.raises(AttributeError, match="XLM_NOPE"):
+        getattr(envs, "XLM_NOPE")  # noqa: B009 (read for its error)
+    with pytest.raises(ValueError, match="unknown xlm environment variable 'XLM_NOPE'"):
+        envs.is_set("XLM_NOPE")
+    monkeypatch.setenv("XLM_API_KEY", "k")
+    assert envs.is_set("XLM_API_KEY") and "XLM_API_KEY" in dir(envs)
