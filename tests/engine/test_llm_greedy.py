@@ -8,6 +8,7 @@ import pytest
 import xlm
 from tests.conftest import TINY_CONFIGS, VOCAB_SIZE
 from tests.engine.reference import (
+    TINY_ENGINE,
     hf_greedy,
     load_hf,
     mixed_batch,
