@@ -208,7 +208,7 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-logprobs",
         type=int,
-        default=20,
+        default=MAX_DEVICE_LOGPROBS,
         help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for",
     )
     group.add_argument("--chat-template", default=None, help="Jinja chat template file or string")

@@ -59,7 +59,6 @@ class ServerState:
             engine=engine,
             served_model_names=names,
             max_model_len=engine.max_model_len,
-            max_logprobs=args.max_logprobs,
             vocab_size=int(vocab),
             enable_log_requests=args.enable_log_requests,
             kv_cache_tokens=kv_cache_tokens,
