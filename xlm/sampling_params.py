@@ -212,7 +212,7 @@ class SamplingParams:
             "None or an integer >= 1",
         )
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
-        if names is None:
+        if names is None and self.max_tokens is not None:
             self.verify_min_tokens()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -242,8 +242,8 @@ class SamplingParams:
         )
 
     def verify_min_tokens(self) -> None:
-        """min_tokens <= max_tokens (checked again by the engine only when it sets max_tokens)."""
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+        """min_tokens <= max_tokens (the engine checks it when it sets max_tokens)."""
+        if self.min_tokens > self.max_tokens:
             raise _invalid("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
 
     # -- properties ---------------------------------------------------------------------

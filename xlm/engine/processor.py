@@ -212,14 +212,7 @@ class Processor:
                 params.verify_min_tokens()
             except ValueError as e:
                 raise RequestValidationError.from_value_error(e) from None
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise RequestValidationError(
-                    f"SamplingParams.{name}={value} is invalid: allowed at most "
-                    f"max_logprobs={self.max_logprobs} (see --max-logprobs)",
-                    name,
-                )
+        self._check_logprobs(params)
         try:
             params.verify_vocab(self.vocab_size)
         except ValueError as e:
@@ -229,6 +222,16 @@ class Processor:
         if params.bad_words and self.tokenizer is not None:
             params.update_from_tokenizer(self.tokenizer)
         return params
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise RequestValidationError(
+                    f"SamplingParams.{name}={value} is invalid: allowed at most "
+                    f"max_logprobs={self.max_logprobs} (see --max-logprobs)",
+                    name,
+                )
 
     def process_inputs(
         self,

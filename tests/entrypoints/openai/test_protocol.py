@@ -216,3 +216,35 @@ def test_llm_and_server_give_one_error_for_one_bad_parameter(client, engine, bod
             "/v1/completions", json={"model": MODEL, "prompt": prompt, "stream": stream, **body}
         )
         assert r.status_code == 400 and r.json()["error"]["message"] == str(raised.value)
+
+
+def test_completion_without_max_tokens_is_capped_to_the_context_left(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 60})
+    assert r.status_code == 200, r.text  # 4 tokens of room, under the default 16
+    assert r.json()["usage"]["completion_tokens"] == 4
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 10})
+    assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's default
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 60, "max_tokens": 16})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "16 > 64 - 60" in r.json()["error"]["message"]
+
+
+def test_generation_config_max_new_tokens_applies_to_server_requests(tokenizer):
+    from xlm.entrypoints.openai.api_server import build_app
+    from xlm.entrypoints.openai.cli_args import make_arg_parser
+
+    engine = FakeAsyncEngine(tokenizer, max_model_len=64)
+    engine.processor.generation_config = {"max_new_tokens": 3}
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args([MODEL])
+    args.model, args.api_key = MODEL, None
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(build_app(args, engine)) as c:
+        for path, body in (
+            ("/v1/completions", {"prompt": [5] * 10}),
+            ("/v1/chat/completions", {"messages": messages}),
+        ):
+            r = c.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3, path
+        r = c.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": 5})
+        assert r.json()["usage"]["completion_tokens"] == 5  # the request's own wins
