@@ -332,8 +332,6 @@ class CompilationConfig:
     # Padded token counts per step (None: powers of two up to max_num_batched_tokens, with
     # their 1.5x midpoints from 16 up).
     token_buckets: list[int] | None = None
-    # Make programs ready before serving (False: each compiles on its first use).
-    warmup: bool = True
     # Which programs are ready before the engine serves: "all"; "largest" (the largest
     # token bucket's, which holds any step, the rest compiled in the background);
     # "first-use" (none: the first step's bucket is compiled then, the rest in the

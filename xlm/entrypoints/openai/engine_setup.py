@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.async_llm import AsyncLLM
 from xlm.entrypoints.openai.admission import AdmissionGate, default_max_waiting
 from xlm.entrypoints.openai.cli_args import create_engine_config
@@ -79,7 +80,7 @@ class ServerState:
             self.ctx, getattr(args, "lora_modules", None) or (), getattr(args, "lora_root", None)
         )
         self.embedding = OpenAIServingEmbedding(self.ctx)
-        max_num_seqs = int(getattr(args, "max_num_seqs", None) or 64)
+        max_num_seqs = int(getattr(args, "max_num_seqs", None) or EngineArgs.max_num_seqs)
         max_waiting = getattr(args, "max_waiting_requests", None)
         if max_waiting is None:
             max_waiting = default_max_waiting(max_num_seqs)
