@@ -329,49 +329,15 @@ class EngineArgs:
 
     def create_config(self) -> XlmConfig:
         """Validate, resolve the model, read its config and apply platform defaults."""
-        hub = dict(revision=self.revision, download_dir=self.download_dir)
         tokenizer = self.tokenizer
         if tokenizer is not None:
+            hub = dict(revision=self.revision, download_dir=self.download_dir)
             tokenizer = resolve_model_name(tokenizer, load_format="dummy", **hub)
         model_config = self._model_config(self.model, tokenizer, self.runner)
-        model_path = model_config.model
-        async_scheduling = self.async_scheduling
         if model_config.is_pooling:
-            model_config.default_pooling = default_pooling_params(model_path)
-            if async_scheduling:
-                # A pooled request finishes in its one prefill step: nothing to overlap.
-                logger.info("Pooling runner: async scheduling off (prefill-only steps).")
-                async_scheduling = False
-        speculative = SpeculativeConfig.from_dict(self.speculative_config)
-        if speculative is not None:
-            if model_config.is_pooling:
-                raise ValueError(
-                    "speculative_config is invalid with the pooling runner: nothing is decoded"
-                )
-            if speculative.method == "draft_model":
-                speculative.draft_model_config = self._draft_model_config(
-                    speculative.model, model_config
-                )
-            if async_scheduling:
-                # The next step's tokens depend on how many proposals this one accepts.
-                logger.info("Speculative decoding: async scheduling off.")
-                async_scheduling = False
-        model_max = _model_max_len(model_config.hf_config)
-        max_model_len = self.max_model_len or model_max
-        if max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len={max_model_len} is larger than the model's "
-                f"maximum context length {model_max}"
-            )
-        draft = speculative.draft_model_config if speculative is not None else None
-        if draft is not None:
-            draft_max = _model_max_len(draft.hf_config)
-            if draft_max < max_model_len:
-                raise ValueError(
-                    f"speculative_config.model={speculative.model!r} is invalid: its maximum "
-                    f"context length {draft_max} is below max_model_len={max_model_len}"
-                )
-            draft.max_model_len = max_model_len
+            model_config.default_pooling = default_pooling_params(model_config.model)
+        speculative = self._speculative_config(model_config)
+        max_model_len = self._max_model_len(model_config, speculative)
         config = XlmConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -382,16 +348,8 @@ class EngineArgs:
                 num_blocks=self.num_gpu_blocks_override,
                 cache_dtype=self.kv_cache_dtype,
             ),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=SchedulerConfig.step_budget(
-                    self.max_num_batched_tokens, max_model_len, self.enable_chunked_prefill
-                ),
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-                policy=self.scheduling_policy,
-                async_scheduling=async_scheduling,
+            scheduler_config=self._scheduler_config(
+                max_model_len, self._async_scheduling(model_config, speculative)
             ),
             parallel_config=self.create_parallel_config(),
             compilation_config=CompilationConfig(
@@ -413,6 +371,7 @@ class EngineArgs:
             if self.enable_lora
             else None,
         )
+        draft = speculative.draft_model_config if speculative is not None else None
         if draft is not None and config.parallel_config.is_multihost:
             # Each process would time its own steps and pick its own k: the draft's
             # collectives would diverge across processes.
@@ -423,6 +382,72 @@ class EngineArgs:
         config.set_max_model_len(max_model_len)
         platforms.current_platform.check_and_update_config(config)
         return config
+
+    def _speculative_config(self, model_config: ModelConfig) -> SpeculativeConfig | None:
+        """speculative_config parsed, with its draft model's config read."""
+        speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if speculative is None:
+            return None
+        if model_config.is_pooling:
+            raise ValueError(
+                "speculative_config is invalid with the pooling runner: nothing is decoded"
+            )
+        if speculative.method == "draft_model":
+            speculative.draft_model_config = self._draft_model_config(
+                speculative.model, model_config
+            )
+        return speculative
+
+    def _async_scheduling(
+        self, model_config: ModelConfig, speculative: SpeculativeConfig | None
+    ) -> bool:
+        """async_scheduling, turned off where the next step cannot be scheduled early."""
+        if not self.async_scheduling:
+            return False
+        if model_config.is_pooling:
+            # A pooled request finishes in its one prefill step: nothing to overlap.
+            logger.info("Pooling runner: async scheduling off (prefill-only steps).")
+            return False
+        if speculative is not None:
+            # The next step's tokens depend on how many proposals this one accepts.
+            logger.info("Speculative decoding: async scheduling off.")
+            return False
+        return True
+
+    def _max_model_len(
+        self, model_config: ModelConfig, speculative: SpeculativeConfig | None
+    ) -> int:
+        """The context length: max_model_len, within the model's (and the draft's)."""
+        model_max = _model_max_len(model_config.hf_config)
+        max_model_len = self.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={max_model_len} is larger than the model's "
+                f"maximum context length {model_max}"
+            )
+        draft = speculative.draft_model_config if speculative is not None else None
+        if draft is not None:
+            draft_max = _model_max_len(draft.hf_config)
+            if draft_max < max_model_len:
+                raise ValueError(
+                    f"speculative_config.model={speculative.model!r} is invalid: its maximum "
+                    f"context length {draft_max} is below max_model_len={max_model_len}"
+                )
+            draft.max_model_len = max_model_len
+        return max_model_len
+
+    def _scheduler_config(self, max_model_len: int, async_scheduling: bool) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=SchedulerConfig.step_budget(
+                self.max_num_batched_tokens, max_model_len, self.enable_chunked_prefill
+            ),
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy,
+            async_scheduling=async_scheduling,
+        )
 
 
 def _model_max_len(hf_config: Any) -> int:

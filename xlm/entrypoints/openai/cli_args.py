@@ -158,6 +158,37 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="name(s) clients use for the model (default: the model argument)",
     )
+    _add_access_args(group)
+    _add_request_limit_args(group)
+    group.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="how tool_choice='auto' finds the model's tool calls in its reply",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse the model's own tool calls (tool_choice='auto'; needs --tool-call-parser)",
+    )
+    group.add_argument(
+        "--enable-log-requests", action="store_true", help="log every request's parameters"
+    )
+    group.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic stats log line"
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run after SIGTERM before they are aborted",
+    )
+    group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
+
+
+def _add_access_args(group: Any) -> None:
+    """Who may call the server: the API key and CORS."""
     group.add_argument(
         "--api-key",
         default=None,
@@ -181,6 +212,10 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let CORS requests carry credentials (refused with a '*' origin)",
     )
+
+
+def _add_request_limit_args(group: Any) -> None:
+    """What one request, and the queue, may ask of the server."""
     group.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -209,33 +244,9 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
         "--max-logprobs",
         type=int,
         default=MAX_DEVICE_LOGPROBS,
-        help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for",
+        help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for "
+        f"(default {MAX_DEVICE_LOGPROBS}, the most the device returns)",
     )
-    group.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
-    group.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=("hermes", "llama3_json"),
-        help="how tool_choice='auto' finds the model's tool calls in its reply",
-    )
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="parse the model's own tool calls (tool_choice='auto'; needs --tool-call-parser)",
-    )
-    group.add_argument(
-        "--enable-log-requests", action="store_true", help="log every request's parameters"
-    )
-    group.add_argument(
-        "--disable-log-stats", action="store_true", help="no periodic stats log line"
-    )
-    group.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests may run after SIGTERM before they are aborted",
-    )
-    group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
