@@ -325,6 +325,15 @@ def expand_config_file(argv: list[str]) -> list[str]:
     return expanded + ["--config", path]
 
 
+def check_max_logprobs(max_logprobs: int) -> None:
+    """--max-logprobs within what the device returns (ValueError naming the range)."""
+    if not 0 <= max_logprobs <= MAX_DEVICE_LOGPROBS:
+        raise ValueError(
+            f"--max-logprobs={max_logprobs} is invalid: allowed [0, {MAX_DEVICE_LOGPROBS}] "
+            f"(the engine returns at most {MAX_DEVICE_LOGPROBS} logprobs per token)"
+        )
+
+
 def finish_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Expand --config, parse, and settle model / api_key defaults."""
     if "--config" in argv and argv.index("--config") + 1 >= len(argv):
@@ -340,12 +349,10 @@ def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ar
         parser.error("a model is required: xlm serve MODEL")
     if args.api_key is None:
         args.api_key = envs.XLM_API_KEY
-    if not 0 <= args.max_logprobs <= MAX_DEVICE_LOGPROBS:
-        parser.error(
-            f"--max-logprobs={args.max_logprobs} is invalid: allowed [0, "
-            f"{MAX_DEVICE_LOGPROBS}] (the engine returns at most {MAX_DEVICE_LOGPROBS} "
-            "logprobs per token)"
-        )
+    try:
+        check_max_logprobs(args.max_logprobs)
+    except ValueError as e:
+        parser.error(str(e))
     if args.max_n < 1:
         parser.error(f"--max-n={args.max_n} is invalid: must be >= 1")
     if args.max_request_body_bytes < 1:
