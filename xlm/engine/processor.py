@@ -161,9 +161,8 @@ class Processor:
         self._check_prompt(token_ids)
         return self._check_params(params, len(token_ids), default_max_tokens)
 
-    def _check_prompt(self, token_ids: list[int], generates: bool = True) -> None:
-        if not token_ids:
-            raise RequestValidationError("The prompt is empty: give at least one token", "prompt")
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """Each id an integer in the vocabulary (RequestValidationError naming the range)."""
         for token_id in token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise RequestValidationError(
@@ -175,6 +174,11 @@ class Processor:
                     f"{self.vocab_size})",
                     "prompt",
                 )
+
+    def _check_prompt(self, token_ids: list[int], generates: bool = True) -> None:
+        if not token_ids:
+            raise RequestValidationError("The prompt is empty: give at least one token", "prompt")
+        self.check_token_ids(token_ids)
         if not generates and len(token_ids) > self.max_model_len:
             raise RequestValidationError(
                 f"The input has {len(token_ids)} tokens, more than the maximum model length "

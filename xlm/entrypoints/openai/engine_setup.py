@@ -45,10 +45,8 @@ class ServerState:
         self.args = args
         self.engine = engine
         self.registry = registry
-        tokenizer = engine.get_tokenizer()
         names = list(args.served_model_name or [args.model])
         ready = getattr(engine, "ready_info", None) or {}
-        vocab = ready.get("vocab_size") or len(tokenizer)
         kv_cache_tokens = None
         block_size = getattr(getattr(engine, "xlm_config", None), "cache_config", None)
         if ready.get("kv_cache_tokens"):
@@ -60,7 +58,6 @@ class ServerState:
             engine=engine,
             served_model_names=names,
             max_model_len=engine.max_model_len,
-            vocab_size=int(vocab),
             enable_log_requests=args.enable_log_requests,
             kv_cache_tokens=kv_cache_tokens,
             limits=RequestLimits(max_n=getattr(args, "max_n", DEFAULT_MAX_N)),

@@ -160,7 +160,6 @@ class ServingContext:
     engine: Any
     served_model_names: list[str]
     max_model_len: int
-    vocab_size: int
     enable_log_requests: bool = False
     # Tokens the whole KV cache holds (None: unknown); a longer prompt can never run.
     kv_cache_tokens: int | None = None
@@ -230,18 +229,6 @@ class ServingContext:
                 ids = list(item)
             result.append(ids)
         return result
-
-    def check_token_ids(self, ids: list[int]) -> None:
-        """400 for token ids outside the vocabulary (/detokenize: no engine request)."""
-        if not ids:
-            raise OpenAIError("prompt must not be an empty list of token ids", param="prompt")
-        for token_id in ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise OpenAIError(
-                    f"prompt token id {token_id} is out of vocabulary: allowed token ids in "
-                    f"[0, {self.vocab_size})",
-                    param="prompt",
-                )
 
     def process_inputs(
         self,
