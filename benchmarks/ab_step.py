@@ -21,7 +21,7 @@ llm = xlm.LLM(
     max_num_seqs=8,
     max_num_batched_tokens=64,
     token_buckets=[16, 64],
-    compile_all_first=True,  # steady state: every program before timing
+    startup_programs="all",  # steady state: every program before timing
 )
 prompts = [
     "The capital of France is",

@@ -35,7 +35,7 @@ def main() -> None:
         prompts = [line.strip() for line in f if line.strip()]
     engines = {
         mode: xlm.LLM(
-            model=args.model, async_scheduling=mode, max_model_len=512, compile_all_first=True
+            model=args.model, async_scheduling=mode, max_model_len=512, startup_programs="all"
         )
         for mode in (True, False)
     }

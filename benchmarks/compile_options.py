@@ -38,7 +38,7 @@ def worker(model: str) -> None:
     from xlm.worker.compilation import ProgramKind
     from xlm.worker.packing import pack
 
-    llm = xlm.LLM(model=model, warmup=False, enable_compilation_cache=False)
+    llm = xlm.LLM(model=model, startup_programs="used", enable_compilation_cache=False)
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     rows = []
     for key, spec in runner.program_specs().items():

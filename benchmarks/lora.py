@@ -78,7 +78,7 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     from xlm.distributed.mesh import per_device_bytes
 
     lora = mode != "base"
-    engine = dict(max_model_len=1024, compile_all_first=True, max_num_seqs=args.batch)
+    engine = dict(max_model_len=1024, startup_programs="all", max_num_seqs=args.batch)
     if lora:
         engine.update(enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK)
     start = time.perf_counter()

@@ -139,7 +139,7 @@ def main() -> None:
         max_num_seqs=max(batches),
         enable_prefix_caching=False,
         async_scheduling=False,
-        compile_all_first=True,  # steady state: every program before timing
+        startup_programs="all",  # steady state: every program before timing
     )
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     timer = StepTimer()

@@ -68,7 +68,7 @@ def main() -> None:
     llm = xlm.LLM(
         model=args.model,
         max_num_seqs=max(args.batch, 1),
-        compile_all_first=True,
+        startup_programs="all",
         enable_prefix_caching=False,
         async_scheduling=False,
     )

@@ -178,7 +178,8 @@ def launch_server(serve_args: str, startup_timeout: float) -> tuple[subprocess.P
         "xlm.entrypoints.cli",
         "serve",
         *shlex.split(serve_args),
-        "--compile-all-first",  # steady state: /health once every program is ready
+        "--startup-programs",
+        "all",  # steady state: /health once every program is ready
         "--host",
         "127.0.0.1",
         "--port",

@@ -265,7 +265,7 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     llm = xlm.LLM(
         model=args.model,
         max_model_len=1024,
-        compile_all_first=True,
+        startup_programs="all",
         **({"speculative_config": spec} if spec else {}),
     )
     load_s = time.perf_counter() - start

@@ -14,7 +14,7 @@ max_model_len); the deep shape with 512.
 
 Cases:
 - generate: `xlm generate` (compiles what its steps use: 2 programs for one prompt)
-- generate-all: the same with `--compile-all-first` (every program first: the old start)
+- generate-all: the same with `--startup-programs all` (every program first: the old start)
 - serve: `xlm serve` (the largest bucket's programs first, the rest in the background)
 - deep-*: the same for a 32-layer shape with dummy weights (benchmarks/configs/Qwen3-32L)
 - llama.cpp (`--llama-cpp-python PYTHON`): llama-cpp-python loading the same GGUF file and
@@ -233,7 +233,7 @@ def main() -> None:
     deep = ["--model", str(DEEP), *DEEP_FLAGS]
     cases = {
         "generate": lambda root: run_generate(root, builtin, []),
-        "generate-all": lambda root: run_generate(root, builtin, ["--compile-all-first"]),
+        "generate-all": lambda root: run_generate(root, builtin, ["--startup-programs", "all"]),
         "serve": lambda root: run_serve(root, "smollm2-135m", []),
     }
     if args.deep:

@@ -34,7 +34,7 @@ ABLATIONS = ("full", "no_attention_no_kv_write", "no_attention", "no_rmsnorm", "
 ENGINE = dict(
     model="smollm2-135m",
     max_model_len=1024,
-    compile_all_first=True,
+    startup_programs="all",
     enable_compilation_cache=False,
     async_scheduling=False,
 )

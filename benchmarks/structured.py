@@ -169,7 +169,7 @@ def throughput(model: str, num_prompts: int, output_len: int, rounds: int, **eng
     import xlm
     from xlm import SamplingParams, StructuredOutputsParams
 
-    llm = xlm.LLM(model=model, compile_all_first=True, **engine)
+    llm = xlm.LLM(model=model, startup_programs="all", **engine)
     prompts = [f"Person {i} as JSON:" for i in range(num_prompts)]
     schema = {
         "type": "object",

@@ -62,7 +62,7 @@ def measure(model_dir: str, tp: int) -> dict:
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         compilation_config=CompilationConfig(
-            token_buckets=[64], warmup=False, enable_compilation_cache=False
+            token_buckets=[64], startup_programs="used", enable_compilation_cache=False
         ),
     )
     worker = Worker(config)

@@ -173,9 +173,11 @@ class SamplingParams:
             out[token_id] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
         return out
 
-    def _verify(self) -> None:
+    def _verify(self, names: set[str] | None = None) -> None:
+        """Check each field's rule (only those in `names` when given)."""
+
         def check(ok: bool, name: str, allowed: str) -> None:
-            if not ok:
+            if not ok and (names is None or name in names):
                 raise _invalid(name, getattr(self, name), allowed)
 
         check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1")
@@ -197,7 +199,7 @@ class SamplingParams:
             "> 0",
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
-        if self.stop and not self.detokenize:
+        if names is None and self.stop and not self.detokenize:
             raise _invalid("stop", self.stop, "only with detokenize=True (stop strings need text)")
         check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
@@ -210,8 +212,8 @@ class SamplingParams:
             "None or an integer >= 1",
         )
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise _invalid("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if names is None and self.max_tokens is not None:
+            self.verify_min_tokens()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or (_is_int(value) and value >= 0), name, "None or an integer >= 0")
@@ -239,6 +241,11 @@ class SamplingParams:
             "None or a StructuredOutputsParams",
         )
 
+    def verify_min_tokens(self) -> None:
+        """min_tokens <= max_tokens (the engine checks it when it sets max_tokens)."""
+        if self.min_tokens > self.max_tokens:
+            raise _invalid("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+
     # -- properties ---------------------------------------------------------------------
 
     @property
@@ -264,11 +271,14 @@ class SamplingParams:
     ) -> None:
         """Apply the model's generation_config defaults to fields the caller left unset."""
         gen_cfg = gen_cfg or {}
+        applied = set()
         for key, name in _GENERATION_CONFIG_FIELDS.items():
             if name in self._explicit_fields or gen_cfg.get(key) is None:
                 continue
             setattr(self, name, gen_cfg[key])
-        self._verify()
+            applied.add(name)
+        if applied:
+            self._verify(applied)
         if not self.ignore_eos:
             ids: list[int] = []
             for source in (eos_token_ids, gen_cfg.get("eos_token_id")):
@@ -328,15 +338,18 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        """Inverse of ``to_dict``."""
-        data = dict(data)
-        if data.get("logit_bias") is not None:
-            data["logit_bias"] = {int(k): v for k, v in data["logit_bias"]}
-        explicit = frozenset(data.pop("_explicit_fields", ()))
-        bad_ids = data.pop("_bad_words_token_ids", [])
-        params = cls(**data)
-        params._explicit_fields = explicit
-        params._bad_words_token_ids = [list(ids) for ids in bad_ids]
+        """Inverse of ``to_dict``: restores checked parameters without checking them again."""
+        params = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            setattr(params, f.name, data[f.name])
+        if params.logit_bias is not None:
+            params.logit_bias = {int(k): v for k, v in params.logit_bias}
+        params.output_kind = RequestOutputKind(params.output_kind)
+        if params.structured_outputs is not None:
+            params.structured_outputs = StructuredOutputsParams.restore(params.structured_outputs)
+        params.all_stop_token_ids = set(params.all_stop_token_ids)
+        params._explicit_fields = frozenset(params._explicit_fields)
+        params._bad_words_token_ids = [list(ids) for ids in params._bad_words_token_ids]
         return params
 
 

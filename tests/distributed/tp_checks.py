@@ -29,7 +29,7 @@ ENGINE = dict(
     block_size=4,
     token_buckets=[16],
     enable_compilation_cache=False,
-    compile_all_first=True,  # the compile count after warm-up must be exact
+    startup_programs="all",  # the compile count after warm-up must be exact
 )
 MAX_TOKENS = 10
 

@@ -222,6 +222,14 @@ def server_url(client) -> str:
     return str(client.base_url).rstrip("/").removesuffix("/v1")
 
 
+def test_completion_without_max_tokens_near_the_limit_is_capped(client):
+    out = client.completions.create(
+        model=MODEL, prompt=[100] * 250, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.completion_tokens == 6  # max-model-len 256 - 250, under the default 16
+    assert out.choices[0].finish_reason == "length"
+
+
 def test_chat_template_options(client):
     cont = client.chat.completions.create(
         model=MODEL,

@@ -90,7 +90,7 @@ def test_sigterm_drains_in_flight_then_aborts_the_rest():
     # Every program ready before serving: a step padded to the largest bucket while the
     # small ones compile in the background took the short request past the grace period
     # on a loaded machine (the test is about draining, not start-up).
-    server = RemoteServer(["--shutdown-timeout", "1.5", "--compile-all-first"])
+    server = RemoteServer(["--shutdown-timeout", "1.5", "--startup-programs", "all"])
     engine_pid = server.engine_pid()
 
     async def run() -> tuple[list, list, dict, float]:

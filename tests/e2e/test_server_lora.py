@@ -37,7 +37,8 @@ LONG_TOKENS = 200  # a request still running when its adapter is unloaded
 LORA_ENGINE = dict(TINY_ENGINE, enable_lora=True, max_loras=2, max_lora_rank=8)
 ENGINE_FLAGS = [
     *cli_engine_flags(TINY_ENGINE),
-    "--compile-all-first",
+    "--startup-programs",
+    "all",
     "--enable-lora",
     "--max-loras",
     "2",

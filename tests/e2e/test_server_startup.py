@@ -27,7 +27,7 @@ def test_cold_server_answers_every_bucket_while_compiling(tiny_checkpoint, tmp_p
     model = tiny_checkpoint("llama")
     prompts = [[3 + (5 * i + j) % 90 for j in range(n)] for i, n in enumerate(LENGTHS)]
     monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "reference"))
-    llm = xlm.LLM(model=model, compile_all_first=True, **ENGINE)
+    llm = xlm.LLM(model=model, startup_programs="all", **ENGINE)
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]
 

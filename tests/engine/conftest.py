@@ -5,14 +5,12 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.fake_core import FakeEngineCoreProc
-from xlm.engine.core_client import make_client
+from xlm.engine.mp_client import SyncMPClient
 
 
 @pytest.fixture
 def sync_client():
     """A SyncMPClient over a FakeEngineCoreProc in its own process."""
-    client = make_client(
-        {}, multiprocess=True, asyncio_mode=False, engine_core_proc_class=FakeEngineCoreProc
-    )
+    client = SyncMPClient({}, True, FakeEngineCoreProc)
     yield client
     client.shutdown()

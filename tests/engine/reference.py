@@ -12,7 +12,7 @@ import numpy as np
 # They compile every program first, so their compile counts are exact from the start
 # (tests/worker/test_background_compilation.py covers the other start-up modes).
 TINY_ENGINE = dict(
-    compile_all_first=True,
+    startup_programs="all",
     max_model_len=256,
     block_size=16,
     max_num_seqs=32,

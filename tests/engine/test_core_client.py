@@ -15,7 +15,6 @@ import xlm
 from tests.engine.fake_core import FakeEngineCoreProc, FakeRequest
 from tests.engine.reference import TINY_ENGINE
 from xlm.engine.async_llm import AsyncLLM
-from xlm.engine.core_client import make_client
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.messages import RequestType
 from xlm.engine.mp_client import AsyncMPClient
@@ -70,9 +69,7 @@ def test_timed_out_utility_calls_leave_no_pending_future(sync_client):
 
 def test_async_timed_out_utility_call_leaves_no_pending_future():
     async def main() -> None:
-        client = make_client(
-            {}, multiprocess=True, asyncio_mode=True, engine_core_proc_class=FakeEngineCoreProc
-        )
+        client = AsyncMPClient({}, True, FakeEngineCoreProc)
         try:
             with pytest.raises(asyncio.TimeoutError):
                 await client.call_utility_async("sleep", 1.0, timeout=0.05)

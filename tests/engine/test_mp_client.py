@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from tests.engine.fake_core import FakeEngineCoreProc, FakeRequest
-from xlm.engine.core_client import make_client
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
 
@@ -105,12 +104,7 @@ def test_shutdown_reaps_engine_process():
 
 def test_async_client_round_trip_and_death():
     async def main() -> None:
-        client = make_client(
-            {"step_sleep": 0.01},
-            multiprocess=True,
-            asyncio_mode=True,
-            engine_core_proc_class=FakeEngineCoreProc,
-        )
+        client = AsyncMPClient({"step_sleep": 0.01}, True, FakeEngineCoreProc)
         assert isinstance(client, AsyncMPClient)
         try:
             for i in range(5):

@@ -29,7 +29,7 @@ def spec(llama) -> LoRASpec:
     from xlm.models.loader import get_model
 
     config = EngineArgs(
-        model=llama, enable_lora=True, max_loras=2, max_lora_rank=MAX_RANK, warmup=False
+        model=llama, enable_lora=True, max_loras=2, max_lora_rank=MAX_RANK, startup_programs="used"
     ).create_config()
     return LoRASpec.of(get_model(config), MAX_RANK)
 

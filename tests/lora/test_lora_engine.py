@@ -237,7 +237,7 @@ SLOT_ORDER_SCRIPT = """
 import sys, xlm
 from tests.lora.adapters import write_adapter
 base, root = sys.argv[1], sys.argv[2]
-llm = xlm.LLM(model=base, enable_lora=True, max_loras=3, max_lora_rank=4, warmup=False,
+llm = xlm.LLM(model=base, enable_lora=True, max_loras=3, max_lora_rank=4, startup_programs="used",
               max_model_len=64, num_gpu_blocks_override=8, enable_compilation_cache=False)
 slots = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.lora
 loras = [xlm.LoRARequest(f"adapter-{i}", i, f"{root}/a{i}") for i in (1, 2, 3)]

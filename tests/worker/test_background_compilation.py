@@ -56,7 +56,7 @@ def compiled_all(model, tmp_path_factory, monkeypatch_module):
     saved them in."""
     directory = tmp_path_factory.mktemp("ref")
     monkeypatch_module.setenv("XLM_COMPILATION_CACHE_DIR", str(directory))
-    llm = xlm.LLM(model=model, compile_all_first=True, **ENGINE)
+    llm = xlm.LLM(model=model, startup_programs="all", **ENGINE)
     compiler = _runner(llm).compiler
     assert compiler.all_ready and compiler.num_compiled == compiler.num_registered
     return _run(llm), directory

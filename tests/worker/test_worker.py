@@ -29,7 +29,7 @@ def test_kv_sizing_without_memory_statistics(
     assert platforms.current_platform.get_device_free_memory() is None
     monkeypatch.delenv("XLM_CPU_KVCACHE_SPACE", raising=False)
     config = EngineArgs(
-        model=tiny_checkpoint("llama"), max_model_len=64, warmup=False
+        model=tiny_checkpoint("llama"), max_model_len=64, startup_programs="used"
     ).create_config()
     # The out-of-tree platform's check_and_update_config sets no size, unlike the CPU one.
     config.cache_config.kv_cache_memory = kv_cache_memory

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from xlm.config import (
     ASYNC_SCHEDULING_DEFAULT,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
+    STARTUP_PROGRAMS,
     CacheConfig,
     CompilationConfig,
     LoRAConfig,
@@ -76,9 +78,11 @@ _HELP = {
     "process_id": "multihost: this process's id, 0 leads (env XLM_PROCESS_ID or TPU_WORKER_ID)",
     "custom_ops": "comma list: all, none, +name, -name",
     "token_buckets": "comma list of padded token counts per step",
-    "warmup": "make step programs ready before serving (--no-warmup: each compiles on first use)",
-    "compile_all_first": "compile every step program before serving (else the largest token "
-    "bucket's first and the rest in the background while requests are answered)",
+    "startup_programs": "which step programs are ready before serving: all; largest (the "
+    "largest token bucket's, the rest compiled in the background); first-use (the first "
+    "step's, then the rest in the background); used (each when a step first needs it); "
+    "None: largest for xlm serve and run-batch, first-use for LLM and xlm chat, used for "
+    "xlm generate",
     "enable_compilation_cache": "save compiled step programs for the next start "
     "(XLM_COMPILATION_CACHE_DIR)",
     "reasoning_parser": "reasoning format (deepseek_r1, qwen3): splits reasoning_content "
@@ -100,16 +104,37 @@ _HELP = {
 }
 
 
-# Options with no flag in the engine CLIs: `xlm plan` adds target_topology's itself; an
-# entry point sets startup_programs (LLM: "first-use"; serving: "largest").
-NO_FLAG = ("target_topology", "startup_programs")
+# Options with no flag of their own in the engine CLIs: `xlm plan` adds target_topology's
+# itself; the deprecated aliases of startup_programs get theirs from _add_deprecated_flags.
+NO_FLAG = ("target_topology", "warmup", "compile_all_first")
+# Deprecated option -> (the startup_programs it means when set, the value that sets it).
+DEPRECATED_STARTUP_OPTIONS = {"compile_all_first": ("all", True), "warmup": ("used", False)}
 
 
 _CHOICES = {
     "distributed_executor_backend": ("uni", "multihost"),
     "quantization": QUANTIZATION_METHODS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "startup_programs": STARTUP_PROGRAMS,
 }
+
+
+def _add_deprecated_flags(group: Any, skip: tuple[str, ...]) -> None:
+    """The old start-up flags, still accepted: EngineArgs maps them with a warning."""
+    if "compile_all_first" not in skip:
+        group.add_argument(
+            "--compile-all-first",
+            action="store_true",
+            default=None,
+            help="deprecated: --startup-programs all",
+        )
+    if "warmup" not in skip:
+        group.add_argument(
+            "--warmup",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="deprecated: --no-warmup is --startup-programs used",
+        )
 
 
 def _gguf_quant_layout(model_path: str, load_format: str) -> Any:
@@ -141,14 +166,14 @@ class EngineArgs:
     served_model_name: str | None = None
     generation_config: str = "auto"
     runner: str = "auto"
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size
     kv_cache_memory: float | None = None
-    memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
+    memory_utilization: float = CacheConfig.memory_utilization
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
@@ -162,10 +187,12 @@ class EngineArgs:
     process_id: int | None = field(default_factory=lambda: envs.XLM_PROCESS_ID)
     custom_ops: list[str] = field(default_factory=list)
     token_buckets: list[int] | None = None
-    warmup: bool = True
-    compile_all_first: bool = False
-    # None: "largest" (CompilationConfig.startup_programs); compile_all_first means "all".
+    # None: the entry point's (LLM: "first-use"; serving: CompilationConfig's "largest").
     startup_programs: str | None = None
+    # Deprecated aliases of startup_programs: compile_all_first=True is "all", warmup=False
+    # is "used" (each program compiled when a step first needs it).
+    warmup: bool | None = None
+    compile_all_first: bool | None = None
     enable_compilation_cache: bool = True
     reasoning_parser: str | None = None
     structured_outputs_enable_in_reasoning: bool = False
@@ -178,6 +205,21 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # Compile-only (`xlm plan` adds the flag; an engine refuses it).
     target_topology: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, (mode, value) in DEPRECATED_STARTUP_OPTIONS.items():
+            given = getattr(self, name)
+            if given is None:
+                continue
+            if given == value:
+                message = f"{name}={given} is deprecated: use startup_programs={mode!r}"
+            else:
+                message = f"{name}={given} is deprecated and does nothing: use startup_programs"
+            warnings.warn(message, DeprecationWarning, stacklevel=3)
+            logger.warning(message)
+            if given == value and self.startup_programs is None:
+                self.startup_programs = mode
+            setattr(self, name, None)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -226,6 +268,8 @@ class EngineArgs:
                 group.add_argument(
                     *flags, default=default, help=help_text, type=kind or str, choices=choices
                 )
+
+        _add_deprecated_flags(group, skip)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -285,33 +329,95 @@ class EngineArgs:
 
     def create_config(self) -> XlmConfig:
         """Validate, resolve the model, read its config and apply platform defaults."""
-        hub = dict(revision=self.revision, download_dir=self.download_dir)
         tokenizer = self.tokenizer
         if tokenizer is not None:
+            hub = dict(revision=self.revision, download_dir=self.download_dir)
             tokenizer = resolve_model_name(tokenizer, load_format="dummy", **hub)
         model_config = self._model_config(self.model, tokenizer, self.runner)
-        model_path = model_config.model
-        async_scheduling = self.async_scheduling
         if model_config.is_pooling:
-            model_config.default_pooling = default_pooling_params(model_path)
-            if async_scheduling:
-                # A pooled request finishes in its one prefill step: nothing to overlap.
-                logger.info("Pooling runner: async scheduling off (prefill-only steps).")
-                async_scheduling = False
+            model_config.default_pooling = default_pooling_params(model_config.model)
+        speculative = self._speculative_config(model_config)
+        max_model_len = self._max_model_len(model_config, speculative)
+        config = XlmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=self.kv_cache_memory,
+                memory_utilization=self.memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_blocks=self.num_gpu_blocks_override,
+                cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler_config=self._scheduler_config(
+                max_model_len, self._async_scheduling(model_config, speculative)
+            ),
+            parallel_config=self.create_parallel_config(),
+            compilation_config=CompilationConfig(
+                custom_ops=list(self.custom_ops),
+                token_buckets=self.token_buckets,
+                startup_programs=self.startup_programs or CompilationConfig.startup_programs,
+                enable_compilation_cache=self.enable_compilation_cache,
+            ),
+            structured_outputs_config=StructuredOutputsConfig(
+                reasoning_parser=self.reasoning_parser,
+                enable_in_reasoning=self.structured_outputs_enable_in_reasoning,
+            ),
+            speculative_config=speculative,
+            lora_config=LoRAConfig(
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                max_cpu_loras=self.max_cpu_loras,
+            )
+            if self.enable_lora
+            else None,
+        )
+        draft = speculative.draft_model_config if speculative is not None else None
+        if draft is not None and config.parallel_config.is_multihost:
+            # Each process would time its own steps and pick its own k: the draft's
+            # collectives would diverge across processes.
+            raise ValueError(
+                "speculative_config method 'draft_model' is invalid with "
+                "distributed_executor_backend='multihost': use 'ngram', or one process"
+            )
+        config.set_max_model_len(max_model_len)
+        platforms.current_platform.check_and_update_config(config)
+        return config
+
+    def _speculative_config(self, model_config: ModelConfig) -> SpeculativeConfig | None:
+        """speculative_config parsed, with its draft model's config read."""
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if speculative is None:
+            return None
+        if model_config.is_pooling:
+            raise ValueError(
+                "speculative_config is invalid with the pooling runner: nothing is decoded"
+            )
+        if speculative.method == "draft_model":
+            speculative.draft_model_config = self._draft_model_config(
+                speculative.model, model_config
+            )
+        return speculative
+
+    def _async_scheduling(
+        self, model_config: ModelConfig, speculative: SpeculativeConfig | None
+    ) -> bool:
+        """async_scheduling, turned off where the next step cannot be scheduled early."""
+        if not self.async_scheduling:
+            return False
+        if model_config.is_pooling:
+            # A pooled request finishes in its one prefill step: nothing to overlap.
+            logger.info("Pooling runner: async scheduling off (prefill-only steps).")
+            return False
         if speculative is not None:
-            if model_config.is_pooling:
-                raise ValueError(
-                    "speculative_config is invalid with the pooling runner: nothing is decoded"
-                )
-            if speculative.method == "draft_model":
-                speculative.draft_model_config = self._draft_model_config(
-                    speculative.model, model_config
-                )
-            if async_scheduling:
-                # The next step's tokens depend on how many proposals this one accepts.
-                logger.info("Speculative decoding: async scheduling off.")
-                async_scheduling = False
+            # The next step's tokens depend on how many proposals this one accepts.
+            logger.info("Speculative decoding: async scheduling off.")
+            return False
+        return True
+
+    def _max_model_len(
+        self, model_config: ModelConfig, speculative: SpeculativeConfig | None
+    ) -> int:
+        """The context length: max_model_len, within the model's (and the draft's)."""
         model_max = _model_max_len(model_config.hf_config)
         max_model_len = self.max_model_len or model_max
         if max_model_len > model_max:
@@ -328,60 +434,20 @@ class EngineArgs:
                     f"context length {draft_max} is below max_model_len={max_model_len}"
                 )
             draft.max_model_len = max_model_len
-        config = XlmConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_memory=self.kv_cache_memory,
-                memory_utilization=self.memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching,
-                num_blocks=self.num_gpu_blocks_override,
-                cache_dtype=self.kv_cache_dtype,
+        return max_model_len
+
+    def _scheduler_config(self, max_model_len: int, async_scheduling: bool) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=SchedulerConfig.step_budget(
+                self.max_num_batched_tokens, max_model_len, self.enable_chunked_prefill
             ),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=SchedulerConfig.step_budget(
-                    self.max_num_batched_tokens, max_model_len, self.enable_chunked_prefill
-                ),
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-                policy=self.scheduling_policy,
-                async_scheduling=async_scheduling,
-            ),
-            parallel_config=self.create_parallel_config(),
-            compilation_config=CompilationConfig(
-                custom_ops=list(self.custom_ops),
-                token_buckets=self.token_buckets,
-                warmup=self.warmup,
-                startup_programs="all"
-                if self.compile_all_first
-                else self.startup_programs or "largest",
-                enable_compilation_cache=self.enable_compilation_cache,
-            ),
-            structured_outputs_config=StructuredOutputsConfig(
-                reasoning_parser=self.reasoning_parser,
-                enable_in_reasoning=self.structured_outputs_enable_in_reasoning,
-            ),
-            speculative_config=speculative,
-            lora_config=LoRAConfig(
-                max_loras=self.max_loras,
-                max_lora_rank=self.max_lora_rank,
-                max_cpu_loras=self.max_cpu_loras,
-            )
-            if self.enable_lora
-            else None,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy,
+            async_scheduling=async_scheduling,
         )
-        if draft is not None and config.parallel_config.is_multihost:
-            # Each process would time its own steps and pick its own k: the draft's
-            # collectives would diverge across processes.
-            raise ValueError(
-                "speculative_config method 'draft_model' is invalid with "
-                "distributed_executor_backend='multihost': use 'ngram', or one process"
-            )
-        config.set_max_model_len(max_model_len)
-        platforms.current_platform.check_and_update_config(config)
-        return config
 
 
 def _model_max_len(hf_config: Any) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 from xlm.config import XlmConfig
 from xlm.engine.exceptions import EngineDeadError, RequestAbortedError
-from xlm.engine.messages import EngineCoreOutputs
+from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from xlm.engine.mp_client import AsyncMPClient
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.processor import Processor
@@ -29,7 +29,7 @@ from xlm.metrics.loggers import StatLoggerBase
 from xlm.metrics.stats import RequestStatsTracker
 from xlm.outputs import PoolingRequestOutput, RequestOutput
 from xlm.pooling_params import PoolingParams
-from xlm.sampling_params import SamplingParams
+from xlm.sampling_params import MAX_DEVICE_LOGPROBS, SamplingParams
 
 logger = init_logger(__name__)
 
@@ -75,7 +75,7 @@ class AsyncLLM:
         tokenizer: Any | None = None,
         processor: Any | None = None,
         output_processor: Any | None = None,
-        max_logprobs: int = 20,
+        max_logprobs: int = MAX_DEVICE_LOGPROBS,
     ) -> None:
         startup.begin()
         self.xlm_config = xlm_config
@@ -201,24 +201,30 @@ class AsyncLLM:
         pooling: bool = False,
         lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
-        """Process the prompt, register the request and send it to the core."""
+        """Process the prompt, register the request and send it to the core.
+
+        `prompt` may be an EngineCoreRequest the caller built with `processor.process_inputs`
+        (the server does, to answer 400 before streaming): it is taken as it is.
+        """
         if self.dead_error is not None:
             raise self.dead_error
         if request_id in self.collectors:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._ensure_output_handler()
-        arrival = time.time() if arrival_time is None else arrival_time
-        request = self.processor.process_inputs(
-            request_id,
-            prompt,
-            params,
-            arrival,
-            priority,
-            cache_salt,
-            pooling_params=pooling_params,
-            pooling=pooling,
-            lora_request=lora_request,
-        )
+        if isinstance(prompt, EngineCoreRequest):
+            request = prompt
+        else:
+            request = self.processor.process_inputs(
+                request_id,
+                prompt,
+                params,
+                time.time() if arrival_time is None else arrival_time,
+                priority,
+                cache_salt,
+                pooling_params=pooling_params,
+                pooling=pooling,
+                lora_request=lora_request,
+            )
         collector = RequestOutputCollector()
         self.collectors[request_id] = collector
         core_requests = _register(self.output_processor, request)

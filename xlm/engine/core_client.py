@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import SchedulerStats
 from xlm.engine.core import EngineCore
-from xlm.engine.core_proc import EngineCoreProc
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
-
-if TYPE_CHECKING:
-    from xlm.engine.core_proc import EngineCoreProc
-    from xlm.engine.mp_client import AsyncMPClient
 
 
 class EngineCoreClient(Protocol):
@@ -78,18 +72,3 @@ class InprocClient:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
-
-
-def make_client(
-    config: XlmConfig,
-    multiprocess: bool,
-    asyncio_mode: bool,
-    log_stats: bool = True,
-    engine_core_proc_class: type[EngineCoreProc] | None = None,
-) -> EngineCoreClient | AsyncMPClient:
-    """The engine-core client for this use: in-process, or over ZeroMQ (sync or asyncio)."""
-    if not multiprocess and not asyncio_mode:
-        return InprocClient(config, log_stats=log_stats)
-
-    cls = AsyncMPClient if asyncio_mode else SyncMPClient
-    return cls(config, log_stats, engine_core_proc_class or EngineCoreProc)

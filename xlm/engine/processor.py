@@ -13,7 +13,7 @@ from xlm.engine.exceptions import RequestValidationError
 from xlm.engine.messages import EngineCoreRequest
 from xlm.lora.request import LoRARequest
 from xlm.pooling_params import PoolingParams
-from xlm.sampling_params import RequestOutputKind, SamplingParams
+from xlm.sampling_params import MAX_DEVICE_LOGPROBS, RequestOutputKind, SamplingParams
 from xlm.structured_output.backend import validate as validate_structured_outputs
 from xlm.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -41,7 +41,7 @@ class Processor:
         vocab_size: int | None = None,
         eos_token_id: int | list[int] | None = None,
         generation_config: dict[str, Any] | None = None,
-        max_logprobs: int = 20,
+        max_logprobs: int = MAX_DEVICE_LOGPROBS,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -138,13 +138,19 @@ class Processor:
         sampling = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         return sampling, params
 
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+    def check_request(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        default_max_tokens: int | None = None,
+    ) -> SamplingParams:
         """The one check of a prompt and its parameters against this model.
 
         Returns the parameters the engine will run (a copy: generation_config defaults
-        applied, max_tokens capped to the context left when the caller did not set it);
-        raises RequestValidationError naming the parameter. LLM and the server both go
-        through here, so a rule and its message live once.
+        applied, max_tokens from `get_max_tokens`); raises RequestValidationError naming
+        the parameter. LLM and the server both go through here, once per request.
+        `default_max_tokens` is a server's default for a request without max_tokens (the
+        model's default caps it too); None (LLM): SamplingParams' own, or the model's.
         """
         if self.pooling is not None:
             raise RequestValidationError(
@@ -153,11 +159,10 @@ class Processor:
                 "model",
             )
         self._check_prompt(token_ids)
-        return self._check_params(params, len(token_ids))
+        return self._check_params(params, len(token_ids), default_max_tokens)
 
-    def _check_prompt(self, token_ids: list[int], generates: bool = True) -> None:
-        if not token_ids:
-            raise RequestValidationError("The prompt is empty: give at least one token", "prompt")
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """Each id an integer in the vocabulary (RequestValidationError naming the range)."""
         for token_id in token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise RequestValidationError(
@@ -169,6 +174,11 @@ class Processor:
                     f"{self.vocab_size})",
                     "prompt",
                 )
+
+    def _check_prompt(self, token_ids: list[int], generates: bool = True) -> None:
+        if not token_ids:
+            raise RequestValidationError("The prompt is empty: give at least one token", "prompt")
+        self.check_token_ids(token_ids)
         if not generates and len(token_ids) > self.max_model_len:
             raise RequestValidationError(
                 f"The input has {len(token_ids)} tokens, more than the maximum model length "
@@ -185,40 +195,28 @@ class Processor:
                 _CONTEXT_LENGTH_EXCEEDED,
             )
 
-    def _check_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _check_params(
+        self, params: SamplingParams, prompt_len: int, default_max_tokens: int | None
+    ) -> SamplingParams:
         params = params.clone()
+        checked_max_tokens = params.max_tokens  # construction checked min_tokens against it
         try:
             params.update_from_generation_config(self.generation_config, self.eos_token_ids)
         except ValueError as e:
             raise RequestValidationError.from_value_error(e) from None
-        remaining = self.max_model_len - prompt_len
-        if params.max_tokens is None or (
-            params.max_tokens > remaining and not params.was_given("max_tokens")
-        ):
-            params.max_tokens = remaining  # the default 16 (or generation_config's) is capped
-        elif params.max_tokens > remaining:
-            raise RequestValidationError(
-                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum "
-                f"context length is {self.max_model_len} tokens and your request has "
-                f"{prompt_len} input tokens ({params.max_tokens} > {self.max_model_len} - "
-                f"{prompt_len})",
-                "max_tokens",
-                _CONTEXT_LENGTH_EXCEEDED,
-            )
-        if params.min_tokens > params.max_tokens:
-            raise RequestValidationError(
-                f"SamplingParams.min_tokens={params.min_tokens} is invalid: allowed <= "
-                f"max_tokens ({params.max_tokens})",
-                "min_tokens",
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise RequestValidationError(
-                    f"SamplingParams.{name}={value} is invalid: allowed at most "
-                    f"max_logprobs={self.max_logprobs}",
-                    name,
-                )
+        given = params.max_tokens if params.was_given("max_tokens") else None
+        if default_max_tokens is not None:
+            defaults = (default_max_tokens, self.generation_config.get("max_new_tokens"))
+        else:  # SamplingParams' default, or the model's in its place
+            defaults = (params.max_tokens,)
+        max_tokens = get_max_tokens(self.max_model_len, prompt_len, given, *defaults)
+        params.max_tokens = max_tokens
+        if max_tokens != checked_max_tokens:
+            try:
+                params.verify_min_tokens()
+            except ValueError as e:
+                raise RequestValidationError.from_value_error(e) from None
+        self._check_logprobs(params)
         try:
             params.verify_vocab(self.vocab_size)
         except ValueError as e:
@@ -228,6 +226,16 @@ class Processor:
         if params.bad_words and self.tokenizer is not None:
             params.update_from_tokenizer(self.tokenizer)
         return params
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise RequestValidationError(
+                    f"SamplingParams.{name}={value} is invalid: allowed at most "
+                    f"max_logprobs={self.max_logprobs} (see --max-logprobs)",
+                    name,
+                )
 
     def process_inputs(
         self,
@@ -240,6 +248,7 @@ class Processor:
         pooling_params: PoolingParams | None = None,
         pooling: bool = False,
         lora_request: LoRARequest | None = None,
+        default_max_tokens: int | None = None,
     ) -> EngineCoreRequest:
         """Tokenize and validate one prompt; the request keeps its own copy of ``params``.
 
@@ -254,7 +263,7 @@ class Processor:
         if pooling:
             params, pooling_params = self.check_pooling_request(token_ids, pooling_params)
         else:
-            params = self.check_request(token_ids, params)
+            params = self.check_request(token_ids, params, default_max_tokens)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -267,6 +276,25 @@ class Processor:
             pooling_params=pooling_params,
             lora_request=lora_request,
         )
+
+
+def get_max_tokens(
+    max_model_len: int, prompt_len: int, max_tokens: int | None, *defaults: int | None
+) -> int:
+    """The max_tokens a request runs with: its own, which must fit the context left, else
+    the least of the room left and the defaults (the server's, the model's) that are set."""
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        return min(d for d in (room, *defaults) if d is not None)
+    if max_tokens > room:
+        raise RequestValidationError(
+            f"'max_tokens' is too large: {max_tokens}. This model's maximum context length "
+            f"is {max_model_len} tokens and your request has {prompt_len} input tokens "
+            f"({max_tokens} > {max_model_len} - {prompt_len})",
+            "max_tokens",
+            _CONTEXT_LENGTH_EXCEEDED,
+        )
+    return max_tokens
 
 
 def load_generation_config(model_config: ModelConfig) -> dict[str, Any]:

@@ -47,7 +47,8 @@ def _sampling_params(args: argparse.Namespace):
 
 def _make_llm(args: argparse.Namespace, startup_programs: str):
     engine_args = EngineArgs.from_cli_args(args)
-    engine_args.startup_programs = startup_programs  # --compile-all-first still wins
+    if engine_args.startup_programs is None:  # --startup-programs wins
+        engine_args.startup_programs = startup_programs
     return LLM.from_engine_args(engine_args)
 
 

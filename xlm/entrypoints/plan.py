@@ -38,7 +38,16 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
         "would (default: per kind the smallest and largest, and the decode programs)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    EngineArgs.add_cli_args(parser, skip=("model", "warmup", "enable_compilation_cache"))
+    EngineArgs.add_cli_args(
+        parser,
+        skip=(
+            "model",
+            "warmup",
+            "compile_all_first",
+            "startup_programs",
+            "enable_compilation_cache",
+        ),
+    )
     parser.set_defaults(func=run_plan)
 
 

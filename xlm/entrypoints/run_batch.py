@@ -29,6 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from xlm import envs
+from xlm.entrypoints.openai.cli_args import check_max_logprobs
 from xlm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
 from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -38,7 +39,6 @@ from xlm.entrypoints.openai.serving_engine import (
     error_from_validation,
 )
 from xlm.logger import init_logger
-from xlm.sampling_params import MAX_DEVICE_LOGPROBS
 
 logger = init_logger(__name__)
 
@@ -310,10 +310,7 @@ async def run(args: argparse.Namespace) -> int:
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency={args.max_concurrency} is invalid: must be >= 1")
 
-    if not 0 <= args.max_logprobs <= MAX_DEVICE_LOGPROBS:
-        raise ValueError(
-            f"--max-logprobs={args.max_logprobs} is invalid: allowed [0, {MAX_DEVICE_LOGPROBS}]"
-        )
+    check_max_logprobs(args.max_logprobs)
     records = read_records(args.input_file)
     n, i = args.num_shards, args.shard_index
     if not 0 <= i < n:

@@ -127,8 +127,7 @@ class MultihostExecutor(Executor):
         from xlm.worker.worker import Worker
 
         self.worker = Worker(config)
-        if config.compilation_config.warmup:
-            self._call("warmup")
+        self._call("warmup")
         self.channel.send((_BARRIER, ("ready",)))
         barrier("ready")
 

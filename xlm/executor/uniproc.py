@@ -14,8 +14,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: XlmConfig) -> None:
         super().__init__(config)
         self.worker = Worker(config)
-        if config.compilation_config.warmup:
-            self.worker.warmup()
+        self.worker.warmup()
 
     @property
     def num_blocks(self) -> int:

@@ -112,3 +112,13 @@ class StructuredOutputsParams:
                 f"structured_outputs has unknown fields {unknown}: allowed {sorted(known)}"
             )
         return cls(**data)
+
+    @classmethod
+    def restore(cls, data: dict[str, Any]) -> StructuredOutputsParams:
+        """Inverse of ``to_dict`` for parameters checked already (no second check)."""
+        params = cls.__new__(cls)
+        for f in fields(cls):
+            setattr(params, f.name, data[f.name])
+        if isinstance(params.json, str):
+            params.json = json.loads(params.json)
+        return params

@@ -12,10 +12,11 @@ from xlm.outputs import CompletionOutput, Logprob, RequestOutput
 class FakeAsyncEngine:
     """Generates the prompt's tokens in a cycle, one per step, as DELTA outputs."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int = 64) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int = 64, max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.processor = Processor(tokenizer, max_model_len)  # the real request checks
+        # The real request checks (the server's --max-logprobs reaches the processor).
+        self.processor = Processor(tokenizer, max_model_len, max_logprobs=max_logprobs)
         self.errored = False
         self.dead_error = None
         self.ready_info: dict[str, Any] = {}
@@ -39,8 +40,10 @@ class FakeAsyncEngine:
         cache_salt: str | None = None,
         lora_request: Any = None,
     ):
+        # The handlers hand over the EngineCoreRequest the processor built.
+        params = prompt.sampling_params
         self.last_params = params
-        ids = prompt["prompt_token_ids"]
+        ids = prompt.prompt_token_ids
         self.active.add(request_id)
         done = False
         try:

@@ -21,7 +21,7 @@ MODEL = "test-model"
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    return FakeAsyncEngine(tokenizer, max_model_len=64)
+    return FakeAsyncEngine(tokenizer, max_model_len=64, max_logprobs=5)
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +39,14 @@ def client(engine):
 
 def test_sampling_params_from_request():
     req = CompletionRequest(prompt="hi", temperature=0.5, top_k=3, stop="x", logit_bias={"7": 2})
-    params = req.to_sampling_params(default_max_tokens=10, max_logprobs=5)
+    params = req.to_sampling_params()
     assert params.temperature == 0.5 and params.top_k == 3 and params.stop == ["x"]
-    assert params.logit_bias == {7: 2.0} and params.max_tokens == 16
+    assert params.logit_bias == {7: 2.0} and params.max_tokens is None  # get_max_tokens decides
     assert params.output_kind == RequestOutputKind.DELTA  # accumulated by the handler
     assert not params.was_given("top_p")  # model defaults may apply
-    stream = CompletionRequest(prompt="hi", stream=True, max_tokens=None)
-    assert stream.to_sampling_params(10, 5).output_kind == RequestOutputKind.DELTA
-    assert stream.to_sampling_params(10, 5).max_tokens == 10
+    stream = CompletionRequest(prompt="hi", stream=True, max_tokens=7)
+    assert stream.to_sampling_params().output_kind == RequestOutputKind.DELTA
+    assert stream.to_sampling_params().max_tokens == 7
 
 
 @pytest.mark.parametrize(
@@ -55,7 +55,6 @@ def test_sampling_params_from_request():
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"n": 0}, "n"),
-        ({"logprobs": 6}, "logprobs"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"suffix": "x"}, "suffix"),
@@ -64,7 +63,7 @@ def test_sampling_params_from_request():
 def test_invalid_completion_params_name_the_parameter(fields, param):
     req = CompletionRequest(prompt="hi", **fields)
     with pytest.raises(RequestValidationError) as info:
-        req.to_sampling_params(default_max_tokens=10, max_logprobs=5)
+        req.to_sampling_params()
     assert info.value.param == param
 
 
@@ -79,7 +78,7 @@ def test_chat_request_rules():
         top_logprobs=3,
         max_completion_tokens=4,
     )
-    params = req.to_sampling_params(default_max_tokens=50, max_logprobs=5)
+    params = req.to_sampling_params()
     assert params.logprobs == 3 and params.max_tokens == 4
 
 
@@ -194,6 +193,8 @@ def test_prompt_larger_than_the_kv_cache_is_a_400(tokenizer):
         ({"stop_token_ids": [10**6]}, "stop_token_ids"),
         ({"logit_bias": {"1000000": 1}}, "logit_bias"),
         ({"min_tokens": 63, "max_tokens": None}, "min_tokens"),
+        ({"logprobs": 6}, "logprobs"),  # over --max-logprobs 5
+        ({"prompt_logprobs": 6}, "prompt_logprobs"),
     ],
 )
 def test_llm_and_server_give_one_error_for_one_bad_parameter(client, engine, body, param):
@@ -202,7 +203,9 @@ def test_llm_and_server_give_one_error_for_one_bad_parameter(client, engine, bod
     ids = engine.tokenizer.encode(prompt)
     request = CompletionRequest(model=MODEL, prompt=prompt, **body)
     with pytest.raises(RequestValidationError) as raised:
-        engine.processor.process_inputs("r", ids, request.to_sampling_params(None, 5))
+        engine.processor.process_inputs(
+            "r", ids, request.to_sampling_params(), default_max_tokens=16
+        )
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -213,3 +216,35 @@ def test_llm_and_server_give_one_error_for_one_bad_parameter(client, engine, bod
             "/v1/completions", json={"model": MODEL, "prompt": prompt, "stream": stream, **body}
         )
         assert r.status_code == 400 and r.json()["error"]["message"] == str(raised.value)
+
+
+def test_completion_without_max_tokens_is_capped_to_the_context_left(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 60})
+    assert r.status_code == 200, r.text  # 4 tokens of room, under the default 16
+    assert r.json()["usage"]["completion_tokens"] == 4
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 10})
+    assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's default
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 60, "max_tokens": 16})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "16 > 64 - 60" in r.json()["error"]["message"]
+
+
+def test_generation_config_max_new_tokens_applies_to_server_requests(tokenizer):
+    from xlm.entrypoints.openai.api_server import build_app
+    from xlm.entrypoints.openai.cli_args import make_arg_parser
+
+    engine = FakeAsyncEngine(tokenizer, max_model_len=64)
+    engine.processor.generation_config = {"max_new_tokens": 3}
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args([MODEL])
+    args.model, args.api_key = MODEL, None
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(build_app(args, engine)) as c:
+        for path, body in (
+            ("/v1/completions", {"prompt": [5] * 10}),
+            ("/v1/chat/completions", {"messages": messages}),
+        ):
+            r = c.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3, path
+        r = c.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": 5})
+        assert r.json()["usage"]["completion_tokens"] == 5  # the request's own wins

@@ -102,7 +102,7 @@ class StubEngine:
 
 
 def _models(tmp_path, modules=()) -> OpenAIServingModels:
-    ctx = ServingContext(StubEngine(), ["base"], 64, 5, 100)
+    ctx = ServingContext(StubEngine(), ["base"], 64)
     return OpenAIServingModels(ctx, modules, lora_root=str(tmp_path / "root"))
 
 

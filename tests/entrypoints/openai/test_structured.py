@@ -34,7 +34,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def chat(**kwargs):
-    return ChatCompletionRequest(messages=MESSAGES, **kwargs).to_sampling_params(16, 5)
+    return ChatCompletionRequest(messages=MESSAGES, **kwargs).to_sampling_params()
 
 
 def test_response_format_maps_to_constraints():
@@ -60,7 +60,7 @@ def test_vllm_fields_map_to_constraints():
     assert chat(guided_grammar='start: "x"').structured_outputs.grammar == 'start: "x"'
     assert chat(structured_outputs={"choice": ["y"]}).structured_outputs.choice == ["y"]
     completion = CompletionRequest(prompt="x", structured_outputs={"regex": "a"})
-    assert completion.to_sampling_params(16, 5).structured_outputs.regex == "a"
+    assert completion.to_sampling_params().structured_outputs.regex == "a"
     for bad, param in (
         (dict(guided_regex="a", guided_choice=["a"]), "guided_choice"),
         (dict(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs"),

@@ -163,6 +163,37 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="name(s) clients use for the model (default: the model argument)",
     )
+    _add_access_args(group)
+    _add_request_limit_args(group)
+    group.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="how tool_choice='auto' finds the model's tool calls in its reply",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse the model's own tool calls (tool_choice='auto'; needs --tool-call-parser)",
+    )
+    group.add_argument(
+        "--enable-log-requests", action="store_true", help="log every request's parameters"
+    )
+    group.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic stats log line"
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run after SIGTERM before they are aborted",
+    )
+    group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
+
+
+def _add_access_args(group: Any) -> None:
+    """Who may call the server: the API key and CORS."""
     group.add_argument(
         "--api-key",
         default=None,
@@ -186,6 +217,10 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let CORS requests carry credentials (refused with a '*' origin)",
     )
+
+
+def _add_request_limit_args(group: Any) -> None:
+    """What one request, and the queue, may ask of the server."""
     group.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -213,34 +248,10 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-logprobs",
         type=int,
-        default=20,
-        help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for",
+        default=MAX_DEVICE_LOGPROBS,
+        help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for "
+        f"(default {MAX_DEVICE_LOGPROBS}, the most the device returns)",
     )
-    group.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
-    group.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=("hermes", "llama3_json"),
-        help="how tool_choice='auto' finds the model's tool calls in its reply",
-    )
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="parse the model's own tool calls (tool_choice='auto'; needs --tool-call-parser)",
-    )
-    group.add_argument(
-        "--enable-log-requests", action="store_true", help="log every request's parameters"
-    )
-    group.add_argument(
-        "--disable-log-stats", action="store_true", help="no periodic stats log line"
-    )
-    group.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests may run after SIGTERM before they are aborted",
-    )
-    group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -319,6 +330,15 @@ def expand_config_file(argv: list[str]) -> list[str]:
     return expanded + ["--config", path]
 
 
+def check_max_logprobs(max_logprobs: int) -> None:
+    """--max-logprobs within what the device returns (ValueError naming the range)."""
+    if not 0 <= max_logprobs <= MAX_DEVICE_LOGPROBS:
+        raise ValueError(
+            f"--max-logprobs={max_logprobs} is invalid: allowed [0, {MAX_DEVICE_LOGPROBS}] "
+            f"(the engine returns at most {MAX_DEVICE_LOGPROBS} logprobs per token)"
+        )
+
+
 def finish_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Expand --config, parse, and settle model / api_key defaults."""
     if "--config" in argv and argv.index("--config") + 1 >= len(argv):
@@ -334,12 +354,10 @@ def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ar
         parser.error("a model is required: xlm serve MODEL")
     if args.api_key is None:
         args.api_key = envs.XLM_API_KEY
-    if not 0 <= args.max_logprobs <= MAX_DEVICE_LOGPROBS:
-        parser.error(
-            f"--max-logprobs={args.max_logprobs} is invalid: allowed [0, "
-            f"{MAX_DEVICE_LOGPROBS}] (the engine returns at most {MAX_DEVICE_LOGPROBS} "
-            "logprobs per token)"
-        )
+    try:
+        check_max_logprobs(args.max_logprobs)
+    except ValueError as e:
+        parser.error(str(e))
     if args.max_n < 1:
         parser.error(f"--max-n={args.max_n} is invalid: must be >= 1")
     if args.max_request_body_bytes < 1:

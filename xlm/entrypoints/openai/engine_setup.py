@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.async_llm import AsyncLLM
 from xlm.entrypoints.openai.admission import AdmissionGate, default_max_waiting
 from xlm.entrypoints.openai.cli_args import create_engine_config
@@ -44,10 +45,8 @@ class ServerState:
         self.args = args
         self.engine = engine
         self.registry = registry
-        tokenizer = engine.get_tokenizer()
         names = list(args.served_model_name or [args.model])
         ready = getattr(engine, "ready_info", None) or {}
-        vocab = ready.get("vocab_size") or len(tokenizer)
         kv_cache_tokens = None
         block_size = getattr(getattr(engine, "xlm_config", None), "cache_config", None)
         if ready.get("kv_cache_tokens"):
@@ -59,8 +58,6 @@ class ServerState:
             engine=engine,
             served_model_names=names,
             max_model_len=engine.max_model_len,
-            max_logprobs=args.max_logprobs,
-            vocab_size=int(vocab),
             enable_log_requests=args.enable_log_requests,
             kv_cache_tokens=kv_cache_tokens,
             limits=RequestLimits(max_n=getattr(args, "max_n", DEFAULT_MAX_N)),
@@ -80,7 +77,7 @@ class ServerState:
             self.ctx, getattr(args, "lora_modules", None) or (), getattr(args, "lora_root", None)
         )
         self.embedding = OpenAIServingEmbedding(self.ctx)
-        max_num_seqs = int(getattr(args, "max_num_seqs", None) or 64)
+        max_num_seqs = int(getattr(args, "max_num_seqs", None) or EngineArgs.max_num_seqs)
         max_waiting = getattr(args, "max_waiting_requests", None)
         if max_waiting is None:
             max_waiting = default_max_waiting(max_num_seqs)

@@ -168,13 +168,10 @@ class _SamplingRequest(OpenAIBaseModel):
         return self
 
     def _sampling_params(
-        self,
-        max_tokens: int | None,
-        logprobs: int | None,
-        default_max_tokens: int | None,
-        structured_outputs: Any = None,
+        self, max_tokens: int | None, logprobs: int | None, structured_outputs: Any = None
     ) -> SamplingParams:
-        """SamplingParams from the fields the client set (unset ones keep the model's defaults)."""
+        """SamplingParams from the fields the client set (unset ones keep the model's defaults;
+        max_tokens None: the engine's `get_max_tokens` decides)."""
         kwargs: dict[str, Any] = {}
         if structured_outputs is not None:
             kwargs["structured_outputs"] = structured_outputs
@@ -210,7 +207,7 @@ class _SamplingRequest(OpenAIBaseModel):
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
-                max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
@@ -225,6 +222,9 @@ class _SamplingRequest(OpenAIBaseModel):
 
 # ---- completions --------------------------------------------------------------------------
 
+# OpenAI's max_tokens for a completion that does not set it (chat has none: the room left).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
 
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
@@ -233,13 +233,12 @@ class CompletionRequest(_SamplingRequest):
     best_of: Int32 | None = None
     echo: bool = False
     logprobs: Int32 | None = None
-    max_tokens: Int32 | None = 16
+    # None: DEFAULT_COMPLETION_MAX_TOKENS, capped to the context left (`get_max_tokens`)
+    max_tokens: Int32 | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
-    def to_sampling_params(
-        self, default_max_tokens: int | None, max_logprobs: int
-    ) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         """Validated SamplingParams (RequestValidationError -> 400)."""
         if self.suffix is not None:
             raise RequestValidationError("suffix is not supported", "suffix")
@@ -248,12 +247,7 @@ class CompletionRequest(_SamplingRequest):
                 f"best_of={self.best_of} is not supported: only best_of == n ({self.n})",
                 "best_of",
             )
-        _check_logprobs("logprobs", self.logprobs, max_logprobs)
-        _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
-
-        return self._sampling_params(
-            self.max_tokens, self.logprobs, default_max_tokens, constraint_of_request(self)
-        )
+        return self._sampling_params(self.max_tokens, self.logprobs, constraint_of_request(self))
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -339,18 +333,12 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         return self
 
-    def to_sampling_params(
-        self, default_max_tokens: int | None, max_logprobs: int
-    ) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         """Validated SamplingParams (RequestValidationError -> 400)."""
         constraint = constraint_of_chat_request(self)
-        logprobs = None
-        if self.logprobs:
-            logprobs = self.top_logprobs or 0
-            _check_logprobs("top_logprobs", logprobs, max_logprobs)
-        _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._sampling_params(max_tokens, logprobs, default_max_tokens, constraint)
+        return self._sampling_params(max_tokens, logprobs, constraint)
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -517,16 +505,3 @@ class DetokenizeResponse(OpenAIBaseModel):
     """Text of token ids."""
 
     prompt: str
-
-
-def _check_logprobs(name: str, value: int | None, max_logprobs: int) -> None:
-    if value is None:
-        return
-    if value < 0:
-        raise RequestValidationError(f"{name}={value} is invalid: must be >= 0", name)
-    if value > max_logprobs:
-        raise RequestValidationError(
-            f"{name}={value} is over the server's limit: at most {max_logprobs} "
-            "(see --max-logprobs)",
-            name,
-        )

@@ -25,7 +25,6 @@ from xlm.entrypoints.openai.protocol import (
 from xlm.entrypoints.openai.serving_engine import (
     OpenAIError,
     ServingContext,
-    engine_prompt,
     make_usage,
     raise_if_failed,
     sse_stream,
@@ -169,20 +168,24 @@ class OpenAIServingChat:
         prompt_ids = await ctx.run_blocking(self.render, request)
         if not prompt_ids:
             raise OpenAIError("the rendered chat prompt is empty", param="messages")
-        params = ctx.check_request(prompt_ids, request.to_sampling_params(None, ctx.max_logprobs))
         request_id = f"chatcmpl-{request.request_id or random_uuid()}"
-        if ctx.enable_log_requests:
-            logger.info(
-                "Received request %s: %d prompt tokens, %s", request_id, len(prompt_ids), params
-            )
-        generator = ctx.engine.generate(
-            engine_prompt(prompt_ids),
-            params,
+        core_request = ctx.process_inputs(
             request_id,
+            prompt_ids,
+            request.to_sampling_params(),
             priority=request.priority,
             cache_salt=request.cache_salt,
             lora_request=lora,
+            default_max_tokens=ctx.max_model_len,  # chat has no default: the room left
         )
+        if ctx.enable_log_requests:
+            logger.info(
+                "Received request %s: %d prompt tokens, %s",
+                request_id,
+                len(prompt_ids),
+                core_request.sampling_params,
+            )
+        generator = ctx.engine.generate(core_request, None, request_id)
         run = _ChatRun(
             ctx, request, request_id, len(prompt_ids), generator, ctx.response_model(lora)
         )

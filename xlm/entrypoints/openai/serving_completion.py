@@ -9,6 +9,7 @@ from typing import Any
 
 from xlm.engine.exceptions import RequestAbortedError
 from xlm.entrypoints.openai.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
@@ -20,7 +21,6 @@ from xlm.entrypoints.openai.protocol import (
 from xlm.entrypoints.openai.serving_engine import (
     OpenAIError,
     ServingContext,
-    engine_prompt,
     make_usage,
     merge_async_iterators,
     raise_if_failed,
@@ -69,28 +69,31 @@ class OpenAIServingCompletion:
             and isinstance(request.prompt[0], str)
         ):
             texts = list(request.prompt)
-        params_list = []
-        for ids in prompts:
-            params = request.to_sampling_params(None, ctx.max_logprobs)
-            if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
-                params.prompt_logprobs = request.logprobs
-            params_list.append(ctx.check_request(ids, params))
+        params = request.to_sampling_params()
+        if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = request.logprobs
         request_id = f"cmpl-{request.request_id or random_uuid()}"
-        if ctx.enable_log_requests:
-            logger.info(
-                "Received request %s: %d prompt(s), %s", request_id, len(prompts), params_list[0]
-            )
-        generators = [
-            ctx.engine.generate(
-                engine_prompt(ids, text),
-                params,
+        core_requests = [
+            ctx.process_inputs(
                 f"{request_id}-{i}",
+                ids,
+                params,
+                text,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 lora_request=lora,
+                default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
             )
-            for i, (ids, text, params) in enumerate(zip(prompts, texts, params_list))
+            for i, (ids, text) in enumerate(zip(prompts, texts))
         ]
+        if ctx.enable_log_requests:
+            logger.info(
+                "Received request %s: %d prompt(s), %s",
+                request_id,
+                len(prompts),
+                core_requests[0].sampling_params,
+            )
+        generators = [ctx.engine.generate(r, None, r.request_id) for r in core_requests]
         echo_texts = [
             (text if text is not None else tokenizer.decode(ids)) if request.echo else ""
             for ids, text in zip(prompts, texts)

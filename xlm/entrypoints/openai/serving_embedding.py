@@ -13,7 +13,6 @@ from xlm.entrypoints.openai.protocol import random_uuid
 from xlm.entrypoints.openai.serving_engine import (
     OpenAIError,
     ServingContext,
-    engine_prompt,
 )
 from xlm.logger import init_logger
 
@@ -40,18 +39,22 @@ class OpenAIServingEmbedding:
             )
         prompts = await ctx.run_blocking(ctx.tokenize_prompts, request.prompts(), True)
         params = request.to_pooling_params(processor.pooling.defaults)
-        for ids in prompts:
-            processor.check_pooling_request(ids, params)
         request_id = f"embd-{random_uuid()}"
+        core_requests = [
+            ctx.process_inputs(
+                f"{request_id}-{i}",
+                ids,
+                None,
+                pooling_params=params,
+                pooling=True,
+                lora_request=lora,
+            )
+            for i, ids in enumerate(prompts)
+        ]
         if ctx.enable_log_requests:
             logger.info("Received request %s: %d inputs, %s", request_id, len(prompts), params)
         tasks = [
-            asyncio.ensure_future(
-                ctx.engine.encode(
-                    engine_prompt(ids), params, f"{request_id}-{i}", lora_request=lora
-                )
-            )
-            for i, ids in enumerate(prompts)
+            asyncio.ensure_future(ctx.engine.encode(r, None, r.request_id)) for r in core_requests
         ]
         try:
             outputs = await asyncio.gather(*tasks)

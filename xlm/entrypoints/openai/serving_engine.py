@@ -12,6 +12,7 @@ from http import HTTPStatus
 from typing import Any
 
 from xlm.engine.exceptions import EngineDeadError, RequestAbortedError
+from xlm.engine.messages import EngineCoreRequest
 from xlm.entrypoints.openai.limits import RequestLimits, check_request_limits
 from xlm.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -159,8 +160,6 @@ class ServingContext:
     engine: Any
     served_model_names: list[str]
     max_model_len: int
-    max_logprobs: int
-    vocab_size: int
     enable_log_requests: bool = False
     # Tokens the whole KV cache holds (None: unknown); a longer prompt can never run.
     kv_cache_tokens: int | None = None
@@ -207,7 +206,10 @@ class ServingContext:
         return self.model_name if lora is None else lora.lora_name
 
     def tokenize_prompts(self, prompt: Any, add_special_tokens: bool) -> list[list[int]]:
-        """A completion's prompt field as token-id lists (one per prompt)."""
+        """A completion's prompt field as token-id lists (one per prompt).
+
+        Token ids are checked against the model (vocabulary, empty) by `process_inputs`.
+        """
         tokenizer = self.engine.get_tokenizer()
         if isinstance(prompt, str):
             prompts: Sequence[Any] = [prompt]
@@ -225,29 +227,23 @@ class ServingContext:
                 ids = list(tokenizer.encode(item, add_special_tokens=add_special_tokens))
             else:
                 ids = list(item)
-                self.check_token_ids(ids)
-            if not ids:
-                raise OpenAIError("prompt has no tokens", param="prompt")
             result.append(ids)
         return result
 
-    def check_token_ids(self, ids: list[int]) -> None:
-        """400 for token ids outside the vocabulary."""
-        if not ids:
-            raise OpenAIError("prompt must not be an empty list of token ids", param="prompt")
-        for token_id in ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise OpenAIError(
-                    f"prompt token id {token_id} is out of vocabulary: allowed token ids in "
-                    f"[0, {self.vocab_size})",
-                    param="prompt",
-                )
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | None,
+        text: str | None = None,
+        **kwargs: Any,
+    ) -> EngineCoreRequest:
+        """The engine request of one prompt; 400 for a prompt or parameters the model cannot
+        serve.
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """400 for a prompt or parameters the model cannot serve; the parameters to run.
-
-        The rules are the engine's own (`Processor.check_request`, which LLM uses too),
-        checked here before any output is sent, so a streamed request gets its 400 too.
+        The rules are the engine's own (`Processor.process_inputs`, which LLM uses too), run
+        here once, before any output is sent (a streamed request gets its 400 too); AsyncLLM
+        takes the request as it is.
         """
         if self.kv_cache_tokens is not None and len(prompt_ids) > self.kv_cache_tokens:
             raise OpenAIError(
@@ -257,7 +253,8 @@ class ServingContext:
                 param="prompt",
                 code="context_length_exceeded",
             )
-        return self.engine.processor.check_request(prompt_ids, params)
+        prompt = engine_prompt(prompt_ids, text)
+        return self.engine.processor.process_inputs(request_id, prompt, params, **kwargs)
 
 
 def engine_prompt(token_ids: list[int], text: str | None = None) -> dict[str, Any]:

@@ -204,7 +204,7 @@ class OpenAIServingModels:
         """Text of token ids (400 for ids outside the vocabulary)."""
         self.ctx.check_model(request.model)
         if request.tokens:
-            self.ctx.check_token_ids(request.tokens)
+            self.ctx.engine.processor.check_token_ids(request.tokens)
         return DetokenizeResponse(prompt=self.ctx.engine.get_tokenizer().decode(request.tokens))
 
 
