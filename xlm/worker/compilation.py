@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from xlm import envs
+from xlm import envs, platforms
 from xlm.config import XlmConfig
 from xlm.logger import init_logger
+from xlm.ops import cpu_kernels
 from xlm.worker.executable_cache import ExecutableCache
 
 logger = init_logger(__name__)
@@ -130,8 +131,17 @@ def engine_fingerprint(
             config.lora_config,  # adapter slots are parameters of every program
             config.parallel_config,
             mesh,
+            _cpu_kernels_in_use(),
         )
     )
+
+
+def _cpu_kernels_in_use() -> bool | None:
+    """Whether CPU programs call the native kernels (None off CPU): a program traced
+    with them and one traced on their jnp path differ, though their keys do not."""
+    if not platforms.current_platform.is_cpu():
+        return None
+    return cpu_kernels.available()
 
 
 def executable_cache_dir(config: XlmConfig) -> str | None:
