@@ -65,7 +65,7 @@ class StepTimer:
 
         runner.compiler.get = get
         runner._prepare_inputs = self.wrap("host: build inputs", runner._prepare_inputs)
-        mr.fetch = self.wrap("host: fetch tokens", mr.fetch)
+        mr.to_host = self.wrap("host: fetch tokens", mr.to_host)
         runner.execute_model = self.wrap("runner total", runner.execute_model)
 
     def wrap(self, name: str, fn):

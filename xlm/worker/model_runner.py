@@ -27,7 +27,7 @@ from flax import nnx
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from xlm.distributed.mesh import fetch, put_replicated, replicated
+from xlm.distributed.mesh import put_replicated, replicated, to_host
 from xlm.logger import init_logger
 from xlm.lora.adapter import LoRASpec
 from xlm.lora.slots import LoRASlots
@@ -456,7 +456,7 @@ class ModelRunner:
             self._key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS),
             lambda: self._prompt_logprobs_spec(*args[1:]),
         )
-        return fetch(program(*args))
+        return to_host(program(*args))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return the sampled tokens per request."""
@@ -551,7 +551,7 @@ class ModelRunner:
         if step.pooled is not None:
             return self._collect_pooled(step)
         batch = self.input_batch
-        sampled = fetch(step.sampled)
+        sampled = to_host(step.sampled)
         prompt_lps = prompt_logprobs.compute(
             step.prompt_plan, step.hidden, self._run_prompt_logprobs
         )
@@ -621,7 +621,7 @@ class ModelRunner:
 
     def _collect_pooled(self, step: _StepInFlight) -> ModelRunnerOutput:
         """The vectors of the requests whose prompts this step completed."""
-        vectors = np.asarray(fetch(step.pooled))
+        vectors = np.asarray(to_host(step.pooled))
         states = self.input_batch.requests
         pooled: list[Any] = []
         for i, req_id in enumerate(step.req_ids):
