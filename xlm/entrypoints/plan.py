@@ -14,7 +14,7 @@ import jax
 
 from xlm.engine.arg_utils import EngineArgs
 from xlm.platforms.target import compile_target, compiling_for
-from xlm.worker.planner import plan
+from xlm.planning import plan
 
 GB = 1e9
 
