@@ -13,8 +13,8 @@ from typing import Any
 import jax
 
 from xlm.engine.arg_utils import EngineArgs
-from xlm.platforms.target import compile_target, compiling_for
 from xlm.planning import plan
+from xlm.platforms.target import compile_target, compiling_for
 
 GB = 1e9
 
