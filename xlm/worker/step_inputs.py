@@ -180,10 +180,9 @@ def _grammar_rows(
 ) -> dict[int, Any] | None:
     """Structured-output bitmask rows (from the scheduler) by sampler row of this step
     (a constrained request is proposed nothing: one row)."""
-    so = scheduler_output
-    if so is None or not so.structured_output_request_ids:
+    if scheduler_output is None or not scheduler_output.structured_output_request_ids:
         return None
     starts = np.concatenate(([0], np.cumsum(row_counts)[:-1]))
     row_of = {r: int(starts[i]) for i, r in enumerate(req_ids)}
-    ids = so.structured_output_request_ids
-    return {row_of[r]: so.grammar_bitmask[i] for i, r in enumerate(ids)}
+    ids = scheduler_output.structured_output_request_ids
+    return {row_of[r]: scheduler_output.grammar_bitmask[i] for i, r in enumerate(ids)}
