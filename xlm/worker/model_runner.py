@@ -173,14 +173,15 @@ class ModelRunner:
         """Host array -> device(s): replicated over the mesh when there is one."""
         return put_replicated(value, self.device_mesh)
 
-    def _abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    def _replicated_shape(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        """An array's shape, dtype and sharding (replicated), for specs to lower with."""
         sharding = None if self.device_mesh is None else replicated(self.device_mesh)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def _device_zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """Zeros on the device(s), or their shape on a compile target's runner."""
         if self.abstract:
-            return self._abstract(shape, dtype)
+            return self._replicated_shape(shape, dtype)
         return self._put(np.zeros(shape, dtype))
 
     def _key(self, kind: ProgramKind, size: int) -> ProgramKey:
@@ -351,8 +352,8 @@ class ModelRunner:
         for bucket in self.buckets.token_buckets:
             arrays = self._prepare_inputs([], [], bucket).arrays
             packed, layout = pack(arrays)
-            packed = self._abstract(packed.shape, packed.dtype)
-            prev_sampled = self._abstract((self._max_rows,), jnp.int32)
+            packed = self._replicated_shape(packed.shape, packed.dtype)
+            prev_sampled = self._replicated_shape((self._max_rows,), jnp.int32)
             model_spec = self.programs.model_spec(self.state, packed, prev_sampled, layout)
             specs[self._key(ProgramKind.MODEL, bucket)] = model_spec
             specs.update(self._bucket_specs(bucket, arrays, model_spec))
@@ -367,8 +368,8 @@ class ModelRunner:
         for rows in self.buckets.sampler_buckets_for_tokens(bucket):
             sampling = self.input_batch.sampling_metadata(np.zeros(0, np.intp), rows, 0)
             packed, layout = pack(sampling)
-            packed = self._abstract(packed.shape, packed.dtype)
-            logits = self._abstract((rows, self.vocab_size), jnp.float32)
+            packed = self._replicated_shape(packed.shape, packed.dtype)
+            logits = self._replicated_shape((rows, self.vocab_size), jnp.float32)
             specs[self._key(ProgramKind.SAMPLER, rows)] = self.programs.sampler_spec(
                 logits, packed, layout
             )
@@ -377,8 +378,8 @@ class ModelRunner:
     def _other_specs(self) -> dict[ProgramKey, ProgramSpec]:
         """The prompt-logprobs program."""
         dtype = jax.tree_util.tree_leaves(self.state)[0].dtype
-        hidden = self._abstract((PROMPT_LOGPROB_ROWS, self.hidden_size), dtype)
-        ids = self._abstract((PROMPT_LOGPROB_ROWS,), jnp.int32)
+        hidden = self._replicated_shape((PROMPT_LOGPROB_ROWS, self.hidden_size), dtype)
+        ids = self._replicated_shape((PROMPT_LOGPROB_ROWS,), jnp.int32)
         key = self._key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS)
         return {key: self.programs.prompt_logprobs_spec(self.state, hidden, ids)}
 

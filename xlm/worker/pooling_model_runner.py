@@ -71,8 +71,10 @@ class PoolingModelRunner(ModelRunner):
         rows = self._pooling_rows([], arrays["attn"].query_start_loc)
         packed, layout = pack(rows)
         hidden = self.programs.hidden_of(model_spec)
-        hidden = self._abstract(hidden.shape, hidden.dtype)
-        spec = self.programs.pooler_spec(hidden, self._abstract(packed.shape, packed.dtype), layout)
+        hidden = self._replicated_shape(hidden.shape, hidden.dtype)
+        spec = self.programs.pooler_spec(
+            hidden, self._replicated_shape(packed.shape, packed.dtype), layout
+        )
         return {self._key(ProgramKind.POOLER, bucket): spec}
 
     def _other_specs(self) -> dict[ProgramKey, ProgramSpec]:
