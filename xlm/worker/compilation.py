@@ -432,16 +432,17 @@ class BucketReadiness:
     start-up mode (``startup_programs``) that decides when the others are made ready."""
 
     def __init__(
-        self,
-        store: ProgramStore,
-        buckets: Buckets,
-        bucket_keys: Callable[[int], list[ProgramKey]],
+        self, store: ProgramStore, buckets: Buckets, keys: dict[int, list[ProgramKey]]
     ) -> None:
         self.store = store
         self.buckets = buckets
-        # The programs a step of a token bucket runs (model and sampler, or pooler).
-        self.bucket_keys = bucket_keys
+        # The programs a step of each token bucket runs (model and sampler, or pooler): a
+        # table, not the runner's method, so this holds no reference back to the runner.
+        self.keys = keys
         self.startup_programs = "all"
+
+    def bucket_keys(self, bucket: int) -> list[ProgramKey]:
+        return self.keys[bucket]
 
     def ready_bucket(self, num_tokens: int) -> int:
         """The token bucket a step of `num_tokens` runs in: its own when its programs are

@@ -126,7 +126,8 @@ class ModelRunner:
                 engine_fingerprint(config, num_blocks, kv_dtype, self.mesh),
             )
         )
-        self.readiness = BucketReadiness(self.program_store, self.buckets, self._bucket_keys)
+        keys = {b: self._bucket_keys(b) for b in self.buckets.token_buckets}
+        self.readiness = BucketReadiness(self.program_store, self.buckets, keys)
 
     @property
     def proposer(self) -> Proposer | None:
