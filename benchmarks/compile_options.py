@@ -47,7 +47,7 @@ def worker(model: str) -> None:
         compile_s = time.perf_counter() - start
         row = {"program": f"{key.kind.value}[{key.size}]", "compile_s": round(compile_s, 2)}
         if key.kind == ProgramKind.MODEL:
-            inputs, _, _, _ = runner._prepare_inputs([], [], key.size)
+            inputs = runner._prepare_inputs([], [], key.size).arrays
             packed, _ = pack(inputs)
             args = [runner.state, runner.kv_caches, runner._put(packed), runner._prev_sampled]
             times = []

@@ -55,7 +55,7 @@ class StepTimer:
 
         from xlm.worker import model_runner as mr
 
-        compiler_get = runner.compiler.get
+        compiler_get = runner.program_store.get
 
         def get(key, spec, static=None):
             program = compiler_get(key, spec, static)
@@ -63,9 +63,9 @@ class StepTimer:
                 f"{key.kind.value} program", lambda *a: jax.block_until_ready(program(*a))
             )
 
-        runner.compiler.get = get
+        runner.program_store.get = get
         runner._prepare_inputs = self.wrap("host: build inputs", runner._prepare_inputs)
-        mr.fetch = self.wrap("host: fetch tokens", mr.fetch)
+        mr.to_host = self.wrap("host: fetch tokens", mr.to_host)
         runner.execute_model = self.wrap("runner total", runner.execute_model)
 
     def wrap(self, name: str, fn):

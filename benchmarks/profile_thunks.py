@@ -84,7 +84,7 @@ def main() -> None:
     rows = runner.buckets.sampler_bucket(runner.buckets.logit_rows_for_tokens(bucket))
     names: dict[str, tuple[str, str, str]] = {}
     for kind, size in ((ProgramKind.SAMPLER, rows), (ProgramKind.MODEL, bucket)):
-        _, program = runner.compiler._programs[runner._key(kind, size)]
+        _, program = runner.program_store._programs[runner._key(kind, size)]
         names.update(hlo_instructions(program.as_text()))
 
     trace_dir = tempfile.mkdtemp(prefix="xlm-thunks-")

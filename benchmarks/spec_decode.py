@@ -305,7 +305,7 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     # step; 2-8 = one request verifying 1-7 proposals) and a draft round's seconds.
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     if spec:
-        result["policy_step_s"] = dict(sorted(runner.spec_policy.step_s.items()))
+        result["policy_step_s"] = dict(sorted(runner.speculator.policy.step_s.items()))
         result["draft_round_s"] = dict(sorted(getattr(runner.proposer, "_round_s", {}).items()))
     texts = passages()
     batch_prompts = [texts[i % len(texts)][: 80 + 40 * (i % 8)] for i in range(args.batch)]

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "xlm"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("xlm.entrypoints", "xlm.ray"),
     ("xlm.engine",),
-    ("xlm.executor",),
+    ("xlm.executor", "xlm.planning"),
     ("xlm.worker", "xlm.tokenizer"),
     (
         "xlm.models",

@@ -111,7 +111,7 @@ def wide_checkpoint(tmp_path_factory):
 # Plain q/k/v and gate/up (Llama) and checkpoint-fused ones (Phi-3), in 2 to 4 groups.
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
 def test_int4_equals_quantized_reference(arch, wide_checkpoint):
-    from xlm.worker.planner import weight_elements_per_device
+    from xlm.planning import weight_elements_per_device
 
     llm = check_against_reference(wide_checkpoint(arch), "int4")
     # The planner's flops count every weight: a packed byte is two of the checkpoint's.

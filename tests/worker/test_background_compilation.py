@@ -10,7 +10,7 @@ import pytest
 
 import xlm
 from xlm import SamplingParams, disk_cache
-from xlm.worker.compilation import Compiler
+from xlm.worker.compilation import ProgramStore
 
 # Default token buckets up to 64 (1, 2, 4, 8, 16, 24, 32, 48, 64): every step size has its
 # own bucket.
@@ -57,7 +57,7 @@ def compiled_all(model, tmp_path_factory, monkeypatch_module):
     directory = tmp_path_factory.mktemp("ref")
     monkeypatch_module.setenv("XLM_COMPILATION_CACHE_DIR", str(directory))
     llm = xlm.LLM(model=model, startup_programs="all", **ENGINE)
-    compiler = _runner(llm).compiler
+    compiler = _runner(llm).program_store
     assert compiler.all_ready and compiler.num_compiled == compiler.num_registered
     return _run(llm), directory
 
@@ -83,21 +83,21 @@ def test_first_use_pads_to_ready_buckets_and_equals_compile_all(
     monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "programs"))
     llm = xlm.LLM(model=model, **ENGINE)
     runner = _runner(llm)
-    compiler = runner.compiler
+    compiler = runner.program_store
     assert llm.llm_engine.num_compilations == 0  # nothing compiled before the first step
     total = compiler.num_registered
     # No background thread during the first generate: only programs steps asked for exist,
     # and steps whose own bucket is missing run in a larger ready one.
-    monkeypatch.setattr(Compiler, "start_background", lambda self, order: None)
+    monkeypatch.setattr(ProgramStore, "start_background", lambda self, order: None)
     buckets: list[tuple[int, int]] = []
-    choose = runner._ready_bucket
+    choose = runner.readiness.ready_bucket
 
     def spy(num_tokens: int) -> int:
         bucket = choose(num_tokens)
         buckets.append((runner.buckets.token_bucket(num_tokens), bucket))
         return bucket
 
-    monkeypatch.setattr(runner, "_ready_bucket", spy)
+    monkeypatch.setattr(runner.readiness, "ready_bucket", spy)
     assert _run(llm) == reference
     assert 0 < compiler.num_compiled < total, "first use compiles only what steps asked for"
     assert any(chosen > exact for exact, chosen in buckets), "no step ran in a larger bucket"
@@ -105,7 +105,7 @@ def test_first_use_pads_to_ready_buckets_and_equals_compile_all(
 
     # The background thread makes the rest ready; then no step compiles again.
     monkeypatch.undo()
-    compiler.start_background(runner._background_order())
+    compiler.start_background(runner.readiness.background_order())
     assert llm.wait_for_programs(timeout=300)
     assert compiler.num_ready == total
     compiled = llm.llm_engine.num_compilations
@@ -116,7 +116,7 @@ def test_first_use_pads_to_ready_buckets_and_equals_compile_all(
 def test_largest_first_serves_while_background_compiles(model, reference, tmp_path, monkeypatch):
     monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "programs"))
     llm = xlm.LLM(model=model, startup_programs="largest", **ENGINE)
-    compiler = _runner(llm).compiler
+    compiler = _runner(llm).program_store
     # Ready at start: the largest bucket's model and sampler programs (or more, once the
     # background thread got going), never all of them.
     assert 2 <= compiler.num_ready < compiler.num_registered
@@ -145,7 +145,7 @@ def test_damaged_saved_programs_are_recompiled_with_a_warning(
             assert llm.wait_for_programs(timeout=300)
     finally:
         xlm_logger.removeHandler(caplog.handler)
-    compiler = _runner(llm).compiler
+    compiler = _runner(llm).program_store
     assert len(list(saved_by_reference.iterdir())) == compiler.num_registered
     assert compiler.num_compiled == compiler.num_registered and compiler.num_loaded == 0
     assert "unreadable cached program" in caplog.text

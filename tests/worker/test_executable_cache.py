@@ -65,3 +65,17 @@ def test_other_versions_evicted_beyond_cap(tmp_path):
     cache.store(key, compiled)
     ExecutableCache(str(tmp_path), "engine", max_bytes=10)  # the current version stays
     assert os.listdir(tmp_path) == [os.path.basename(cache.path(key))]
+
+
+def test_engine_fingerprint_follows_cpu_kernel_availability(monkeypatch, tiny_checkpoint):
+    """A program traced on the CPU kernels' jnp path is not loaded where the kernels are
+    available (nor the other way round): the two run different code."""
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.ops import cpu_kernels
+    from xlm.worker.compilation import engine_fingerprint
+
+    config = EngineArgs(model=tiny_checkpoint("llama")).create_config()
+    monkeypatch.setattr(cpu_kernels, "available", lambda: True)
+    with_kernels = engine_fingerprint(config, 16, jnp.float32)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert engine_fingerprint(config, 16, jnp.float32) != with_kernels

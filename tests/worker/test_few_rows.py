@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlm.worker.buckets import FEW_ROWS, Buckets
-from xlm.worker.model_runner import LOGIT_ROW_TIERS, _logits
+from xlm.worker.buckets import FEW_ROWS, LOGIT_ROW_TIERS, Buckets
+from xlm.worker.programs import lm_head_logits
 
 
 class Head:
@@ -33,7 +33,7 @@ def test_real_rows_equal_the_full_head(total, real):
     rng = np.random.default_rng(total + real)
     w = jnp.asarray(rng.standard_normal((16, 40)), jnp.float32)
     h = jnp.asarray(rng.standard_normal((total, 16)), jnp.float32)
-    got = np.asarray(jax.jit(lambda h, n: _logits(Head(w), h, n))(h, jnp.int32(real)))
+    got = np.asarray(jax.jit(lambda h, n: lm_head_logits(Head(w), h, n))(h, jnp.int32(real)))
     want = np.asarray(h @ w)
     assert got.shape == want.shape
     rows = _tier(total, real)

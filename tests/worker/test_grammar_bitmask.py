@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from tests.sampling_batch import build_sampling_metadata
 from xlm.sampling_params import SamplingParams
 from xlm.worker.sampler import SamplerConfig, sample_jit
-from xlm.worker.sampling_rows import build_sampling_metadata
 
 V, R, L = 100, 4, 16
 

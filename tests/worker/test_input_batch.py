@@ -5,11 +5,11 @@ import dataclasses
 
 import numpy as np
 
+from tests.sampling_batch import build_sampling_metadata
 from xlm.sampling_params import SamplingParams
 from xlm.worker.buckets import Buckets, default_token_buckets
 from xlm.worker.compilation import ProgramKey, ProgramKind
 from xlm.worker.input_batch import CachedRequestState, InputBatch
-from xlm.worker.sampling_rows import build_sampling_metadata
 
 V, L = 40, 24
 

@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.sampling_batch import build_sampling_metadata
 from xlm.sampling_params import SamplingParams
 from xlm.worker.sampler import (
     SamplerConfig,
@@ -11,7 +12,6 @@ from xlm.worker.sampler import (
     process_logits,
     sample_jit,
 )
-from xlm.worker.sampling_rows import build_sampling_metadata
 
 V = 16
 L = 32

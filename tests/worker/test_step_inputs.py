@@ -25,9 +25,8 @@ def test_prefill_decode_and_in_flight_token_match_a_per_token_loop():
     req_ids = list(reqs)
     counts = [reqs[r][3] for r in req_ids]
     buckets = Buckets((4, 16), (1, 4), max_num_seqs=4)
-    inputs, sampling, samples, _ = prepare_inputs(
-        batch, buckets, BS, {"c": 2}, 0, req_ids, counts, 16
-    )
+    step = prepare_inputs(batch, buckets, BS, {"c": 2}, 0, req_ids, counts, 16)
+    inputs, sampling = step.arrays, step.sampling
     want_ids, want_pos, want_slot, want_src = [], [], [], []
     for prompt, blocks, computed, n in reqs.values():
         for p in range(computed, computed + n):
@@ -47,7 +46,8 @@ def test_prefill_decode_and_in_flight_token_match_a_per_token_loop():
     assert inputs["num_logit_rows"].tolist() == [3]  # the real rows, first in the indices
     np.testing.assert_array_equal(attn.block_tables[:3, :2], [[5, 6], [2, 0], [3, 1]])
     assert int(attn.num_seqs[0]) == 3
-    assert samples.tolist() == [True, True, True]
+    assert step.has_output.tolist() == [True, True, True]
+    assert (step.shape.sampler_rows, step.shape.few_rows) == (4, False)
     # "c" counts its in-flight token among its outputs; the others have none yet.
     assert np.asarray(sampling.output_lens)[:3].tolist() == [0, 0, 1]
 
@@ -56,7 +56,8 @@ def test_chunked_prefill_does_not_sample():
     batch = InputBatch(2, L, 4, V)
     batch.add(CachedRequestState("a", list(range(1, 10)), SamplingParams()), [1, 2, 3], 0)
     buckets = Buckets((4, 16), (1, 4), max_num_seqs=2)
-    inputs, _, samples, _ = prepare_inputs(batch, buckets, BS, {}, 0, ["a"], [4], 4)
-    assert samples.tolist() == [False]
+    step = prepare_inputs(batch, buckets, BS, {}, 0, ["a"], [4], 4)
+    inputs = step.arrays
+    assert step.has_output.tolist() == [False]
     np.testing.assert_array_equal(inputs["attn"].slot_mapping, [4, 5, 6, 7])
     np.testing.assert_array_equal(inputs["prev_src"], [-1] * 4)

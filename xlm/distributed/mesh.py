@@ -89,7 +89,7 @@ def put_replicated(value: np.ndarray, mesh: Mesh | None) -> jax.Array:
     return jax.make_array_from_callback(value.shape, replicated(mesh), lambda index: value[index])
 
 
-def fetch(tree: Any) -> Any:
+def to_host(tree: Any) -> Any:
     """Host copies of (replicated) device arrays; reads only this process's devices."""
 
     def one(x: Any) -> Any:

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 
 from xlm.engine.arg_utils import EngineArgs
+from xlm.planning import plan
 from xlm.platforms.target import compile_target, compiling_for
-from xlm.worker.planner import plan
 
 GB = 1e9
 

@@ -21,6 +21,7 @@ they all write the same slots in the same order (``remove`` runs on the leader o
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from xlm.config import LoRAConfig
+from xlm.core.outputs import SchedulerOutput
 from xlm.distributed.mesh import put_replicated
 from xlm.distributed.tensor_parallel import to_physical
 from xlm.logger import init_logger
@@ -134,6 +136,21 @@ class LoRASlots:
             del self.live[lora_id]
             if lora_id in self._removed:
                 self._forget(lora_id)
+
+    def track(
+        self,
+        scheduler_output: SchedulerOutput,
+        adapter_of: Callable[[str], LoRARequest | None],
+    ) -> None:
+        """Count each adapter's live requests from a step's new and finished ones (one in
+        use is never dropped); `adapter_of`: a known request's adapter."""
+        for req_id in scheduler_output.finished_req_ids:
+            lora = adapter_of(req_id)
+            if lora is not None:
+                self.release(lora.lora_int_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self.acquire(new.lora_request)
 
     # ---- device slots -----------------------------------------------------------------
     def slots_for(self, loras: list[LoRARequest | None]) -> np.ndarray:

@@ -6,7 +6,7 @@ built for.
 (libtpu installed, no TPU needed) gives a slice's devices; programs lowered over a mesh
 of them compile with the real TPU compiler (Mosaic included) and report their per-chip
 memory and cost. Nothing is allocated: weights and KV caches are sharded
-ShapeDtypeStructs. `xlm plan` (xlm.worker.planner) is the user of this module.
+ShapeDtypeStructs. `xlm plan` (xlm.planning) is the user of this module.
 """
 
 from __future__ import annotations

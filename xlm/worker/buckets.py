@@ -19,6 +19,11 @@ from xlm.config import XlmConfig
 # sampler of that bucket takes them (docs/engine.md, "Buckets and compile time").
 FEW_ROWS = 8
 
+# The LM head's few-rows tiers: a step whose real logit rows fit one (a prompt's prefill: 1;
+# a few decodes in a large bucket: FEW_ROWS) computes that many rows and zeros for the rest
+# (xlm.worker.programs.lm_head_logits).
+LOGIT_ROW_TIERS = (1, FEW_ROWS)
+
 # From this many tokens up, the buckets step by 1.5x as well as 2x (16, 24, 32, 48, 64, ...):
 # a prompt's prefill pads by at most a third instead of a half (docs/engine.md, "Buckets
 # and compile time"); below it a step is a few decodes, whose time hardly depends on T.
@@ -36,6 +41,16 @@ def default_token_buckets(max_num_batched_tokens: int) -> list[int]:
         b *= 2
     buckets.append(max_num_batched_tokens)
     return buckets
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The padded sizes of one step, chosen once (by step_inputs) and read by the runner."""
+
+    num_tokens: int  # the token bucket
+    logit_rows: int  # logit rows the model program gathers
+    sampler_rows: int  # the sampler bucket it runs: the logit rows' or the few-rows one
+    few_rows: bool  # whether that is the few-rows bucket (its logits output apart)
 
 
 @dataclass(frozen=True)
@@ -108,3 +123,10 @@ class Buckets:
         """The sampler bucket a step runs: its logit rows', or the few-rows one."""
         few = self.few_rows_bucket(logit_rows)
         return few if few is not None and real_rows <= few else self.sampler_bucket(logit_rows)
+
+    def step_shape(self, num_tokens_padded: int, real_rows: int) -> StepShape:
+        """The shape of a step of this token bucket with `real_rows` real logit rows."""
+        logit_rows = self.logit_rows_for_tokens(num_tokens_padded)
+        rows = self.sampler_rows(logit_rows, real_rows)
+        few = rows < self.sampler_bucket(logit_rows)
+        return StepShape(num_tokens_padded, logit_rows, rows, few)

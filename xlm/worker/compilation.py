@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from xlm import envs
+from xlm import envs, platforms
 from xlm.config import XlmConfig
 from xlm.logger import init_logger
+from xlm.ops import cpu_kernels
+from xlm.worker.buckets import Buckets
 from xlm.worker.executable_cache import ExecutableCache
 
 logger = init_logger(__name__)
@@ -130,8 +132,17 @@ def engine_fingerprint(
             config.lora_config,  # adapter slots are parameters of every program
             config.parallel_config,
             mesh,
+            _cpu_kernels_in_use(),
         )
     )
+
+
+def _cpu_kernels_in_use() -> bool | None:
+    """Whether CPU programs call the native kernels (None off CPU): a program traced
+    with them and one traced on their jnp path differ, though their keys do not."""
+    if not platforms.current_platform.is_cpu():
+        return None
+    return cpu_kernels.available()
 
 
 def executable_cache_dir(config: XlmConfig) -> str | None:
@@ -158,7 +169,7 @@ def _shutdown_at_exit(ref: weakref.ref) -> None:
         compiler.shutdown()
 
 
-class Compiler:
+class ProgramStore:
     """Compiled programs by key, made ready at start-up, in the background, or on first use.
 
     The engine registers every program it may run (``register``), then makes ready the
@@ -414,3 +425,65 @@ class Compiler:
             f"{self.num_ready} of {self.num_registered} ready: {self.num_compiled} compiled, "
             f"{self.num_loaded} loaded"
         )
+
+
+class BucketReadiness:
+    """Which token bucket a step runs in, from which of the programs are ready, and the
+    start-up mode (``startup_programs``) that decides when the others are made ready."""
+
+    def __init__(
+        self, store: ProgramStore, buckets: Buckets, keys: dict[int, list[ProgramKey]]
+    ) -> None:
+        self.store = store
+        self.buckets = buckets
+        # The programs a step of each token bucket runs (model and sampler, or pooler): a
+        # table, not the runner's method, so this holds no reference back to the runner.
+        self.keys = keys
+        self.startup_programs = "all"
+
+    def bucket_keys(self, bucket: int) -> list[ProgramKey]:
+        return self.keys[bucket]
+
+    def ready_bucket(self, num_tokens: int) -> int:
+        """The token bucket a step of `num_tokens` runs in: its own when its programs are
+        ready, else the next larger ready one (more padding, the same tokens out) while
+        its own moves to the front of the background queue; when none larger is ready,
+        its own is made ready now (the first step of `startup_programs="first-use"`)."""
+        exact = self.buckets.token_bucket(num_tokens)
+        store = self.store
+        if store.all_ready:
+            return exact
+        ready = [
+            b
+            for b in self.buckets.token_buckets
+            if b >= exact and all(store.is_ready(k) for k in self.bucket_keys(b))
+        ]
+        if ready and ready[0] != exact:
+            store.prefer(self.bucket_keys(exact))
+        # The chosen bucket's programs at once: saved ones load in parallel, the others
+        # compile (only when no bucket was ready); in memory already, nothing to do.
+        store.require(self.bucket_keys(ready[0] if ready else exact))
+        if self.startup_programs != "used":  # after the first step's programs (once)
+            store.start_background(self.background_order())
+        return ready[0] if ready else exact
+
+    def background_order(self) -> list[ProgramKey]:
+        """Smallest token bucket first, each with its sampler (or pooler): every model
+        program compiles in about the same time, and a missing small bucket costs the
+        most (a decode step padded from 1 token to 2048 runs ~70x longer on CPU:
+        docs/engine.md, "Start-up"); the store then takes the rest (prompt logprobs)."""
+        return [k for b in self.buckets.token_buckets for k in self.bucket_keys(b)]
+
+    def warmup(self, specs: dict[ProgramKey, ProgramSpec], startup_programs: str) -> None:
+        """Make programs ready before serving: every one ("all"), the largest token
+        bucket's with the rest compiled in the background ("largest"), or none until the
+        first step, whose bucket is compiled then and the rest in the background
+        ("first-use") or each when a step first needs it ("used")."""
+        self.startup_programs = startup_programs
+        if startup_programs == "all":
+            self.store.warmup(specs)
+            return
+        self.store.register(specs)
+        if startup_programs == "largest":
+            self.store.require(self.bucket_keys(self.buckets.token_buckets[-1]))
+            self.store.start_background(self.background_order())

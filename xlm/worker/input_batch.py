@@ -71,13 +71,13 @@ class InputBatch:
         return self.max_num_reqs - len(self._free_slots)
 
     # ---- updates from the scheduler -----------------------------------------------------
-    def update(self, so: SchedulerOutput) -> None:
+    def update(self, scheduler_output: SchedulerOutput) -> None:
         """Apply a step's SchedulerOutput: finished, preempted, new and cached requests."""
-        for req_id in so.finished_req_ids:
+        for req_id in scheduler_output.finished_req_ids:
             self.release(req_id, forget=True)
-        for req_id in so.preempted_req_ids:
+        for req_id in scheduler_output.preempted_req_ids:
             self.release(req_id, forget=False)
-        for new in so.scheduled_new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(
                 new.req_id,
                 list(new.prompt_token_ids),
@@ -87,7 +87,7 @@ class InputBatch:
                 lora_request=new.lora_request,
             )
             self.add(state, new.block_ids, new.num_computed_tokens)
-        cached = so.scheduled_cached_reqs
+        cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             if cached.resumed_from_preemption[i]:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from xlm.core.outputs import LogprobsLists
-from xlm.distributed.mesh import fetch
+from xlm.distributed.mesh import to_host
 from xlm.worker.input_batch import InputBatch
 
 # Prompt positions scored per call of the prompt-logprobs program (one compiled shape).
@@ -69,7 +69,7 @@ def compute(
     if not work.rows:
         return None
     chunk = PROMPT_LOGPROB_ROWS
-    hidden_rows = fetch(hidden)[work.rows]
+    hidden_rows = to_host(hidden)[work.rows]
     targets = work.targets
     results = []
     for i in range(0, len(work.rows), chunk):

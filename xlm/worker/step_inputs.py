@@ -13,14 +13,26 @@ follow requests' token spans rather than one per request.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from xlm.core.outputs import SchedulerOutput
 from xlm.ops.paged_attention import AttentionMetadata
-from xlm.worker.buckets import Buckets
+from xlm.worker.buckets import Buckets, StepShape
 from xlm.worker.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    """One step's padded host arrays and what the runner needs to read its results."""
+
+    arrays: dict[str, Any]  # the model program's inputs
+    sampling: Any  # the sampler's rows (SamplingMetadata)
+    has_output: np.ndarray  # per request: whether this step makes its token (or vector)
+    row_counts: np.ndarray  # logit rows per request, in order (several when verifying)
+    shape: StepShape
 
 
 def prepare_inputs(
@@ -28,19 +40,18 @@ def prepare_inputs(
     buckets: Buckets,
     block_size: int,
     prev_rows: dict[str, int],
-    step_count: int,
+    sampling_key: int,
     req_ids: list[str],
     num_scheduled: list[int],
     num_tokens_padded: int,
-    so: SchedulerOutput | None = None,
+    scheduler_output: SchedulerOutput | None = None,
     spec_lens: np.ndarray | None = None,
     lora_slots: np.ndarray | None = None,
-) -> tuple[dict[str, Any], Any, np.ndarray, np.ndarray]:
-    """Build the padded ragged batch; returns the arrays, the sampling rows, which
-    requests sample this step and how many logit rows each has (in order).
+) -> StepInputs:
+    """Build the padded ragged batch of a step.
 
     ``prev_rows`` maps each request that sampled in the step in flight to its sampler
-    row there; ``step_count`` seeds unseeded requests' random keys. ``lora_slots``
+    row there; ``sampling_key`` seeds unseeded requests' random keys. ``lora_slots``
     (LoRA on): each request's adapter slot (0: none), spread over its tokens.
     """
     num_reqs = len(req_ids)
@@ -72,33 +83,13 @@ def prepare_inputs(
     attn = _attention_metadata(
         batch, block_size, slots, token_slots, positions, total, cu, seq_lens, num_reqs
     )
-    # A request samples when this step computes its last known token.
-    samples = seq_lens[:num_reqs] >= batch.num_tokens[slots]
+    # A request has its output when this step computes its last known token.
+    has_output = seq_lens[:num_reqs] >= batch.num_tokens[slots]
     logits_indices = np.zeros(buckets.logit_rows_for_tokens(num_tokens_padded), np.int32)
-    ends = cu[1 : num_reqs + 1] - 1
-    if spec_lens is None or not spec_lens.any():
-        row_counts = np.ones(num_reqs, np.int32)
-        row_slots, drafts = slots, None
-        logits_indices[:num_reqs] = ends
-    else:
-        # Rows of request r: its last spec_lens[r] + 1 tokens' logits; row j verifies
-        # the proposal at position num_tokens + j (none on the last row).
-        row_counts = (spec_lens + 1).astype(np.int32)
-        num_rows = int(row_counts.sum())
-        row_req = np.repeat(np.arange(num_reqs), row_counts)
-        row_start = np.zeros(num_reqs, np.int32)
-        np.cumsum(row_counts[:-1], out=row_start[1:])
-        offsets = np.arange(num_rows, dtype=np.int32) - row_start[row_req]
-        logits_indices[:num_rows] = ends[row_req] - spec_lens[row_req] + offsets
-        row_slots = slots[row_req]
-        next_pos = np.minimum(batch.num_tokens[row_slots] + offsets, batch.max_model_len - 1)
-        draft_ids = np.where(
-            offsets < spec_lens[row_req], batch.token_ids[row_slots, next_pos], -1
-        ).astype(np.int32)
-        drafts = (draft_ids, offsets)
-    rows = buckets.sampler_rows(len(logits_indices), int(row_counts.sum()))
-    grammar = _grammar_rows(req_ids, so, row_counts)
-    sampling = batch.sampling_metadata(row_slots, rows, step_count, grammar, drafts)
+    row_counts, row_slots, drafts = _logit_rows(batch, slots, cu, spec_lens, logits_indices)
+    shape = buckets.step_shape(num_tokens_padded, int(row_counts.sum()))
+    grammar = _grammar_rows(req_ids, scheduler_output, row_counts)
+    sampling = batch.sampling_metadata(row_slots, shape.sampler_rows, sampling_key, grammar, drafts)
     if unknown.size:
         # Those requests' sampling counts the token in flight too (a seeded row's
         # random key folds in its output length; async scheduling has no proposals, so
@@ -110,14 +101,45 @@ def prepare_inputs(
         "attn": attn,
         "logits_indices": logits_indices,
         # Real rows of logits_indices (they come first): the program skips the LM head
-        # for the padding when there are few (model_runner._logits).
+        # for the padding when there are few (programs.lm_head_logits).
         "num_logit_rows": np.array([int(row_counts.sum())], np.int32),
     }
     if lora_slots is not None:
         token_lora = np.zeros(num_tokens_padded, dtype=np.int32)  # padding: no adapter
         token_lora[:total] = lora_slots[req_of_token]
         inputs["lora_slots"] = token_lora
-    return inputs, sampling, samples, row_counts
+    return StepInputs(inputs, sampling, has_output, row_counts, shape)
+
+
+def _logit_rows(
+    batch: InputBatch,
+    slots: np.ndarray,
+    cu: np.ndarray,
+    spec_lens: np.ndarray | None,
+    logits_indices: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """Fill `logits_indices` with each request's logit rows; returns the rows per request,
+    each row's batch slot and, when verifying proposals, each row's draft token and offset."""
+    num_reqs = len(slots)
+    ends = cu[1 : num_reqs + 1] - 1
+    if spec_lens is None or not spec_lens.any():
+        logits_indices[:num_reqs] = ends
+        return np.ones(num_reqs, np.int32), slots, None
+    # Rows of request r: its last spec_lens[r] + 1 tokens' logits; row j verifies the
+    # proposal at position num_tokens + j (none on the last row).
+    row_counts = (spec_lens + 1).astype(np.int32)
+    num_rows = int(row_counts.sum())
+    row_req = np.repeat(np.arange(num_reqs), row_counts)
+    row_start = np.zeros(num_reqs, np.int32)
+    np.cumsum(row_counts[:-1], out=row_start[1:])
+    offsets = np.arange(num_rows, dtype=np.int32) - row_start[row_req]
+    logits_indices[:num_rows] = ends[row_req] - spec_lens[row_req] + offsets
+    row_slots = slots[row_req]
+    next_pos = np.minimum(batch.num_tokens[row_slots] + offsets, batch.max_model_len - 1)
+    draft_ids = np.where(
+        offsets < spec_lens[row_req], batch.token_ids[row_slots, next_pos], -1
+    ).astype(np.int32)
+    return row_counts, row_slots, (draft_ids, offsets)
 
 
 def _attention_metadata(
@@ -154,13 +176,13 @@ def _attention_metadata(
 
 
 def _grammar_rows(
-    req_ids: list[str], so: SchedulerOutput | None, row_counts: np.ndarray
+    req_ids: list[str], scheduler_output: SchedulerOutput | None, row_counts: np.ndarray
 ) -> dict[int, Any] | None:
     """Structured-output bitmask rows (from the scheduler) by sampler row of this step
     (a constrained request is proposed nothing: one row)."""
-    if so is None or not so.structured_output_request_ids:
+    if scheduler_output is None or not scheduler_output.structured_output_request_ids:
         return None
     starts = np.concatenate(([0], np.cumsum(row_counts)[:-1]))
     row_of = {r: int(starts[i]) for i, r in enumerate(req_ids)}
-    ids = so.structured_output_request_ids
-    return {row_of[r]: so.grammar_bitmask[i] for i, r in enumerate(ids)}
+    ids = scheduler_output.structured_output_request_ids
+    return {row_of[r]: scheduler_output.grammar_bitmask[i] for i, r in enumerate(ids)}

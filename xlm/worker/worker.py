@@ -22,6 +22,7 @@ from xlm.models.loader import get_model, resolve_dtype
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
 from xlm.platforms.target import CompileTarget, compile_target
 from xlm.worker.model_runner import ModelRunner
+from xlm.worker.pooling_model_runner import PoolingModelRunner
 from xlm.worker.spec_decode import DraftModelProposer
 
 logger = init_logger(__name__)
@@ -130,8 +131,9 @@ class Worker:
         self.num_blocks = self._determine_num_blocks()
         config.cache_config.num_blocks = self.num_blocks
         config.cache_config.sliding_window = shared_sliding_window(self.model)
+        runner_cls = PoolingModelRunner if config.model_config.is_pooling else ModelRunner
         with startup.phase("KV cache"):
-            self.model_runner = ModelRunner(
+            self.model_runner = runner_cls(
                 config,
                 self.model,
                 self.num_blocks,

@@ -164,7 +164,7 @@ def decode_keys(worker: Worker, batch: int) -> list[ProgramKey]:
     runner = worker.model_runner
     tokens = runner.buckets.token_bucket(batch)
     keys = [runner._key(ProgramKind.MODEL, tokens)]
-    if runner.pooling:
+    if runner.config.model_config.is_pooling:
         keys.append(runner._key(ProgramKind.POOLER, tokens))
     else:
         logit_rows = runner.buckets.logit_rows_for_tokens(tokens)

@@ -1,0 +1,186 @@
+"""The step's program bodies and their ProgramSpecs, with no host state.
+
+StepPrograms holds what the programs close over (the model's graphdef, the buckets, the
+mesh, the sampler's config, the KV cache's spec); the weights, caches and per-step arrays
+are their arguments. The runner asks compilation (xlm.worker.compilation) for a program by
+key and hands it one of the specs built here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlm.distributed.mesh import replicated
+from xlm.ops import token_slots
+from xlm.worker import pooler
+from xlm.worker import sampler as sampler_lib
+from xlm.worker.buckets import LOGIT_ROW_TIERS, Buckets
+from xlm.worker.compilation import ProgramSpec
+from xlm.worker.packing import unpack
+
+
+def weakly_bound(method: Any) -> Any:
+    """`method` without a strong reference to its object: a jitted function holds its
+    Python function from C++, where the garbage collector cannot see a cycle back to the
+    object, so a jitted bound method keeps its object (and all it holds) alive for good."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        return ref()(*args)
+
+    call.__name__ = call.__qualname__ = method.__name__  # names the programs (no __wrapped__)
+    return call
+
+
+def lm_head_logits(
+    model: Any, hidden: jax.Array, num_rows: jax.Array, total: int | None = None
+) -> Any:
+    """LM-head logits [L, V] of the step's gathered rows hidden [L, H], of which the first
+    `num_rows` are real: computed on the smallest LOGIT_ROW_TIERS tier below L that holds
+    them (zeros past it), or on every row; `lax.cond`s choose at run time."""
+    total = hidden.shape[0] if total is None else total
+    tiers = [t for t in LOGIT_ROW_TIERS if t < total]
+    if not tiers:
+        return model.compute_logits(hidden)
+    tier = tiers[-1]
+
+    def few(h: jax.Array) -> jax.Array:
+        out = lm_head_logits(model, h[:tier], num_rows, tier)
+        return jnp.pad(out, ((0, total - tier), (0, 0)))
+
+    return jax.lax.cond(num_rows <= tier, few, model.compute_logits, hidden)
+
+
+class StepPrograms:
+    """The jitted model, sampler, prompt-logprobs and pooler programs and their specs."""
+
+    def __init__(
+        self,
+        graphdef: Any,
+        buckets: Buckets,
+        kv_spec: list[Any],
+        mesh: jax.sharding.Mesh | None,
+        pooling: bool,
+    ) -> None:
+        self.graphdef = graphdef
+        self.buckets = buckets
+        self.kv_spec = kv_spec
+        self.mesh = mesh
+        # A pooling model's step has no language-model head: the pooler reads its hidden.
+        self.pooling = pooling
+        self.sampler_config = sampler_lib.SamplerConfig()
+        # Sampled tokens are padded to the largest sampler bucket: the next step reads them.
+        self.max_rows = buckets.sampler_buckets[-1]
+        # Weakly bound, so that these jitted functions do not keep their runner alive.
+        self.model_fn = jax.jit(
+            weakly_bound(self._model_step), static_argnums=(4,), donate_argnums=(1,)
+        )
+        self.sample_fn = jax.jit(weakly_bound(self._sample_step), static_argnums=(2,))
+        self.prompt_logprobs_fn = jax.jit(weakly_bound(self._prompt_logprobs_step))
+        self.pool_fn = jax.jit(weakly_bound(self._pool_step), static_argnums=(2,))
+
+    # ---- program bodies ----------------------------------------------------------------
+    def _model_step(
+        self,
+        state: nnx.State,
+        kv_caches: list[jax.Array],
+        packed: jax.Array,
+        prev_sampled: jax.Array,
+        layout: Any,
+    ) -> tuple[list[jax.Array], Any, jax.Array]:
+        """Model forward over the ragged batch: caches, last-token logits, hidden states.
+
+        Input tokens the host did not know when it built the step (async scheduling: the
+        previous step sampled them) are read from that step's sampled tokens on device.
+        """
+        inputs = unpack(packed, layout)
+        src = inputs["prev_src"]
+        input_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], inputs["input_ids"])
+        model = nnx.merge(self.graphdef, state)
+        with token_slots(inputs.get("lora_slots")):
+            hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"])
+        if self.pooling:
+            return kv_caches, None, self._replicate(hidden)
+        logits = lm_head_logits(
+            model, hidden[inputs["logits_indices"]], inputs["num_logit_rows"][0]
+        )
+        # Pad (not compute) up to the sampler's row bucket, so its program fits every step;
+        # the first rows apart for the few-rows sampler (buckets.FEW_ROWS).
+        few = self.buckets.few_rows_bucket(logits.shape[0]) or logits.shape[0]
+        rows = self.buckets.sampler_bucket(logits.shape[0])
+        logits = (jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0))), logits[:few])
+        # Under a mesh the logits are gathered over the vocabulary shards: the sampler
+        # runs whole on every device.
+        logits, hidden = self._replicate((logits, hidden))
+        return kv_caches, logits, hidden
+
+    def _prompt_logprobs_step(
+        self, state: nnx.State, hidden: jax.Array, next_token_ids: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        """Logprobs of the next prompt tokens from hidden states [P, H] (plus the top-k)."""
+        model = nnx.merge(self.graphdef, state)
+        return self._replicate(
+            sampler_lib.compute_prompt_logprobs(
+                model.compute_logits(hidden), next_token_ids, self.sampler_config.max_num_logprobs
+            )
+        )
+
+    def _sample_step(self, logits: jax.Array, packed: jax.Array, layout: Any) -> Any:
+        """Sample one token per row of logits [R, V] (R: the sampler's row bucket); the
+        token ids are padded to the largest bucket, the shape the next model step reads."""
+        out = sampler_lib.sample(logits, unpack(packed, layout), self.sampler_config)
+        ids = jnp.pad(out.sampled_token_ids, (0, self.max_rows - logits.shape[0]))
+        return self._replicate(dataclasses.replace(out, sampled_token_ids=ids))
+
+    def _pool_step(self, hidden: jax.Array, packed: jax.Array, layout: Any) -> jax.Array:
+        """One vector per request row from the step's hidden states (xlm.worker.pooler)."""
+        rows = unpack(packed, layout)
+        return self._replicate(
+            pooler.pool(
+                hidden,
+                rows["query_start_loc"],
+                rows["pooling_type"],
+                rows["normalize"],
+                rows["dimensions"],
+            )
+        )
+
+    def _replicate(self, tree: Any) -> Any:
+        """Outputs the host reads: a whole copy on every device (each process reads its own)."""
+        if self.mesh is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, replicated(self.mesh))
+
+    # ---- specs (what compilation lowers) -------------------------------------------------
+    def model_spec(self, state: Any, packed: Any, prev_sampled: Any, layout: Any) -> ProgramSpec:
+        logits = None if self.pooling else (0, 0)  # all rows, and the few-rows sampler's
+        out_tree = jax.tree_util.tree_structure((list(self.kv_spec), logits, 0))
+        args = (state, self.kv_spec, packed, prev_sampled)
+        return ProgramSpec(self.model_fn, args, layout, out_tree, self.mesh)
+
+    def sampler_spec(self, logits: Any, packed: Any, layout: Any) -> ProgramSpec:
+        out_tree = jax.tree_util.tree_structure(sampler_lib.SamplerOutput(0, 0, 0, 0, 0, 0))
+        return ProgramSpec(self.sample_fn, (logits, packed), layout, out_tree, self.mesh)
+
+    def prompt_logprobs_spec(self, state: Any, hidden: Any, ids: Any) -> ProgramSpec:
+        out_tree = jax.tree_util.tree_structure((0, 0, 0, 0))
+        return ProgramSpec(self.prompt_logprobs_fn, (state, hidden, ids), None, out_tree, self.mesh)
+
+    def pooler_spec(self, hidden: Any, packed: Any, layout: Any) -> ProgramSpec:
+        out_tree = jax.tree_util.tree_structure(0)
+        return ProgramSpec(self.pool_fn, (hidden, packed), layout, out_tree, self.mesh)
+
+    def hidden_of(self, model_spec: ProgramSpec) -> jax.ShapeDtypeStruct:
+        """The hidden states a model program makes (shape and dtype, not computed)."""
+        with contextlib.ExitStack() as stack:
+            if self.mesh is not None:  # sharded ops trace under their mesh
+                stack.enter_context(jax.set_mesh(self.mesh))
+            _, _, hidden = jax.eval_shape(self.model_fn, *model_spec.args, model_spec.static)
+        return hidden
