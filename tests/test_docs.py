@@ -126,3 +126,21 @@ def test_cited_extras_exist(doc):
     for group in re.findall(r"(?:\.|xlm)\[([\w,\s-]+)\]", doc.read_text()):
         named.update(e.strip() for e in group.split(","))
     assert named <= extras, f"{doc.name} installs extras pyproject.toml lacks: {named - extras}"
+
+
+def test_readme_program_counts_match_the_bucket_policy():
+    """README's start-up paragraph counts the built-in model's programs as the default
+    bucket policy makes them: a model program per token bucket, the sampler buckets those
+    steps run, and the prompt-logprobs program."""
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.worker.buckets import Buckets
+
+    buckets = Buckets.from_config(EngineArgs(model="smollm2-135m").create_config())
+    tokens = buckets.token_buckets
+    samplers = {r for t in tokens for r in buckets.sampler_buckets_for_tokens(t)}
+    total = len(tokens) + len(samplers) + 1
+    largest = 1 + len(buckets.sampler_buckets_for_tokens(tokens[-1]))
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert f"compiles all {total} first" in text
+    assert f"the largest token bucket's {largest} programs" in text
+    assert f"compile the other {total - largest}" in text
