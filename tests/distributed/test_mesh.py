@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from xlm.config import ParallelConfig
 from xlm.distributed.mesh import (
     describe_mesh,
-    fetch,
+    to_host,
     make_mesh,
     per_device_bytes,
     put_replicated,
@@ -37,7 +37,7 @@ def test_one_device_mesh_places_and_fetches():
     value = np.arange(6, dtype=np.int32).reshape(2, 3)
     placed = put_replicated(value, mesh)
     assert placed.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec()), 2)
-    host = fetch({"x": placed, "n": 3})
+    host = to_host({"x": placed, "n": 3})
     assert host["n"] == 3 and isinstance(host["x"], np.ndarray)
     np.testing.assert_array_equal(host["x"], value)
     assert tp_mesh() is None  # not tracing under a tensor-parallel mesh
