@@ -13,10 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from xlm.config import ParallelConfig
 from xlm.distributed.mesh import (
     describe_mesh,
-    to_host,
     make_mesh,
     per_device_bytes,
     put_replicated,
+    to_host,
     tp_mesh,
 )
 
