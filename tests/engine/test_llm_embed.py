@@ -149,27 +149,6 @@ def test_a_headless_base_model_checkpoint_is_an_embedder(tiny_checkpoint, tmp_pa
     )
 
 
-def test_generate_and_pooling_runners_share_no_compiled_program(
-    tiny_checkpoint, tmp_path, monkeypatch
-):
-    """One model, one program cache, both runners: each loads only its own programs (a
-    pooling engine once loaded the generate programs from disk and died on their outputs)."""
-    monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "cc"))
-    model_dir = tiny_checkpoint("llama")
-    options = {k: v for k, v in ENGINE.items() if k != "runner"}
-    prompt = [5, 9, 2, 7]
-    for _ in range(2):  # the second round loads both runners' programs from the cache
-        generator = xlm.LLM(model=model_dir, runner="generate", **options)
-        [out] = generator.generate(
-            [prompt], xlm.SamplingParams(max_tokens=3, temperature=0), use_tqdm=False
-        )
-        assert len(out.outputs[0].token_ids) == 3
-        [vec] = xlm.LLM(model=model_dir, **ENGINE).embed([prompt], use_tqdm=False)
-        np.testing.assert_allclose(
-            vec.outputs.data, reference(model_dir, prompt, PoolingParams()), rtol=1e-4, atol=1e-4
-        )
-
-
 def test_a_sentence_transformers_dense_module_is_refused_at_start(tiny_checkpoint, tmp_path):
     """An embedder whose modules.json projects the pooled vector (2_Dense) would give other
     embeddings without it: the engine refuses the checkpoint instead of serving it."""
