@@ -34,7 +34,7 @@ from xlm.quantization import get_scheme, quantize_weight
 
 pytest.importorskip("compressed_tensors")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 IGNORED = "model.layers.1.mlp.down_proj"  # left in float by the int8 checkpoint
 INT8_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
 

@@ -23,7 +23,9 @@ from xlm.models.loader.gguf import (
     load_gguf_config,
 )
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356, 5646],
     [1, 4093, 198, 19556, 905, 28, 2, 198, 1, 520, 9531, 198],
