@@ -79,9 +79,8 @@ class Buckets:
                 f"max_num_batched_tokens={sched.max_num_batched_tokens}"
             )
         # The sampler compiles per row bucket, fewer than token buckets (its logits are
-        # padded up to the bucket): powers of two up to the most logit rows of a step.
-        # (Powers of four padded a 32-row step to 64 rows and a 128-row one to 256: the
-        # zero rows cost 2 ms at 64 x 49152 and the sampler's time grows with its rows.)
+        # padded up to the bucket): powers of two up to the most logit rows of a step, so a
+        # step pads at most to twice its rows (the sampler's time grows with its rows).
         spec = config.speculative_config
         max_rows = sched.max_num_seqs if spec is None else spec.rows_needed(sched.max_num_seqs)
         rows = sorted({min(2**i, max_rows) for i in range(32)})

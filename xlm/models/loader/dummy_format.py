@@ -8,9 +8,9 @@ import zlib
 
 import numpy as np
 
-# Values drawn per seed; every matrix reads them cyclically from its own offset. Drawing
-# each matrix afresh (standard_normal) took ~5 s of every start of a 32-layer 0.6B-class
-# shape on this CPU; slicing one pool runs at memory speed. Dummy weights only need to be
+# Values drawn per seed; every matrix reads them cyclically from its own offset, since
+# slicing one pool runs at memory speed where drawing every matrix afresh does not (RESULTS.md,
+# "Start-up"). Dummy weights only need to be
 # deterministic, distinct per parameter and of the right scale.
 _POOL_SIZE = 1 << 22
 
