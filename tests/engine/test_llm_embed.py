@@ -152,23 +152,12 @@ def test_a_headless_base_model_checkpoint_is_an_embedder(tiny_checkpoint, tmp_pa
 def test_a_sentence_transformers_dense_module_is_refused_at_start(tiny_checkpoint, tmp_path):
     """An embedder whose modules.json projects the pooled vector (2_Dense) would give other
     embeddings without it: the engine refuses the checkpoint instead of serving it."""
-    import json
     import shutil
+
+    from tests.models.test_pooling_config import write_st
 
     model_dir = tmp_path / "st-dense"
     shutil.copytree(tiny_checkpoint("llama"), model_dir)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
-    ]
-    (model_dir / "modules.json").write_text(json.dumps(modules))
-    (model_dir / "1_Pooling").mkdir()
-    (model_dir / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    write_st(model_dir, "mean_tokens", normalize=False, dense=True)
     with pytest.raises(ValueError, match="Dense"):
         xlm.LLM(model=str(model_dir), **ENGINE)

@@ -10,7 +10,9 @@ from xlm.models.pooling_config import default_pooling_params, resolve_runner
 from xlm.pooling_params import PoolingType
 
 
-def write_st(path, mode: str, normalize: bool) -> str:
+def write_st(path, mode: str, normalize: bool, dense: bool = False) -> str:
+    """A sentence-transformers layout in `path`: Transformer, Pooling (`mode`), then a
+    Dense projection and a Normalize module when asked."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {
@@ -20,6 +22,10 @@ def write_st(path, mode: str, normalize: bool) -> str:
             "type": "sentence_transformers.models.Pooling",
         },
     ]
+    if dense:
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+        )
     if normalize:
         modules.append(
             {
@@ -80,11 +86,6 @@ def test_plain_checkpoint_defaults_to_last_token_normalized(tmp_path):
 
 
 def test_a_dense_module_after_pooling_is_refused_not_skipped(tmp_path):
-    model_dir = write_st(tmp_path, "mean_tokens", normalize=True)
-    modules = json.loads((tmp_path / "modules.json").read_text())
-    modules.insert(
-        2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
-    )
-    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    model_dir = write_st(tmp_path, "mean_tokens", normalize=True, dense=True)
     with pytest.raises(ValueError, match=r"sentence_transformers\.models\.Dense.*'2_Dense'"):
         default_pooling_params(model_dir)
