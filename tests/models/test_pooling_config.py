@@ -29,9 +29,9 @@ def write_st(path, mode: str, normalize: bool, dense: bool = False) -> str:
     if normalize:
         modules.append(
             {
-                "idx": 2,
-                "name": "2",
-                "path": "2_Normalize",
+                "idx": len(modules),
+                "name": str(len(modules)),
+                "path": f"{len(modules)}_Normalize",
                 "type": "sentence_transformers.models.Normalize",
             }
         )
