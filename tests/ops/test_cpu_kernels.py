@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.pallas_kernels.rpa_batches import brute_force_attention, make_batch
+from tests.pallas_kernels.rpa_batches import case_batch as rpa_case_batch
 from xlm.ops import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler")
@@ -27,18 +28,7 @@ CASES = {
 
 
 def case_batch(name: str, seed: int):
-    q_lens, seq_lens, hq, hkv, bs, t, r = CASES[name]
-    return make_batch(
-        np.random.default_rng(seed),
-        q_lens,
-        seq_lens,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=HEAD_DIM,
-        block_size=bs,
-        num_tokens=t,
-        num_reqs=r,
-    )
+    return rpa_case_batch(CASES[name], seed, HEAD_DIM)
 
 
 def run(b, window=None, cap=None, max_workers=0):

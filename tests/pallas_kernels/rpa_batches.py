@@ -67,6 +67,23 @@ def make_batch(
     return Batch(q, kv, block_tables, lens, qsl, np.array([n], np.int32))
 
 
+def case_batch(case: tuple, seed: int, head_dim: int) -> Batch:
+    """The batch of a test case (q_lens, seq_lens, num_q_heads, num_kv_heads, block_size,
+    padded T, padded R), drawn from `seed`."""
+    q_lens, seq_lens, hq, hkv, bs, t, r = case
+    return make_batch(
+        np.random.default_rng(seed),
+        q_lens,
+        seq_lens,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=head_dim,
+        block_size=bs,
+        num_tokens=t,
+        num_reqs=r,
+    )
+
+
 def brute_force_attention(
     b: Batch, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
 ) -> np.ndarray:

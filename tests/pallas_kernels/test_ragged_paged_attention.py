@@ -21,7 +21,12 @@ from pallas_kernels.ragged_paged_attention import (
     write_kv,
     write_kv_tpu,
 )
-from tests.pallas_kernels.rpa_batches import Batch, brute_force_attention, make_batch
+from tests.pallas_kernels.rpa_batches import (
+    Batch,
+    brute_force_attention,
+    case_batch,
+    make_batch,
+)
 
 HEAD_DIM = 32
 SM_SCALE = HEAD_DIM**-0.5
@@ -36,18 +41,7 @@ CASES = {
 
 
 def _batch(name: str, seed: int = 0, dtype=jnp.float32) -> Batch:
-    q_lens, seq_lens, hq, hkv, bs, t, r = CASES[name]
-    b = make_batch(
-        np.random.default_rng(seed),
-        q_lens,
-        seq_lens,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=HEAD_DIM,
-        block_size=bs,
-        num_tokens=t,
-        num_reqs=r,
-    )
+    b = case_batch(CASES[name], seed, HEAD_DIM)
     if dtype != jnp.float32:
         b.q = np.asarray(jnp.asarray(b.q, dtype))
         b.kv_cache = np.asarray(jnp.asarray(b.kv_cache, dtype))
