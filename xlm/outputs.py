@@ -1,5 +1,5 @@
 """What the engine returns to callers: RequestOutput, CompletionOutput, Logprob, and a
-pooling model's PoolingRequestOutput."""
+pooling model's PoolingRequestOutput (a vector, a classification or a score)."""
 
 from __future__ import annotations
 
@@ -101,3 +101,29 @@ class PoolingRequestOutput:
 
 # vLLM's name for what LLM.embed returns.
 EmbeddingRequestOutput = PoolingRequestOutput
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """One prompt's label probabilities (sigmoid of one label, softmax of several) and the
+    most probable label's name (config.id2label)."""
+
+    probs: list[float]
+    label: str
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """One pair's score: a cross-encoder's relevance, or the cosine of two embeddings."""
+
+    score: float
+
+
+# vLLM's names for what LLM.classify and LLM.score return (`outputs` is a
+# ClassificationOutput or a ScoringOutput).
+ClassificationRequestOutput = PoolingRequestOutput
+ScoringRequestOutput = PoolingRequestOutput

@@ -6,6 +6,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+# What a pooling request asks for: a vector (embed) or a classifier's label scores.
+POOLING_TASKS = ("embed", "classify")
+
 
 class PoolingType(enum.IntEnum):
     """Which hidden states make the vector: the last token's, the mean, or the first's."""
@@ -31,15 +34,28 @@ class PoolingParams:
 
     pooling_type: last token (decoder embedders: Qwen3-Embedding, e5-mistral), mean, or
     CLS/first. dimensions: Matryoshka truncation to the first N components (before
-    normalization). normalize: L2-normalize the vector.
+    normalization). normalize: L2-normalize the vector (embed only). task: "embed" (the
+    hidden state) or "classify" (a classifier's label scores, `--convert classify`).
+    activation (classify): one label's score through a sigmoid, several labels' through a
+    softmax (vLLM's convention); False keeps the raw logits.
     """
 
     pooling_type: PoolingType | str = PoolingType.LAST
     normalize: bool = True
     dimensions: int | None = None
+    task: str = "embed"
+    activation: bool = True
 
     def __post_init__(self) -> None:
         self.pooling_type = PoolingType.parse(self.pooling_type)
+        if self.task not in POOLING_TASKS:
+            raise ValueError(
+                f"PoolingParams.task={self.task!r} is invalid: allowed {', '.join(POOLING_TASKS)}"
+            )
+        if not isinstance(self.activation, bool):
+            raise ValueError(
+                f"PoolingParams.activation={self.activation!r} is invalid: allowed True or False"
+            )
         if not isinstance(self.normalize, bool):
             raise ValueError(
                 f"PoolingParams.normalize={self.normalize!r} is invalid: allowed True or False"
@@ -61,6 +77,11 @@ class PoolingParams:
 
     def verify(self, hidden_size: int) -> None:
         """Check the request fits the model: dimensions at most its hidden size."""
+        if self.task == "classify" and self.dimensions is not None:
+            raise ValueError(
+                f"PoolingParams.dimensions={self.dimensions} is invalid with task 'classify': "
+                "allowed None (a classifier returns one score per label)"
+            )
         if self.dimensions is not None and self.dimensions > hidden_size:
             raise ValueError(
                 f"PoolingParams.dimensions={self.dimensions} is invalid: allowed 1 to "

@@ -56,6 +56,9 @@ class ModelConfig:
     generation_config: str = "auto"
     # "generate" (a language model) or "pooling" (an embedder: one vector per prompt).
     runner: str = "generate"
+    # What a pooling runner's model is converted to: "embed" (its hidden states) or
+    # "classify" (a score head over them, xlm.models.classifier); "none" when generating.
+    convert: str = "none"
     # Weight quantization (xlm.quantization): None (as the checkpoint's dtype), "int8",
     # "w8a8", "fp8", "int4" (packed 4-bit, grouped), or "gguf" (a GGUF's own block quants,
     # kept).
@@ -101,6 +104,13 @@ class ModelConfig:
             "'generate' or 'pooling'",
         )
         _require(
+            self.convert in ("none", "embed", "classify"),
+            owner,
+            "convert",
+            self.convert,
+            "'none', 'embed' or 'classify'",
+        )
+        _require(
             isinstance(self.seed, int) and self.seed >= 0,
             owner,
             "seed",
@@ -112,6 +122,11 @@ class ModelConfig:
     def is_pooling(self) -> bool:
         """Whether the model runs as a pooler (embeddings) rather than a generator."""
         return self.runner == "pooling"
+
+    @property
+    def is_classifier(self) -> bool:
+        """Whether the pooling model scores labels (--convert classify) instead of embedding."""
+        return self.is_pooling and self.convert == "classify"
 
     @property
     def name(self) -> str:

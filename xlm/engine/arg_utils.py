@@ -26,7 +26,12 @@ from xlm.config import (
 )
 from xlm.logger import init_logger
 from xlm.models.builtin import resolve_model_name
-from xlm.models.pooling_config import default_pooling_params, resolve_runner
+from xlm.models.pooling_config import (
+    CONVERTS,
+    default_pooling_params,
+    resolve_convert,
+    resolve_runner,
+)
 
 logger = init_logger(__name__)
 
@@ -52,6 +57,10 @@ _HELP = {
     "runner": "generate (text), pooling (embeddings: one vector per input), or auto (pooling "
     "when the checkpoint is an embedder: sentence-transformers files or a *Model "
     "architecture)",
+    "convert": "what the pooling runner makes of the model: embed (vectors), classify (label "
+    "scores from a score head: *ForSequenceClassification checkpoints, or a causal LM whose "
+    "checkpoint has a score.weight; serves /classify, /score, /rerank), or auto (classify "
+    "for *ForSequenceClassification, else embed); embed and classify imply --runner pooling",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "KV cache size in GiB on CPU (default: XLM_CPU_KVCACHE_SPACE or 1)",
     "memory_utilization": "fraction of accelerator memory xlm may use",
@@ -116,6 +125,7 @@ _CHOICES = {
     "quantization": QUANTIZATION_METHODS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "startup_programs": STARTUP_PROGRAMS,
+    "convert": CONVERTS,
 }
 
 
@@ -166,6 +176,7 @@ class EngineArgs:
     served_model_name: str | None = None
     generation_config: str = "auto"
     runner: str = "auto"
+    convert: str = "auto"
     block_size: int = CacheConfig.block_size
     kv_cache_memory: float | None = None
     memory_utilization: float = CacheConfig.memory_utilization
@@ -287,7 +298,9 @@ class EngineArgs:
             target_topology=self.target_topology,
         )
 
-    def _model_config(self, model: str, tokenizer: str | None, runner: str) -> ModelConfig:
+    def _model_config(
+        self, model: str, tokenizer: str | None, runner: str, convert: str = "none"
+    ) -> ModelConfig:
         """A model's config: its path or name resolved, its HF config read, its runner."""
         from xlm.models.loader import load_hf_config
         from xlm.models.loader.compressed_tensors import resolve_quantization
@@ -311,7 +324,8 @@ class EngineArgs:
         if self.quantization == "gguf":
             model_config.quant_layout = _gguf_quant_layout(model_path, self.load_format)
         architectures = getattr(model_config.hf_config, "architectures", None)
-        model_config.runner = resolve_runner(runner, model_path, architectures)
+        model_config.runner = resolve_runner(runner, model_path, architectures, convert)
+        model_config.convert = resolve_convert(convert, model_config.runner, architectures)
         return model_config
 
     def _draft_model_config(self, draft: str, target: ModelConfig) -> ModelConfig:
@@ -333,9 +347,11 @@ class EngineArgs:
         if tokenizer is not None:
             hub = dict(revision=self.revision, download_dir=self.download_dir)
             tokenizer = resolve_model_name(tokenizer, load_format="dummy", **hub)
-        model_config = self._model_config(self.model, tokenizer, self.runner)
+        model_config = self._model_config(self.model, tokenizer, self.runner, self.convert)
         if model_config.is_pooling:
-            model_config.default_pooling = default_pooling_params(model_config.model)
+            model_config.default_pooling = default_pooling_params(
+                model_config.model, model_config.convert
+            )
         speculative = self._speculative_config(model_config)
         max_model_len = self._max_model_len(model_config, speculative)
         config = XlmConfig(

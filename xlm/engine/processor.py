@@ -12,6 +12,7 @@ from xlm.config import ModelConfig, XlmConfig
 from xlm.engine.exceptions import RequestValidationError
 from xlm.engine.messages import EngineCoreRequest
 from xlm.lora.request import LoRARequest
+from xlm.models.classifier import label_names
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import MAX_DEVICE_LOGPROBS, RequestOutputKind, SamplingParams
 from xlm.structured_output.backend import validate as validate_structured_outputs
@@ -29,6 +30,8 @@ class PoolingModel:
     defaults: PoolingParams
     hidden_size: int
     max_tokens: int  # per input: the step's token budget
+    # A classifier's labels (--convert classify): its requests are "classify" ones.
+    labels: tuple[str, ...] | None = None
 
 
 class Processor:
@@ -79,10 +82,12 @@ class Processor:
             generation_config=generation_config,
         )
         if model_config.is_pooling:
+            labels = label_names(model_config.hf_config) if model_config.is_classifier else None
             processor.pooling = PoolingModel(
                 model_config.default_pooling or PoolingParams(),
                 model_config.hf_config.hidden_size,
                 config.scheduler_config.max_num_batched_tokens,
+                tuple(labels) if labels is not None else None,
             )
         return processor
 
@@ -122,6 +127,7 @@ class Processor:
                 "model",
             )
         params = params if params is not None else pooling.defaults
+        check_pooling_task(params.task, pooling.labels is not None)
         try:
             params.verify(pooling.hidden_size)
         except ValueError as e:
@@ -313,3 +319,21 @@ def load_generation_config(model_config: ModelConfig) -> dict[str, Any]:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+def check_pooling_task(task: str, is_classifier: bool) -> None:
+    """Refuse a request the pooling model cannot answer: label scores from an embedder,
+    vectors from a classifier (RequestValidationError naming the model)."""
+    if task == "classify" and not is_classifier:
+        raise RequestValidationError(
+            "This model is an embedding model (--convert embed): it has no classification "
+            "head, so it does not classify or score pairs as a cross-encoder; serve a "
+            "*ForSequenceClassification checkpoint or start it with --convert classify",
+            "model",
+        )
+    if task == "embed" and is_classifier:
+        raise RequestValidationError(
+            "This model is a classifier (--convert classify): it returns label scores, not "
+            "embeddings; use LLM.classify/LLM.score or /classify, /score and /rerank",
+            "model",
+        )

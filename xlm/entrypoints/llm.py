@@ -13,9 +13,11 @@ from xlm import envs
 from xlm.core.outputs import SchedulerStats
 from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.llm_engine import LLMEngine
+from xlm.engine.processor import check_pooling_task
+from xlm.entrypoints import score_utils
 from xlm.executor.multihost import follow_if_follower
 from xlm.lora.request import LoRARequest
-from xlm.outputs import PoolingRequestOutput, RequestOutput
+from xlm.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 from xlm.tokenizer import apply_chat_template
@@ -148,6 +150,19 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """One vector per prompt (`outputs.data`, float32 numpy; `outputs.embedding`, a
         list) from a pooling model (`runner="pooling"`); None pools the model's default way."""
+        pooling = self.llm_engine.processor.pooling
+        if pooling is not None:  # a classifier's requests are classify ones
+            check_pooling_task("embed", pooling.labels is not None)
+        return self._pool(prompts, pooling_params, use_tqdm, lora_request)
+
+    def _pool(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt (embed, classify and score all run through here)."""
         prompt_list = _as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params] * len(prompt_list)
@@ -167,6 +182,44 @@ class LLM:
 
         loras = _as_lora_list(lora_request, len(prompt_list))
         return self._run_requests(prompt_list, list(zip(params_list, loras)), add, use_tqdm)
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Label probabilities per prompt (`outputs.probs`: sigmoid of one label, softmax of
+        several; `outputs.label`: the likeliest, from config.id2label) from a classifier
+        (a *ForSequenceClassification checkpoint, or `convert="classify"`)."""
+        outputs = self._pool(prompts, PoolingParams(task="classify"), use_tqdm, lora_request)
+        labels = self.llm_engine.processor.pooling.labels
+        for out in outputs:
+            out.outputs = score_utils.classification(out.outputs.data, labels)
+        return outputs
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """One score per pair (`outputs.score`), pairs as vLLM makes them: 1-to-1, 1-to-N
+        or N-to-N. A cross-encoder (single-label classifier) scores the pair encoded as
+        `tokenizer(text_1, text_2)` (sigmoid of its logit); an embedding model scores the
+        cosine of the two texts' embeddings (xlm.entrypoints.score_utils)."""
+        pairs = score_utils.score_pairs(data_1, data_2)
+        cross = score_utils.check_scoring_model(self.llm_engine.processor.pooling)
+        ids, params = score_utils.score_inputs(self.get_tokenizer(), pairs, cross)
+        prompts = [{"prompt_token_ids": i} for i in ids]
+        pooled = self._pool(prompts, params, use_tqdm, lora_request)
+        scores = score_utils.pair_scores([o.outputs.data for o in pooled], cross)
+        tokens = score_utils.score_token_ids(ids, cross)
+        return [
+            PoolingRequestOutput(out.request_id, None, t, ScoringOutput(s))
+            for out, t, s in zip(pooled, tokens, scores)
+        ]
 
     # ---- LoRA adapters (enable_lora=True) -------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:

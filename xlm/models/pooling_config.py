@@ -1,13 +1,16 @@
 """Whether a checkpoint is a pooler, and how it pools, from its own files.
 
-A model runs as a pooler (`runner="pooling"`) when asked, or under `runner="auto"` when
-its checkpoint says so: a sentence-transformers layout (`modules.json` naming a Pooling
-module) or an architecture that has no language-model head (`Qwen3Model`, `LlamaModel`,
-`*ForSequenceClassification`...). Its default pooling comes from
-`1_Pooling/config.json` (last token, mean or CLS) and whether `modules.json` lists a
-Normalize module; without them decoder embedders pool the last token, normalized. A
-sentence-transformers module xlm does not apply (a `Dense` projection after pooling, ...)
-is refused rather than served without it.
+A pooling model embeds, or classifies (`convert="classify"`, vLLM's `--convert
+classify`: a `*ForSequenceClassification` checkpoint, or a causal LM whose checkpoint
+carries a `score.weight`; xlm.models.classifier). A model runs as a pooler
+(`runner="pooling"`) when asked, or under `runner="auto"` when its checkpoint says so: a
+sentence-transformers layout (`modules.json` naming a Pooling module) or an architecture
+that has no language-model head (`Qwen3Model`, `LlamaModel`,
+`*ForSequenceClassification`...). Its default pooling comes from `1_Pooling/config.json`
+(last token, mean or CLS) and whether `modules.json` lists a Normalize module; without
+them decoder embedders pool the last token, normalized. A sentence-transformers module
+xlm does not apply (a `Dense` projection after pooling, ...) is refused rather than
+served without it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from xlm.models.registry import base_model_lm
 from xlm.pooling_params import PoolingParams, PoolingType
 
 RUNNERS = ("auto", "generate", "pooling")
+# vLLM's --convert: what a pooling runner makes of the model (auto: what it is).
+CONVERTS = ("auto", "none", "embed", "classify")
 # Heads that pool; a headless `*Model` pools too (models.registry.base_model_lm).
 _POOLING_SUFFIXES = ("ForSequenceClassification", "ForEmbedding")
 # sentence-transformers pooling flags -> our types, in the order they are preferred.
@@ -48,12 +53,17 @@ def _is_st_pooler(model_dir: str) -> bool:
     return any(str(m.get("type", "")).endswith("Pooling") for m in _st_modules(model_dir))
 
 
-def resolve_runner(runner: str, model_dir: str, architectures: Sequence[str] | None) -> str:
-    """ "generate" or "pooling": `runner` itself, or under "auto" what the checkpoint says."""
+def resolve_runner(
+    runner: str, model_dir: str, architectures: Sequence[str] | None, convert: str = "auto"
+) -> str:
+    """ "generate" or "pooling": `runner` itself, or under "auto" what the checkpoint says
+    (a `convert` to embed or classify asks for the pooling runner, as in vLLM)."""
     if runner not in RUNNERS:
         raise ValueError(f"runner={runner!r} is invalid: allowed {', '.join(RUNNERS)}")
     if runner != "auto":
         return runner
+    if convert in ("embed", "classify"):
+        return "pooling"
     if os.path.isdir(model_dir) and _is_st_pooler(model_dir):
         return "pooling"
     arch = (architectures or [""])[0]
@@ -62,8 +72,29 @@ def resolve_runner(runner: str, model_dir: str, architectures: Sequence[str] | N
     return "generate"
 
 
-def default_pooling_params(model_dir: str) -> PoolingParams:
-    """The checkpoint's own pooling (sentence-transformers files), else last token + L2."""
+def resolve_convert(convert: str, runner: str, architectures: Sequence[str] | None) -> str:
+    """ModelConfig.convert for a resolved runner: "none" when generating; under pooling
+    "classify" for a `*ForSequenceClassification` checkpoint or when asked, else "embed"."""
+    if convert not in CONVERTS:
+        raise ValueError(f"convert={convert!r} is invalid: allowed {', '.join(CONVERTS)}")
+    if runner != "pooling":
+        if convert in ("embed", "classify"):
+            raise ValueError(
+                f"convert={convert!r} is invalid with runner={runner!r}: converting a model "
+                "to embed or classify needs runner 'pooling' (or 'auto')"
+            )
+        return "none"
+    if convert in ("embed", "classify"):
+        return convert
+    arch = (architectures or [""])[0]
+    return "classify" if arch.endswith("ForSequenceClassification") else "embed"
+
+
+def default_pooling_params(model_dir: str, convert: str = "embed") -> PoolingParams:
+    """The checkpoint's own pooling (sentence-transformers files), else last token + L2;
+    a classifier's label scores from the last token (transformers' classifiers read it)."""
+    if convert == "classify":
+        return PoolingParams(pooling_type=PoolingType.LAST, normalize=False, task="classify")
     pooling_type, normalize = PoolingType.LAST, True
     if os.path.isdir(model_dir) and _is_st_pooler(model_dir):
         _check_st_modules(model_dir)

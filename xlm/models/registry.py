@@ -67,8 +67,8 @@ class _ModelRegistry:
         for arch in archs:
             if arch in self.models:
                 return self.load_model_cls(arch), arch
-        for arch in archs:  # a headless base model (an embedder): its family's LM class
-            lm = base_model_lm(arch)
+        for arch in archs:  # a headless base model or a classifier: its family's LM class
+            lm = base_model_lm(arch) or seq_cls_lm(arch)
             if lm is not None and lm in self.models:
                 return self.load_model_cls(lm), arch
         raise ValueError(
@@ -89,6 +89,16 @@ def base_model_lm(architecture: str) -> str | None:
     ):
         return architecture[: -len("Model")] + "ForCausalLM"
     return None
+
+
+def seq_cls_lm(architecture: str) -> str | None:
+    """`Qwen2ForSequenceClassification` -> `Qwen2ForCausalLM`: a classifier runs on its
+    family's class with a score head (xlm.models.classifier); None for other names."""
+    suffix = "ForSequenceClassification"
+    if not architecture.endswith(suffix):
+        return None
+    family = architecture[: -len(suffix)]
+    return family + ("LMHeadModel" if family == "GPT2" else "ForCausalLM")
 
 
 def register_model(architecture: str, model_cls: type | str) -> None:

@@ -27,7 +27,7 @@ def pooling_metadata(
     dimensions = np.full(num_rows, hidden_size, np.int32)
     for i, p in enumerate(params):
         pooling_type[i] = int(p.pooling_type)
-        normalize[i] = p.normalize
+        normalize[i] = p.normalize and p.task == "embed"  # label scores are never normalized
         dimensions[i] = hidden_size if p.dimensions is None else p.dimensions
     return {"pooling_type": pooling_type, "normalize": normalize, "dimensions": dimensions}
 
@@ -67,5 +67,18 @@ def pool(
 
 
 def finish_vector(vector: np.ndarray, params: PoolingParams) -> np.ndarray:
-    """A row of `pool`'s output cut to the request's width (host side)."""
+    """A row of `pool`'s output cut to the request's width, or a classifier's label scores
+    through their activation (host side)."""
+    if params.task == "classify":
+        return classify_activation(vector) if params.activation else vector
     return vector if params.dimensions is None else vector[: params.dimensions]
+
+
+def classify_activation(logits: np.ndarray) -> np.ndarray:
+    """vLLM's classifier activation: sigmoid of a single label's logit (a cross-encoder's
+    relevance), softmax over several labels."""
+    logits = logits.astype(np.float64)
+    if logits.shape[-1] == 1:
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (shifted / shifted.sum(axis=-1, keepdims=True)).astype(np.float32)

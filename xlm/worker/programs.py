@@ -107,6 +107,8 @@ class StepPrograms:
         with token_slots(inputs.get("lora_slots")):
             hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"])
         if self.pooling:
+            head = getattr(model, "pooler_head", None)  # a classifier's label logits
+            hidden = hidden if head is None else head(hidden)
             return kv_caches, None, self._replicate(hidden)
         logits = lm_head_logits(
             model, hidden[inputs["logits_indices"]], inputs["num_logit_rows"][0]

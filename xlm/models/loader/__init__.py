@@ -28,6 +28,7 @@ from xlm.config import XlmConfig, set_current_xlm_config
 from xlm.distributed.tensor_parallel import logical_shape, to_physical
 from xlm.logger import init_logger
 from xlm.metrics import startup
+from xlm.models.classifier import as_seq_cls_model
 from xlm.models.loader.compressed_tensors import (
     compressed_tensors_weights,
     keep_float_projections,
@@ -492,6 +493,8 @@ def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx
     hf_config = model_config.hf_config or load_hf_config(model_config.model, load_format)
     model_config.hf_config = hf_config
     model_cls, arch = ModelRegistry.resolve(hf_config)
+    if model_config.convert == "classify":
+        model_cls = as_seq_cls_model(model_cls)
     # A compressed-tensors checkpoint's scheme (EngineArgs resolves it too; a ModelConfig
     # made directly must not dequantize the checkpoint into float projections).
     model_config.quantization = resolve_quantization(model_config.quantization, hf_config)
