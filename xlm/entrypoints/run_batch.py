@@ -1,7 +1,8 @@
 """`xlm run-batch -i in.jsonl -o out.jsonl`: OpenAI batch files through the engine.
 
 Each input line is an OpenAI batch request (`custom_id`, `method`, `url`, `body`) for
-`/v1/completions`, `/v1/chat/completions` or `/v1/embeddings`; each output line is the batch result
+`/v1/completions`, `/v1/chat/completions`, `/v1/embeddings`, `/v1/score`, `/v1/rerank`
+or `/v1/classify` (and vLLM's other paths of those); each output line is the batch result
 (`id`, `custom_id`, `response: {status_code, request_id, body}`, `error`), written in
 input order. The requests go through the server's own handlers, so a result's body is
 exactly what `xlm serve` would have answered. A rerun skips custom_ids already in the
@@ -33,6 +34,7 @@ from xlm.entrypoints.openai.cli_args import check_max_logprobs
 from xlm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
 from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from xlm.entrypoints.openai.score_protocol import SCORE_ENDPOINTS
 from xlm.entrypoints.openai.serving_engine import (
     OpenAIError,
     error_from_exception,
@@ -47,6 +49,7 @@ ENDPOINTS: dict[str, tuple[type, str, str]] = {
     "/v1/completions": (CompletionRequest, "completion", "create_completion"),
     "/v1/chat/completions": (ChatCompletionRequest, "chat", "create_chat_completion"),
     "/v1/embeddings": (EmbeddingRequest, "embedding", "create_embedding"),
+    **SCORE_ENDPOINTS,
 }
 
 

@@ -24,7 +24,11 @@ def default_max_waiting(max_num_seqs: int) -> int:
 
 
 def request_cost(request: Any) -> int:
-    """Sequences a parsed request puts into the engine: n per prompt."""
+    """Sequences a parsed request puts into the engine: n per prompt (a score or rerank
+    request: one per pair)."""
+    num_inputs = getattr(request, "num_inputs", None)
+    if num_inputs is not None:
+        return max(1, num_inputs())
     n = max(1, int(getattr(request, "n", 1) or 1))
     prompt = getattr(request, "prompt", getattr(request, "input", None))
     prompts = 1

@@ -20,19 +20,16 @@ MAX_EMBEDDING_INPUTS = 2048
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
 
-class EmbeddingRequest(OpenAIBaseModel):
-    """An embeddings request: `input` as a string, strings, token ids or token-id lists."""
+class PoolingInputRequest(OpenAIBaseModel):
+    """A request pooling each of its inputs (embeddings, classification): `input` as a
+    string, strings, token ids or token-id lists."""
 
     model: str | None = None
     input: EmbeddingInput
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
-    # vLLM's extra: whether to L2-normalize (the model's default when None).
-    normalize: bool | None = None
 
     @model_validator(mode="after")
-    def _check_input(self) -> EmbeddingRequest:
+    def _check_input(self) -> PoolingInputRequest:
         prompts = self.prompts()
         if not prompts:
             raise RequestValidationError("input must not be empty", "input")
@@ -54,6 +51,15 @@ class EmbeddingRequest(OpenAIBaseModel):
         if value and all(isinstance(t, int) for t in value):
             return [list(value)]
         return list(value)
+
+
+class EmbeddingRequest(PoolingInputRequest):
+    """An embeddings request (OpenAI's /v1/embeddings, with vLLM's `normalize`)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    # vLLM's extra: whether to L2-normalize (the model's default when None).
+    normalize: bool | None = None
 
     def to_pooling_params(self, default: PoolingParams) -> PoolingParams:
         """The model's default pooling with this request's dimensions and normalize."""
