@@ -22,6 +22,8 @@ def test_defaults_and_names():
         ({"dimensions": 0}, r"dimensions=0.*integer >= 1"),
         ({"dimensions": True}, r"dimensions=True"),
         ({"dimensions": 2.5}, r"dimensions=2.5"),
+        ({"task": "score"}, r"task='score'.*allowed embed, classify"),
+        ({"activation": None}, r"activation=None.*True or False"),
     ],
 )
 def test_invalid(kwargs, match):
@@ -33,3 +35,11 @@ def test_verify_against_hidden_size():
     PoolingParams(dimensions=64).verify(64)
     with pytest.raises(ValueError, match=r"dimensions=65.*1 to 64"):
         PoolingParams(dimensions=65).verify(64)
+
+
+def test_a_classify_request_takes_no_dimensions():
+    p = PoolingParams(task="classify")
+    assert p.activation is True
+    p.verify(64)
+    with pytest.raises(ValueError, match=r"dimensions=8 is invalid with task 'classify'"):
+        PoolingParams(task="classify", dimensions=8).verify(64)

@@ -13,7 +13,7 @@ from tests.paged_batch import BlockAllocator, StepRequest, build_metadata
 from xlm.config import ModelConfig, XlmConfig
 from xlm.models.loader import get_model
 from xlm.pooling_params import PoolingParams, PoolingType
-from xlm.worker.pooler import finish_vector, pool, pooling_metadata
+from xlm.worker.pooler import classify_activation, finish_vector, pool, pooling_metadata
 
 BLOCK_SIZE = 4
 
@@ -96,3 +96,16 @@ def test_packed_batch_of_64_matches_transformers(arch, tiny_checkpoint):
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         ref = np_pool(hf_last_hidden_state(model_dir, prompt), p)
         np.testing.assert_allclose(got[i], ref, atol=1e-4, err_msg=f"{arch} prompt {i} {p}")
+
+
+def test_classify_rows_are_never_normalized_and_take_vllms_activation():
+    params = [PoolingParams(task="classify"), PoolingParams(), PoolingParams(task="classify")]
+    rows = pooling_metadata(params, 4, 8)
+    assert rows["normalize"].tolist() == [False, True, False, False]
+    logits = np.array([0.5, -1.0, 2.0], np.float32)
+    e = np.exp(logits - logits.max())
+    np.testing.assert_allclose(classify_activation(logits), e / e.sum(), rtol=1e-6)
+    np.testing.assert_allclose(classify_activation(np.array([0.3])), [1 / (1 + np.exp(-0.3))])
+    raw = finish_vector(logits, PoolingParams(task="classify", activation=False))
+    np.testing.assert_array_equal(raw, logits)
+    np.testing.assert_allclose(finish_vector(logits, params[0]), e / e.sum(), rtol=1e-6)
