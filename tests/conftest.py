@@ -173,16 +173,20 @@ def build_tokenizer():
     return fast
 
 
-def write_tiny_checkpoint(arch: str, path: str, seed: int = 0, **changes) -> str:
+def write_tiny_checkpoint(
+    arch: str, path: str, seed: int = 0, auto_class: str = "AutoModelForCausalLM", **changes
+) -> str:
     """Write a random float32 HF checkpoint + tokenizer for `arch` (config `changes` on top)
-    into `path`."""
+    into `path`; `auto_class` picks the head (AutoModelForSequenceClassification: a
+    classifier)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
+    from transformers import AutoConfig
 
     model_type, overrides = TINY_CONFIGS[arch]
     config = AutoConfig.for_model(model_type, **{**_BASE, **overrides, **changes})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, auto_class).from_config(config, dtype=torch.float32)
     _randomize(model)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)

@@ -151,3 +151,37 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
             continue
         return float(value)
     return None
+
+
+def fuzz_for_server_errors(
+    url: str, headers: dict[str, str] | None = None, paths: set[str] | None = None, examples=25
+) -> tuple[set[str], list[str]]:
+    """Schemathesis over a live server's OpenAPI operations (those under `paths`, or all):
+    the paths fuzzed and a line per case answered with a 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(url + "/openapi.json", headers=headers)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = [op for op in operations if paths is None or op.path in paths]
+    failures: list[str] = []
+    for operation in operations:
+
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=operation.as_strategy())
+        def fuzz(case) -> None:
+            response = case.call(headers=headers, timeout=120)
+            if response.status_code >= 500:
+                failures.append(
+                    f"{case.method} {case.path} {case.body!r} -> "
+                    f"{response.status_code} {response.text[:300]}"
+                )
+
+        fuzz()
+    return {op.path for op in operations}, failures

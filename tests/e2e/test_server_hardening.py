@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server_utils import RemoteServer, metric_value
+from tests.e2e.server_utils import RemoteServer, fuzz_for_server_errors, metric_value
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -131,37 +131,14 @@ def test_overload_answers_or_429s_every_request_and_settles(server):
 
 
 def test_schemathesis_fuzz_finds_no_server_error(server):
-    schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, given, settings
-
-    schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=AUTH)
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {
+    pytest.importorskip("schemathesis")
+    paths, failures = fuzz_for_server_errors(server.url, AUTH)
+    assert paths >= {
         "/v1/completions",
         "/v1/chat/completions",
         "/tokenize",
         "/detokenize",
     }
-    failures: list[str] = []
-    for operation in operations:
-
-        @settings(
-            max_examples=25,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(case=operation.as_strategy())
-        def fuzz(case) -> None:
-            response = case.call(headers=AUTH, timeout=120)
-            if response.status_code >= 500:
-                failures.append(
-                    f"{case.method} {case.path} {case.body!r} -> "
-                    f"{response.status_code} {response.text[:300]}"
-                )
-
-        fuzz()
     assert not failures, "\n".join(failures[:10]) + "\n" + server.log_tail()
     _wait_idle(server)
     _normal_request(server)

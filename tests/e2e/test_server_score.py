@@ -12,7 +12,7 @@ import pytest
 
 import xlm
 from tests.e2e.conftest import API_KEY
-from tests.e2e.server_utils import RemoteServer
+from tests.e2e.server_utils import RemoteServer, fuzz_for_server_errors
 from tests.models.test_classifier import write_tiny_classifier
 
 NAME = "tiny-reranker"
@@ -145,31 +145,8 @@ def test_a_generating_model_refuses_with_a_400(server):
 
 
 def test_schemathesis_fuzz_of_the_scoring_routes_finds_no_server_error(score_server):
-    schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, given, settings
-
-    schema = schemathesis.openapi.from_url(score_server.url + "/openapi.json")
-    paths = {"/v1/score", "/v1/rerank", "/v1/classify"}
-    operations = [r.ok() for r in schema.get_all_operations() if r.ok().path in paths]
-    assert {op.path for op in operations} == paths
-    failures: list[str] = []
-    for operation in operations:
-
-        @settings(
-            max_examples=15,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(case=operation.as_strategy())
-        def fuzz(case) -> None:
-            response = case.call(timeout=120)
-            if response.status_code >= 500:
-                failures.append(
-                    f"{case.method} {case.path} {case.body!r} -> "
-                    f"{response.status_code} {response.text[:300]}"
-                )
-
-        fuzz()
+    pytest.importorskip("schemathesis")
+    want = {"/v1/score", "/v1/rerank", "/v1/classify"}
+    paths, failures = fuzz_for_server_errors(score_server.url, paths=want, examples=15)
+    assert paths == want
     assert not failures, "\n".join(failures[:10]) + "\n" + score_server.log_tail()

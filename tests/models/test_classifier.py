@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import xlm
-from tests.conftest import _BASE, TINY_CONFIGS, _randomize, build_tokenizer
+from tests.conftest import build_tokenizer, write_tiny_checkpoint
 from xlm.models.classifier import as_seq_cls_model, label_names
 from xlm.models.pooling_config import resolve_convert, resolve_runner
 from xlm.models.registry import ModelRegistry, seq_cls_lm
@@ -27,18 +27,9 @@ LABELS_3 = {0: "negative", 1: "neutral", 2: "positive"}
 def write_tiny_classifier(arch: str, path: str, num_labels: int = 1, seed: int = 0) -> str:
     """A random float32 `*ForSequenceClassification` checkpoint of a tiny `arch` config (the
     conftest's) with `num_labels` labels, plus the test tokenizer."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    model_type, overrides = TINY_CONFIGS[arch]
     extra = {"id2label": LABELS_3} if num_labels == 3 else {"num_labels": num_labels}
-    config = AutoConfig.for_model(model_type, **{**_BASE, **overrides, **extra})
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    _randomize(model)
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return path
+    auto_class = "AutoModelForSequenceClassification"
+    return write_tiny_checkpoint(arch, path, seed, auto_class=auto_class, **extra)
 
 
 def hf_class_logits(model_dir: str, token_ids: list[int]) -> np.ndarray:
