@@ -39,6 +39,7 @@ from xlm.entrypoints.openai.routes.common import (
     status_type,
 )
 from xlm.entrypoints.openai.routes.models import lora_router
+from xlm.entrypoints.openai.routes.score import UNVERSIONED_PATHS
 from xlm.entrypoints.openai.security import BodySizeLimit, api_key_ok, needs_api_key
 from xlm.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -112,7 +113,7 @@ def _install_guards(app: FastAPI, args: argparse.Namespace, state: ServerState) 
                         code="invalid_api_key",
                     )
                 )
-        if request.method != "OPTIONS" and path.startswith("/v1"):
+        if request.method != "OPTIONS" and (path.startswith("/v1") or path in UNVERSIONED_PATHS):
             if state.draining:
                 return error_response(
                     OpenAIError(

@@ -58,3 +58,13 @@ def test_bodies_are_in_the_openapi_document_and_bad_ones_are_400s(client):
     )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "documents"
+
+
+def test_a_draining_server_refuses_every_path_with_503(client):
+    client.app.state.xlm.draining = True
+    try:
+        for path, kind in PATHS.items():
+            r = client.post(path, json=BODIES[kind], headers={"Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 503, (path, r.text)
+    finally:
+        client.app.state.xlm.draining = False

@@ -16,6 +16,8 @@ from xlm.entrypoints.openai.score_protocol import (
 )
 
 router = APIRouter()
+# The paths vLLM serves outside /v1: refused with 503 while draining, as /v1/* are.
+UNVERSIONED_PATHS = frozenset({"/score", "/rerank", "/v2/rerank", "/classify"})
 
 
 @router.post("/score", openapi_extra=body_schema(ScoreRequest))
