@@ -9,8 +9,8 @@ import pytest
 
 import xlm
 from tests.conftest import build_tokenizer, write_tiny_checkpoint
-from xlm.models.classifier import as_seq_cls_model, label_names
-from xlm.models.pooling_config import resolve_convert, resolve_runner
+from xlm.models.classifier import as_seq_cls_model
+from xlm.models.pooling_config import label_names, resolve_convert, resolve_runner
 from xlm.models.registry import ModelRegistry, seq_cls_lm
 
 ENGINE = dict(

@@ -12,7 +12,7 @@ from xlm.config import ModelConfig, XlmConfig
 from xlm.engine.exceptions import RequestValidationError
 from xlm.engine.messages import EngineCoreRequest
 from xlm.lora.request import LoRARequest
-from xlm.models.classifier import label_names
+from xlm.models.pooling_config import label_names
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import MAX_DEVICE_LOGPROBS, RequestOutputKind, SamplingParams
 from xlm.structured_output.backend import validate as validate_structured_outputs

@@ -192,8 +192,8 @@ class LLM:
         """Label probabilities per prompt (`outputs.probs`: sigmoid of one label, softmax of
         several; `outputs.label`: the likeliest, from config.id2label) from a classifier
         (a *ForSequenceClassification checkpoint, or `convert="classify"`)."""
+        labels = score_utils.check_classifier(self.llm_engine.processor.pooling)
         outputs = self._pool(prompts, PoolingParams(task="classify"), use_tqdm, lora_request)
-        labels = self.llm_engine.processor.pooling.labels
         for out in outputs:
             out.outputs = score_utils.classification(out.outputs.data, labels)
         return outputs

@@ -64,6 +64,18 @@ def check_scoring_model(pooling: Any) -> bool:
     return pooling.labels is not None
 
 
+def check_classifier(pooling: Any) -> tuple[str, ...]:
+    """The labels of a model that classifies; RequestValidationError for a generating
+    model (an embedder is refused by the processor, per request)."""
+    if pooling is None:
+        raise RequestValidationError(
+            "This model generates text (runner 'generate'): it does not classify; serve "
+            "a *ForSequenceClassification checkpoint or start it with --convert classify",
+            "model",
+        )
+    return pooling.labels
+
+
 def score_inputs(
     tokenizer: Any, pairs: Sequence[tuple[str, str]], cross_encoder: bool
 ) -> tuple[list[list[int]], PoolingParams | None]:

@@ -20,21 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlm.models.layers import Linear
+from xlm.models.pooling_config import num_labels_of
 from xlm.models.weights import WeightTarget
-
-
-def num_labels_of(hf_config: Any) -> int:
-    """The classifier's number of labels (transformers' `num_labels`, from id2label)."""
-    return int(getattr(hf_config, "num_labels", None) or 1)
-
-
-def label_names(hf_config: Any) -> list[str]:
-    """Each label's name from config.id2label (LABEL_i where it has none)."""
-    id2label = getattr(hf_config, "id2label", None) or {}
-    return [
-        str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}")))
-        for i in range(num_labels_of(hf_config))
-    ]
 
 
 class _SequenceClassifier:

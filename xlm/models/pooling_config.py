@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from xlm.models.registry import base_model_lm
 from xlm.pooling_params import PoolingParams, PoolingType
@@ -119,3 +120,17 @@ def _check_st_modules(model_dir: str) -> None:
                 "sentence-transformers module xlm does not apply; serving without it would "
                 f"give other embeddings. Supported modules: {', '.join(_ST_APPLIED)}"
             )
+
+
+def num_labels_of(hf_config: Any) -> int:
+    """The classifier's number of labels (transformers' `num_labels`, from id2label)."""
+    return int(getattr(hf_config, "num_labels", None) or 1)
+
+
+def label_names(hf_config: Any) -> list[str]:
+    """Each label's name from config.id2label (LABEL_i where it has none)."""
+    id2label = getattr(hf_config, "id2label", None) or {}
+    return [
+        str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}")))
+        for i in range(num_labels_of(hf_config))
+    ]

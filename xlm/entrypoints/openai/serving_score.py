@@ -8,7 +8,6 @@ the cosine of the two texts' embeddings. Every input of a request is pooled conc
 
 from __future__ import annotations
 
-from xlm.engine.exceptions import RequestValidationError
 from xlm.entrypoints import score_utils
 from xlm.entrypoints.openai.protocol import UsageInfo, random_uuid
 from xlm.entrypoints.openai.score_protocol import (
@@ -85,19 +84,13 @@ class OpenAIServingScore:
         """vLLM's /classify: each input's label probabilities and likeliest label."""
         ctx = self.ctx
         lora = ctx.check_model(request.model)
-        pooling = ctx.engine.processor.pooling
+        labels = score_utils.check_classifier(ctx.engine.processor.pooling)
         params = PoolingParams(task="classify")
-        if pooling is None:
-            raise RequestValidationError(
-                "This model generates text (runner 'generate'): it does not classify; serve "
-                "a *ForSequenceClassification checkpoint or start it with --convert classify",
-                "model",
-            )
         prompts = await ctx.run_blocking(ctx.tokenize_prompts, request.prompts(), True)
         outputs = await pool_all(ctx, f"classify-{random_uuid()}", prompts, params, lora)
         data = []
         for i, out in enumerate(outputs):
-            result = score_utils.classification(out.outputs.data, pooling.labels)
+            result = score_utils.classification(out.outputs.data, labels)
             data.append(
                 ClassificationData(
                     index=i,
