@@ -161,6 +161,7 @@ def fuzz_for_server_errors(
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
+    headers = dict(headers or {})
     schema = schemathesis.openapi.from_url(url + "/openapi.json", headers=headers)
     operations = [result.ok() for result in schema.get_all_operations()]
     operations = [op for op in operations if paths is None or op.path in paths]
