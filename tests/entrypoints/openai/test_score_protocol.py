@@ -49,6 +49,13 @@ def test_bad_bodies_are_400s_naming_the_field(model, body, param, words):
     assert words in str(error)
 
 
+def test_an_extra_num_inputs_field_does_not_change_a_completions_cost():
+    from xlm.entrypoints.openai.protocol import CompletionRequest
+
+    request = CompletionRequest.model_validate({"prompt": ["a", "b"], "num_inputs": 7})
+    assert request_cost(request) == 2
+
+
 def test_rerank_documents_as_strings_or_text_objects():
     request = RerankRequest.model_validate(
         {"query": "q", "documents": ["a", {"text": "b"}], "top_n": 0}

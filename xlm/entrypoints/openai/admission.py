@@ -27,7 +27,7 @@ def request_cost(request: Any) -> int:
     """Sequences a parsed request puts into the engine: n per prompt (a score or rerank
     request: one per pair)."""
     num_inputs = getattr(request, "num_inputs", None)
-    if num_inputs is not None:
+    if callable(num_inputs):  # not a client's extra body field of that name
         return max(1, num_inputs())
     n = max(1, int(getattr(request, "n", 1) or 1))
     prompt = getattr(request, "prompt", getattr(request, "input", None))
