@@ -33,6 +33,7 @@ from xlm.entrypoints.openai.cli_args import check_max_logprobs
 from xlm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
 from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from xlm.entrypoints.openai.responses_protocol import ResponsesRequest
 from xlm.entrypoints.openai.serving_engine import (
     OpenAIError,
     error_from_exception,
@@ -47,6 +48,7 @@ ENDPOINTS: dict[str, tuple[type, str, str]] = {
     "/v1/completions": (CompletionRequest, "completion", "create_completion"),
     "/v1/chat/completions": (ChatCompletionRequest, "chat", "create_chat_completion"),
     "/v1/embeddings": (EmbeddingRequest, "embedding", "create_embedding"),
+    "/v1/responses": (ResponsesRequest, "responses", "create_response"),
 }
 
 

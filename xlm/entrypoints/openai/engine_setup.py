@@ -23,6 +23,7 @@ from xlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from xlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from xlm.entrypoints.openai.serving_engine import ServingContext
 from xlm.entrypoints.openai.serving_models import OpenAIServingModels
+from xlm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
 
@@ -77,6 +78,7 @@ class ServerState:
             self.ctx, getattr(args, "lora_modules", None) or (), getattr(args, "lora_root", None)
         )
         self.embedding = OpenAIServingEmbedding(self.ctx)
+        self.responses = OpenAIServingResponses.from_args(self.chat, args)
         max_num_seqs = int(getattr(args, "max_num_seqs", None) or EngineArgs.max_num_seqs)
         max_waiting = getattr(args, "max_waiting_requests", None)
         if max_waiting is None:
