@@ -37,6 +37,7 @@ _SAME_FIELDS = (
     "priority",
     "cache_salt",
     "chat_template_kwargs",
+    "structured_outputs",
 )
 
 

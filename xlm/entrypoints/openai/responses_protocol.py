@@ -50,6 +50,7 @@ class ResponsesRequest(OpenAIBaseModel):
     priority: Int32 = 0
     cache_salt: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class InputTokensDetails(OpenAIBaseModel):
