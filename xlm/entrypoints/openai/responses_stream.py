@@ -14,8 +14,10 @@ module turns them into the documented event sequence, each event with its `type`
       function call: response.function_call_arguments.delta ...,
         response.function_call_arguments.done
     response.output_item.done,
-    then response.completed (or response.incomplete when max_output_tokens cut it,
-    response.failed when the engine failed it).
+    then response.completed (or response.incomplete when max_output_tokens cut it or
+    the server aborted it at shutdown, response.failed when the engine failed it).
+
+As OpenAI's, each event has an `event:` line naming its type, and no `[DONE]` follows.
 """
 
 from __future__ import annotations
@@ -67,10 +69,10 @@ class ResponseEventStream:
         self.reasoning = ""
 
     def event(self, kind: str, **fields: Any) -> str:
-        """One SSE event of the given type."""
+        """One SSE event of the given type (named in its `event:` line too, as OpenAI's)."""
         data = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return sse(data)
+        return f"event: {kind}\n{sse(data)}"
 
     def _snapshot(self, kind: str) -> str:
         return self.event(kind, response=self.response.model_dump())
@@ -96,7 +98,6 @@ class ResponseEventStream:
                 yield event
         finally:
             await chat_stream.aclose()
-        yield SSE_DONE
 
     def _on_chunk(self, chunk: dict[str, Any]) -> list[str]:
         if chunk.get("usage"):
