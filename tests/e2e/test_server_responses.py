@@ -57,11 +57,13 @@ PERSON = {
     "additionalProperties": False,
 }
 THINK_REGEX = r"<think>[a-z ]{5,30}</think>[A-Z][a-z ]{5,30}\."
+STORE_ENTRIES = 4
 
 
 @pytest.fixture(scope="module")
 def server():
     flags = ["--reasoning-parser", "qwen3", "--structured-outputs-enable-in-reasoning"]
+    flags += ["--responses-store-max-entries", str(STORE_ENTRIES)]
     with RemoteServer(flags) as srv:
         yield srv
 
@@ -281,6 +283,13 @@ def test_stored_responses_get_delete_and_store_false(client):
         respond(client, input="Again.", previous_response_id=unstored.id)
     assert info.value.body["param"] == "previous_response_id"
     assert info.value.body["code"] == "response_not_found"
+
+
+def test_the_store_keeps_the_newest_entries_the_flag_allows(client):
+    ids = [respond(client, input=f"Count {i}.", max_output_tokens=1).id for i in range(5)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
 
 
 def test_bodies_validate_against_the_sdk_models(server):
