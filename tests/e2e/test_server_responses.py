@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
 
-from tests.e2e.server_utils import MODEL, RemoteServer
+from tests.e2e.server_utils import MODEL, RemoteServer, metric_value
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
@@ -290,6 +291,29 @@ def test_the_store_keeps_the_newest_entries_the_flag_allows(client):
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(ids[0])
     assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+
+
+def test_a_stream_the_client_leaves_is_aborted_in_the_engine(server):
+    def aborted() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return metric_value(text, "xlm:request_success_total", {"finished_reason": "abort"}) or 0
+
+    before = aborted()
+    body = {"model": MODEL, "input": "Tell a long story.", "stream": True}
+    body["max_output_tokens"] = 200
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == "event: response.output_text.delta":
+                break  # one token, then hang up
+    for _ in range(120):
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        if metric_value(text, "xlm:num_requests_running") == 0.0:
+            break
+        time.sleep(0.5)
+    assert metric_value(text, "xlm:num_requests_running") == 0.0
+    assert metric_value(text, "xlm:kv_cache_usage_perc") == 0.0
+    assert aborted() == before + 1
 
 
 def test_bodies_validate_against_the_sdk_models(server):
