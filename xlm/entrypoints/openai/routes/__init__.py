@@ -3,6 +3,6 @@
 Adding a route family is adding a module here with an `APIRouter` and listing it below.
 """
 
-from xlm.entrypoints.openai.routes import embeddings, generate, models, system
+from xlm.entrypoints.openai.routes import embeddings, generate, messages, models, system
 
-ROUTERS = (system.router, models.router, generate.router, embeddings.router)
+ROUTERS = (system.router, models.router, generate.router, embeddings.router, messages.router)
