@@ -11,6 +11,7 @@ import pytest
 from tests.engine.reference import TINY_ENGINE
 from xlm.engine import processor as processor_module
 from xlm.engine.processor import Processor
+from xlm.entrypoints.openai.messages_protocol import MessagesRequest
 from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from xlm.sampling_params import SamplingParams
 from xlm.structured_output.params import StructuredOutputsParams
@@ -81,7 +82,7 @@ def _server_state(engine):
 
 
 async def _drain(result) -> None:
-    if not hasattr(result, "choices"):
+    if hasattr(result, "__aiter__"):
         async for _ in result:
             pass
 
@@ -105,6 +106,14 @@ def test_each_rule_runs_once_per_server_request(tiny_checkpoint, monkeypatch):
             logprobs=True,
             top_logprobs=1,
         ),
+        "messages streamed, named tool": MessagesRequest(
+            model="",
+            max_tokens=3,
+            stream=True,
+            messages=[{"role": "user", "content": "hello"}],
+            tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            tool_choice={"type": "tool", "name": "f"},
+        ),
     }
 
     async def main() -> dict[str, tuple[Counter, Counter]]:
@@ -126,7 +135,10 @@ def test_each_rule_runs_once_per_server_request(tiny_checkpoint, monkeypatch):
             for name, request in requests.items():
                 counts = _count_rules(monkeypatch)
                 sent.clear()
-                if isinstance(request, ChatCompletionRequest):
+                if isinstance(request, MessagesRequest):
+                    request.model = state.ctx.model_name  # Anthropic's model is required
+                    await _drain(await state.messages.create_message(request))
+                elif isinstance(request, ChatCompletionRequest):
                     await _drain(await state.chat.create_chat_completion(request))
                 else:
                     await _drain(await state.completion.create_completion(request))
@@ -153,3 +165,4 @@ def test_each_rule_runs_once_per_server_request(tiny_checkpoint, monkeypatch):
         assert counts["min_tokens <= max_tokens"] == 1, name
         assert not decoded, f"{name}: decoding in the engine core re-validated {dict(decoded)}"
     assert counted["completion streamed, regex"][0]["structured outputs"] == 1
+    assert counted["messages streamed, named tool"][0]["structured outputs"] == 1
