@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.server_utils import MODEL, RemoteServer
+from tests.e2e.test_server_structured import WEATHER  # the chat tool tests' schema
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -26,15 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 KEY = "messages-key"
 SYSTEM = "You are a terse assistant."
 ASK = {"role": "user", "content": "Name three colors."}
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "minLength": 2, "maxLength": 12},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOL = {"name": "get_weather", "description": "The weather of a city", "input_schema": WEATHER}
 CHAT_TOOL = {
     "type": "function",
