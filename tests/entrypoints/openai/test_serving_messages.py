@@ -246,3 +246,20 @@ def test_stream_stop_sequence_abort_and_error():
     failed = list(stream.feed({"error": {"message": "boom", "type": "server_error"}}))
     failed += list(stream.end())
     assert len(failed) == 1 and '"api_error"' in failed[0] and "boom" in failed[0]
+
+
+def test_overload_and_draining_are_overloaded_errors_keeping_their_status(tokenizer):
+    args = _args("--max-num-seqs", "1", "--max-waiting-requests", "0")
+    app = build_app(args, FakeAsyncEngine(tokenizer, 128))
+    with TestClient(app) as c:
+        state = app.state.xlm
+        assert state.admission.try_acquire(1)  # the one seat is taken
+        r = c.post("/v1/messages", json=_ask())
+        assert "retry" in _anthropic_error(r, 429, "overloaded_error")
+        assert r.headers["retry-after"] == "1"
+        state.admission.release(1)
+        assert c.post("/v1/messages", json=_ask()).status_code == 200
+        state.draining = True
+        _anthropic_error(c.post("/v1/messages", json=_ask()), 503, "overloaded_error")
+        other = c.post("/v1/completions", json={"prompt": "x"}).json()
+        assert set(other) == {"error"} and other["error"]["type"] == "service_unavailable"
