@@ -60,9 +60,9 @@ class MessagesStream:
                 "output_tokens": usage["completion_tokens"],
             }
         for choice in chunk.get("choices", ()):
-            if not self.started and not _has_output(choice["delta"]):
-                if choice.get("finish_reason") is None:
-                    continue  # the role chunk: wait for usage to start the message
+            idle = not _has_output(choice["delta"]) and choice.get("finish_reason") is None
+            if idle and not self.started:
+                continue  # the role chunk: the first chunk with usage starts the message
             yield from self.start(chunk)
             yield from self.delta(choice["delta"])
             if choice.get("finish_reason") is not None:
