@@ -11,6 +11,7 @@ import pytest
 from tests.engine.reference import TINY_ENGINE
 from xlm.engine import processor as processor_module
 from xlm.engine.processor import Processor
+from xlm.entrypoints.openai.messages_protocol import MessagesRequest
 from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from xlm.entrypoints.openai.responses_protocol import ResponsesRequest
 from xlm.sampling_params import SamplingParams
@@ -129,6 +130,14 @@ def test_each_rule_runs_once_per_server_request(tiny_checkpoint, monkeypatch):
                 "tool_choice": {"type": "function", "name": "f"},
             }
         ),
+        "messages streamed, named tool": MessagesRequest(
+            model="",
+            max_tokens=3,
+            stream=True,
+            messages=[{"role": "user", "content": "hello"}],
+            tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            tool_choice={"type": "tool", "name": "f"},
+        ),
     }
 
     async def main() -> dict[str, tuple[Counter, Counter]]:
@@ -152,6 +161,9 @@ def test_each_rule_runs_once_per_server_request(tiny_checkpoint, monkeypatch):
                 sent.clear()
                 if isinstance(request, ResponsesRequest):
                     await _drain(await state.responses.create_response(request))
+                elif isinstance(request, MessagesRequest):
+                    request.model = state.ctx.model_name  # Anthropic's model is required
+                    await _drain(await state.messages.create_message(request))
                 elif isinstance(request, ChatCompletionRequest):
                     await _drain(await state.chat.create_chat_completion(request))
                 else:
@@ -181,3 +193,4 @@ def test_each_rule_runs_once_per_server_request(tiny_checkpoint, monkeypatch):
     assert counted["completion streamed, regex"][0]["structured outputs"] == 1
     assert counted["responses streamed, json_schema"][0]["structured outputs"] == 1
     assert counted["responses streamed, named tool"][0]["structured outputs"] == 1
+    assert counted["messages streamed, named tool"][0]["structured outputs"] == 1

@@ -22,6 +22,7 @@ from xlm.entrypoints.openai.serving_chat import OpenAIServingChat
 from xlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from xlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from xlm.entrypoints.openai.serving_engine import ServingContext
+from xlm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from xlm.entrypoints.openai.serving_models import OpenAIServingModels
 from xlm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -74,6 +75,7 @@ class ServerState:
             tool_call_parser=getattr(args, "tool_call_parser", None),
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         )
+        self.messages = AnthropicServingMessages(self.chat)
         self.models = OpenAIServingModels(
             self.ctx, getattr(args, "lora_modules", None) or (), getattr(args, "lora_root", None)
         )

@@ -3,6 +3,13 @@
 Adding a route family is adding a module here with an `APIRouter` and listing it below.
 """
 
-from xlm.entrypoints.openai.routes import embeddings, generate, models, responses, system
+from xlm.entrypoints.openai.routes import embeddings, generate, messages, models, responses, system
 
-ROUTERS = (system.router, models.router, generate.router, embeddings.router, responses.router)
+ROUTERS = (
+    system.router,
+    models.router,
+    generate.router,
+    embeddings.router,
+    responses.router,
+    messages.router,
+)
