@@ -33,7 +33,9 @@ from xlm import envs
 from xlm.entrypoints.openai.cli_args import check_max_logprobs
 from xlm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
+from xlm.entrypoints.openai.messages_protocol import MessagesRequest
 from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from xlm.entrypoints.openai.responses_protocol import ResponsesRequest
 from xlm.entrypoints.openai.score_protocol import SCORE_ENDPOINTS
 from xlm.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -50,6 +52,8 @@ ENDPOINTS: dict[str, tuple[type, str, str]] = {
     "/v1/chat/completions": (ChatCompletionRequest, "chat", "create_chat_completion"),
     "/v1/embeddings": (EmbeddingRequest, "embedding", "create_embedding"),
     **SCORE_ENDPOINTS,
+    "/v1/responses": (ResponsesRequest, "responses", "create_response"),
+    "/v1/messages": (MessagesRequest, "messages", "create_message"),
 }
 
 

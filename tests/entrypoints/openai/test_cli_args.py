@@ -76,3 +76,17 @@ def test_xlm_serve_config_file_reads_the_given_argv_not_sys_argv(tmp_path, monke
     (args,) = seen
     assert args.model == "smollm2-135m" and args.port == 9200 and args.max_num_seqs == 8
     assert args.config == str(path)
+
+
+def test_responses_store_flags_default_and_bounds(capsys):
+    from xlm.entrypoints.openai.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES
+
+    args = _parse(["smollm2-135m"])
+    assert args.responses_store_max_entries == DEFAULT_MAX_ENTRIES
+    assert args.responses_store_max_age == DEFAULT_MAX_AGE_S
+    args = _parse(["m", "--responses-store-max-entries", "0", "--responses-store-max-age", "5"])
+    assert (args.responses_store_max_entries, args.responses_store_max_age) == (0, 5.0)
+    for bad in (["--responses-store-max-entries", "-1"], ["--responses-store-max-age", "0"]):
+        with pytest.raises(SystemExit):
+            _parse(["m", *bad])
+        assert "--responses-store-max-age > 0" in capsys.readouterr().err

@@ -11,7 +11,9 @@ import pytest
 from tests.engine.reference import TINY_ENGINE
 from xlm.engine import processor as processor_module
 from xlm.engine.processor import Processor
+from xlm.entrypoints.openai.messages_protocol import MessagesRequest
 from xlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from xlm.entrypoints.openai.responses_protocol import ResponsesRequest
 from xlm.sampling_params import SamplingParams
 from xlm.structured_output.params import StructuredOutputsParams
 
@@ -81,7 +83,7 @@ def _server_state(engine):
 
 
 async def _drain(result) -> None:
-    if not hasattr(result, "choices"):
+    if hasattr(result, "__aiter__"):
         async for _ in result:
             pass
 
@@ -105,6 +107,37 @@ def test_each_rule_runs_once_per_server_request(tiny_checkpoint, monkeypatch):
             logprobs=True,
             top_logprobs=1,
         ),
+        # Responses translate into one chat request: no rule of their own runs twice.
+        "responses": ResponsesRequest.model_validate(
+            {"input": "hello", "max_output_tokens": 3, "temperature": 0, "seed": 1}
+        ),
+        # Streamed: the tiny tokenizer fails constraints in the engine (an error event).
+        "responses streamed, json_schema": ResponsesRequest.model_validate(
+            {
+                "input": "hello",
+                "max_output_tokens": 3,
+                "stream": True,
+                "text": {"format": {"type": "json_schema", "name": "o", "schema": {}}},
+            }
+        ),
+        "responses streamed, named tool": ResponsesRequest.model_validate(
+            {
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+                "instructions": "Be brief.",
+                "max_output_tokens": 2,
+                "stream": True,
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                "tool_choice": {"type": "function", "name": "f"},
+            }
+        ),
+        "messages streamed, named tool": MessagesRequest(
+            model="",
+            max_tokens=3,
+            stream=True,
+            messages=[{"role": "user", "content": "hello"}],
+            tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            tool_choice={"type": "tool", "name": "f"},
+        ),
     }
 
     async def main() -> dict[str, tuple[Counter, Counter]]:
@@ -126,7 +159,12 @@ def test_each_rule_runs_once_per_server_request(tiny_checkpoint, monkeypatch):
             for name, request in requests.items():
                 counts = _count_rules(monkeypatch)
                 sent.clear()
-                if isinstance(request, ChatCompletionRequest):
+                if isinstance(request, ResponsesRequest):
+                    await _drain(await state.responses.create_response(request))
+                elif isinstance(request, MessagesRequest):
+                    request.model = state.ctx.model_name  # Anthropic's model is required
+                    await _drain(await state.messages.create_message(request))
+                elif isinstance(request, ChatCompletionRequest):
                     await _drain(await state.chat.create_chat_completion(request))
                 else:
                     await _drain(await state.completion.create_completion(request))
@@ -153,3 +191,6 @@ def test_each_rule_runs_once_per_server_request(tiny_checkpoint, monkeypatch):
         assert counts["min_tokens <= max_tokens"] == 1, name
         assert not decoded, f"{name}: decoding in the engine core re-validated {dict(decoded)}"
     assert counted["completion streamed, regex"][0]["structured outputs"] == 1
+    assert counted["responses streamed, json_schema"][0]["structured outputs"] == 1
+    assert counted["responses streamed, named tool"][0]["structured outputs"] == 1
+    assert counted["messages streamed, named tool"][0]["structured outputs"] == 1

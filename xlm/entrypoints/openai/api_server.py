@@ -38,9 +38,10 @@ from xlm.entrypoints.openai.routes.common import (
     install_body_schemas,
     status_type,
 )
+from xlm.entrypoints.openai.routes.messages import MessagesErrorShape
 from xlm.entrypoints.openai.routes.models import lora_router
 from xlm.entrypoints.openai.routes.score import UNVERSIONED_PATHS
-from xlm.entrypoints.openai.security import BodySizeLimit, api_key_ok, needs_api_key
+from xlm.entrypoints.openai.security import BodySizeLimit, needs_api_key, request_key_ok
 from xlm.entrypoints.openai.serving_engine import (
     OpenAIError,
     error_from_exception,
@@ -57,6 +58,7 @@ def build_app(args: argparse.Namespace, engine: Any, registry: Any = None) -> Fa
     state = ServerState(args, engine, registry)
     app.state.xlm = state
     _install_guards(app, args, state)
+    app.add_middleware(MessagesErrorShape)  # outermost: Anthropic's errors on /v1/messages
     _install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -104,7 +106,7 @@ def _install_guards(app: FastAPI, args: argparse.Namespace, state: ServerState) 
     async def gate(request: Request, call_next: Any) -> Response:
         path = request.url.path
         if api_key is not None and needs_api_key(path, request.method, protect_metrics):
-            if not api_key_ok(request.headers.get("authorization"), api_key):
+            if not request_key_ok(path, request.headers, api_key):
                 return error_response(
                     OpenAIError(
                         "Invalid or missing API key",

@@ -16,6 +16,7 @@ from xlm.entrypoints.openai.limits import (
     DEFAULT_MAX_N,
     WAITING_PER_SEQ,
 )
+from xlm.entrypoints.openai.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES
 from xlm.sampling_params import MAX_DEVICE_LOGPROBS
 
 
@@ -165,6 +166,7 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     )
     _add_access_args(group)
     _add_request_limit_args(group)
+    _add_responses_store_args(group)
     group.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
     group.add_argument(
         "--tool-call-parser",
@@ -251,6 +253,23 @@ def _add_request_limit_args(group: Any) -> None:
         default=MAX_DEVICE_LOGPROBS,
         help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for "
         f"(default {MAX_DEVICE_LOGPROBS}, the most the device returns)",
+    )
+
+
+def _add_responses_store_args(group: Any) -> None:
+    """Bounds of the /v1/responses store (previous_response_id, GET /v1/responses/{id})."""
+    group.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
+        help="responses kept for previous_response_id, oldest evicted first; 0 keeps none "
+        f"(default {DEFAULT_MAX_ENTRIES})",
+    )
+    group.add_argument(
+        "--responses-store-max-age",
+        type=float,
+        default=DEFAULT_MAX_AGE_S,
+        help=f"seconds a stored response is kept (default {DEFAULT_MAX_AGE_S:.0f})",
     )
 
 
@@ -366,6 +385,8 @@ def settle_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ar
         parser.error(f"--max-waiting-requests={args.max_waiting_requests} must be >= 0")
     if args.allow_credentials and "*" in args.allowed_origins:
         parser.error("--allow-credentials cannot be used with the '*' origin: list the origins")
+    if args.responses_store_max_entries < 0 or args.responses_store_max_age <= 0:
+        parser.error("--responses-store-max-entries must be >= 0 and --responses-store-max-age > 0")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     try:

@@ -22,8 +22,10 @@ from xlm.entrypoints.openai.serving_chat import OpenAIServingChat
 from xlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from xlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from xlm.entrypoints.openai.serving_engine import ServingContext
+from xlm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from xlm.entrypoints.openai.serving_models import OpenAIServingModels
 from xlm.entrypoints.openai.serving_score import OpenAIServingScore
+from xlm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
 
@@ -74,11 +76,13 @@ class ServerState:
             tool_call_parser=getattr(args, "tool_call_parser", None),
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         )
+        self.messages = AnthropicServingMessages(self.chat)
         self.models = OpenAIServingModels(
             self.ctx, getattr(args, "lora_modules", None) or (), getattr(args, "lora_root", None)
         )
         self.embedding = OpenAIServingEmbedding(self.ctx)
         self.score = OpenAIServingScore(self.ctx)
+        self.responses = OpenAIServingResponses.from_args(self.chat, args)
         max_num_seqs = int(getattr(args, "max_num_seqs", None) or EngineArgs.max_num_seqs)
         max_waiting = getattr(args, "max_waiting_requests", None)
         if max_waiting is None:

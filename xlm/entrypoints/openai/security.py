@@ -11,6 +11,8 @@ import hmac
 import json
 from typing import Any
 
+from xlm.entrypoints.openai.messages_protocol import is_messages_path
+
 # Routes answered without the API key (load balancers and probes use them).
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 
@@ -19,6 +21,17 @@ def api_key_ok(header: str | None, api_key: str) -> bool:
     """Whether an Authorization header carries the key (compared in constant time)."""
     expected = f"Bearer {api_key}".encode()
     return hmac.compare_digest((header or "").encode(), expected)
+
+
+def request_key_ok(path: str, headers: Any, api_key: str) -> bool:
+    """Whether a request carries the key: `Authorization: Bearer` on every route, and
+    Anthropic's `x-api-key` header too on the Messages API's routes."""
+    if api_key_ok(headers.get("authorization"), api_key):
+        return True
+    if is_messages_path(path):
+        given = (headers.get("x-api-key") or "").encode()
+        return hmac.compare_digest(given, api_key.encode())
+    return False
 
 
 def needs_api_key(path: str, method: str, protect_metrics: bool) -> bool:

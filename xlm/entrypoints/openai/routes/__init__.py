@@ -3,6 +3,22 @@
 Adding a route family is adding a module here with an `APIRouter` and listing it below.
 """
 
-from xlm.entrypoints.openai.routes import embeddings, generate, models, score, system
+from xlm.entrypoints.openai.routes import (
+    embeddings,
+    generate,
+    messages,
+    models,
+    responses,
+    score,
+    system,
+)
 
-ROUTERS = (system.router, models.router, generate.router, embeddings.router, score.router)
+ROUTERS = (
+    system.router,
+    models.router,
+    generate.router,
+    embeddings.router,
+    responses.router,
+    messages.router,
+    score.router,
+)
