@@ -24,8 +24,8 @@ from xlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from xlm.entrypoints.openai.serving_engine import ServingContext
 from xlm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from xlm.entrypoints.openai.serving_models import OpenAIServingModels
-from xlm.entrypoints.openai.serving_score import OpenAIServingScore
 from xlm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from xlm.entrypoints.openai.serving_score import OpenAIServingScore
 from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
 
