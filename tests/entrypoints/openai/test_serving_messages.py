@@ -1,10 +1,11 @@
 """/v1/messages over a stand-in engine, through the official anthropic client: the reply
 equals the chat route's for the same conversation (thinking split by the server's reasoning
-parser included), streamed events rebuild the same message, errors take Anthropic's shape
-on these paths only, x-api-key is accepted there only, and run-batch answers
-`/v1/messages` lines with the route's own body.
+parser included), streamed events rebuild the same message, the handler's errors reach the
+SDK as its typed errors, and run-batch answers `/v1/messages` lines with the route's own body.
 
-The real engine and model are exercised by tests/e2e/test_server_messages.py.
+The routes' own layer (the error-shape middleware, x-api-key) is tested in
+tests/entrypoints/openai/routes/test_messages.py; the real engine and model by
+tests/e2e/test_server_messages.py.
 """
 
 from __future__ import annotations
@@ -158,30 +159,6 @@ def test_sdk_raises_its_typed_errors(client):
     assert e.value.body["error"]["type"] == "authentication_error"
 
 
-def test_errors_of_other_layers_take_anthropic_shape_here_only(tokenizer, http):
-    _anthropic_error(http.get("/v1/messages", headers=BEARER), 405, "invalid_request_error")
-    r = http.post("/v1/messages", content=b"{", headers={**BEARER, "content-type": "text/plain"})
-    _anthropic_error(r, 415, "invalid_request_error")
-    _anthropic_error(http.post("/v1/messages", json=_ask()), 401, "authentication_error")
-    r = http.post("/v1/messages/count_tokens", json={"model": MODEL}, headers=BEARER)
-    _anthropic_error(r, 400, "invalid_request_error")
-    args = _args("--max-request-body-bytes", "64")
-    with TestClient(build_app(args, FakeAsyncEngine(tokenizer, 128))) as small:
-        r = small.post("/v1/messages", json=_ask(system="s" * 100))
-        _anthropic_error(r, 413, "request_too_large")
-    chat = http.post("/v1/chat/completions", json={"messages": []}, headers={"x-api-key": KEY})
-    assert chat.status_code == 401 and chat.json()["error"]["code"] == "invalid_api_key"
-
-
-def test_x_api_key_and_bearer_both_open_the_messages_routes(http):
-    for headers in ({"x-api-key": KEY}, BEARER):
-        assert http.post("/v1/messages", json=_ask(), headers=headers).status_code == 200
-        ask = {k: v for k, v in _ask().items() if k != "max_tokens"}
-        r = http.post("/v1/messages/count_tokens", json=ask, headers=headers)
-        assert r.status_code == 200 and r.json()["input_tokens"] > 0
-    assert http.get("/v1/models", headers={"x-api-key": KEY}).status_code == 401
-
-
 def test_run_batch_answers_messages_lines_with_the_routes_body(tokenizer, http):
     state = ServerState(_args(*FLAGS), FakeAsyncEngine(tokenizer, 128), None)
     record = {"custom_id": "a", "method": "POST", "url": "/v1/messages", "body": _ask()}
@@ -246,20 +223,3 @@ def test_stream_stop_sequence_abort_and_error():
     failed = list(stream.feed({"error": {"message": "boom", "type": "server_error"}}))
     failed += list(stream.end())
     assert len(failed) == 1 and '"api_error"' in failed[0] and "boom" in failed[0]
-
-
-def test_overload_and_draining_are_overloaded_errors_keeping_their_status(tokenizer):
-    args = _args("--max-num-seqs", "1", "--max-waiting-requests", "0")
-    app = build_app(args, FakeAsyncEngine(tokenizer, 128))
-    with TestClient(app) as c:
-        state = app.state.xlm
-        assert state.admission.try_acquire(1)  # the one seat is taken
-        r = c.post("/v1/messages", json=_ask())
-        assert "retry" in _anthropic_error(r, 429, "overloaded_error")
-        assert r.headers["retry-after"] == "1"
-        state.admission.release(1)
-        assert c.post("/v1/messages", json=_ask()).status_code == 200
-        state.draining = True
-        _anthropic_error(c.post("/v1/messages", json=_ask()), 503, "overloaded_error")
-        other = c.post("/v1/completions", json={"prompt": "x"}).json()
-        assert set(other) == {"error"} and other["error"]["type"] == "service_unavailable"
