@@ -12,6 +12,7 @@ figures and the chip's published peaks, never a measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable
@@ -292,25 +293,58 @@ def _weights_do_not_fit(e: KVCacheTooSmallError, config: XlmConfig, budget: _Bud
     )
 
 
-def _sized_cache(
-    worker: Worker, sizes: dict[str, int], max_temp: int, budget: _Budget
-) -> dict[str, int]:
-    """The KV cache the chip holds once the programs' real temporaries are known.
+def _cache_blocks(worker: Worker, weight_bytes: int, max_temp: int, budget: _Budget) -> int:
+    """KV blocks the chip holds beside the weights and the largest program's temporaries
+    (at least one request's: fewer do not fit, and the total then says by how much)."""
+    block_bytes = max(per_device_bytes(worker.model_runner.kv_caches).values()) // worker.num_blocks
+    blocks = max(budget.allowed - weight_bytes - max_temp, 0) // block_bytes
+    return max(blocks, worker.blocks_for_one_request())
 
-    The engine sized the cache with an estimate of the activations; the cache is what is
-    left of the budget after the weights and the largest program's temporaries (its size
-    changes no program's temporaries: the cache is updated in place). Fewer blocks than one
-    request needs do not fit: the total then says by how much.
-    """
-    block_bytes = sizes["kv_cache_bytes"] // worker.num_blocks
-    blocks = max(budget.allowed - sizes["weight_bytes"] - max_temp, 0) // block_bytes
-    blocks = max(blocks, worker.blocks_for_one_request())
-    block_size = worker.config.cache_config.block_size
-    return {**sizes, "kv_cache_bytes": blocks * block_bytes, "kv_cache_tokens": blocks * block_size}
+
+def _with_blocks(config: XlmConfig, num_blocks: int) -> Worker:
+    """The plan's worker again, with a KV cache of `num_blocks` blocks."""
+    cache = dataclasses.replace(config.cache_config, num_blocks=num_blocks)
+    return Worker(config.replace(cache_config=cache))
+
+
+def _compile_chosen(
+    worker: Worker, every: bool
+) -> tuple[dict[ProgramKey, CompiledProgram], ProgramTooLargeError | None]:
+    """Compile the programs `choose_programs` picks; stop at the first one refused."""
+    specs = worker.model_runner.program_specs()
+    max_seqs = worker.config.scheduler_config.max_num_seqs
+    decode = {k for b in (1, max_seqs) for k in decode_keys(worker, b)}
+    programs: dict[ProgramKey, CompiledProgram] = {}
+    count = counted_cost(worker)
+    for key in choose_programs(specs, decode, every):
+        try:
+            programs[key] = compile_program(key, specs[key], count)
+        except ProgramTooLargeError as e:
+            return programs, e
+        logger.info("Compiled %s in %.1f s.", programs[key].name, programs[key].compile_s)
+    return programs, None
+
+
+def _grown_temps(
+    small: dict[ProgramKey, CompiledProgram], final: dict[ProgramKey, CompiledProgram]
+) -> list[str]:
+    """Programs whose temporaries grew when the cache did (an in-place cache update needs
+    none; a copy of the cache does)."""
+    slack = 1 << 20
+    return [
+        f"{p.name}: {small[key].temp_bytes} -> {p.temp_bytes} bytes"
+        for key, p in final.items()
+        if key in small and p.temp_bytes > 1.05 * small[key].temp_bytes + slack
+    ]
 
 
 def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
     """Build the worker for `config`'s target topology, compile its programs and report.
+
+    With the cache sized automatically, the programs are first compiled with the smallest
+    cache (one request's blocks): the cache is then what the budget leaves after the
+    weights and the largest program's temporaries, and the programs are compiled again
+    at that size to check that their temporaries did not grow with it.
 
     Call under `xlm.platforms.target.compiling_for(target)` from before the config is
     created, so that platform defaults (dtype, block size) are the target's.
@@ -334,36 +368,45 @@ def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
         return {**report, **_weights_do_not_fit(e, config, budget)}
     report["dtype"] = jnp.dtype(worker.kv_dtype).name
     report["block_size"] = config.cache_config.block_size
-    specs = worker.model_runner.program_specs()
-    report["num_programs"] = len(specs)
-    max_seqs = config.scheduler_config.max_num_seqs
-    decode = {k for b in (1, max_seqs) for k in decode_keys(worker, b)}
-    programs: dict[ProgramKey, CompiledProgram] = {}
-    sizes = _sizes(worker)
-    count = counted_cost(worker)
-    for key in choose_programs(specs, decode, every):
-        try:
-            programs[key] = compile_program(key, specs[key], count)
-        except ProgramTooLargeError as e:
-            return {
-                **report,
-                "fits": False,
-                "reason": f"the compiler refused {key.kind.value}[{key.size}]: {e}",
-                "per_chip": budget.per_chip(sizes, e.temp_bytes, None),
-                "programs": [p.as_json() for p in programs.values()],
-                "decode_estimate": None,
-            }
-        logger.info("Compiled %s in %.1f s.", programs[key].name, programs[key].compile_s)
-    max_temp = max(p.temp_bytes for p in programs.values())
+    report["num_programs"] = len(worker.model_runner.program_specs())
+    weight_bytes = worker.weight_bytes_per_device()
+    grown: list[str] = []
     if auto_kv:
-        sizes = _sized_cache(worker, sizes, max_temp, budget)
+        worker = _with_blocks(config, worker.blocks_for_one_request())
+        programs, refused = _compile_chosen(worker, every)
+        if refused is None:
+            small = programs
+            max_temp = max(p.temp_bytes for p in small.values())
+            blocks = _cache_blocks(worker, weight_bytes, max_temp, budget)
+            worker = _with_blocks(config, blocks)
+            programs, refused = _compile_chosen(worker, every)
+            grown = _grown_temps(small, programs)
+    else:
+        programs, refused = _compile_chosen(worker, every)
+    sizes = _sizes(worker)
+    if refused is not None:
+        growth = f" (temporaries grew with the cache: {'; '.join(grown)})" if grown else ""
+        return {
+            **report,
+            "fits": False,
+            "reason": f"the compiler refused {refused.key.kind.value}[{refused.key.size}]: "
+            f"{refused}{growth}",
+            "per_chip": budget.per_chip(sizes, refused.temp_bytes, None),
+            "programs": [p.as_json() for p in programs.values()],
+            "temp_grows_with_cache": grown,
+            "decode_estimate": None,
+        }
+    max_temp = max(p.temp_bytes for p in programs.values())
     total = sizes["weight_bytes"] + sizes["kv_cache_bytes"] + max_temp
     fits = total <= budget.allowed
     needs = (
         f"weights ({sizes['weight_bytes']}), the KV cache ({sizes['kv_cache_bytes']}) and the "
         f"largest program's temporaries ({max_temp})"
     )
+    if grown:
+        needs += f"; temporaries grew with the cache: {'; '.join(grown)}"
     tokens = sizes["kv_cache_tokens"]
+    max_seqs = config.scheduler_config.max_num_seqs
     batch_1 = decode_estimate(worker, target, programs, 1, tokens)
     batch_max = decode_estimate(worker, target, programs, max_seqs, tokens)
     return {
@@ -372,6 +415,7 @@ def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
         "reason": None if fits else budget.over(needs, total),
         "per_chip": budget.per_chip(sizes, max_temp, total),
         "programs": [p.as_json() for p in programs.values()],
+        "temp_grows_with_cache": grown,
         "decode_estimate": {
             "max_num_seqs": max_seqs,
             "batch_1_tok_s": batch_1["tok_s"],

@@ -17,6 +17,7 @@ _LAZY = {
     "kv_cache_shape_tpu": ".tpu",
     "ragged_paged_attention_tpu": ".tpu",
     "write_kv_tpu": ".tpu",
+    "tpu_row_width": ".tpu",
 }
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",
+    "tpu_row_width",
     "write_kv",
     "write_kv_tpu",
 ]

@@ -61,16 +61,25 @@ def scale_of(scale_bytes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(word, jnp.float32)
 
 
-def dequantize(rows: jax.Array, dtype, *, in_kernel: bool = False) -> jax.Array:
+def dequantize(
+    rows: jax.Array, dtype, *, in_kernel: bool = False, head_dim: int | None = None
+) -> jax.Array:
     """Cached rows [..., cache_row_width] -> [..., head_dim] values in `dtype`.
 
-    `in_kernel`: decode the scale with `scale_of` (Pallas) instead of a narrowing bitcast."""
+    `in_kernel`: decode the scale with `scale_of` (Pallas) instead of a narrowing bitcast.
+    `head_dim`: rows wider than `cache_row_width(head_dim)` (the TPU layout pads rows to
+    the 128 lanes) keep their width, with the scale and padding lanes read as zeros."""
     if not is_int8(rows.dtype):
         return rows.astype(dtype)
-    head_dim = rows.shape[-1] - SCALE_BYTES
-    scale_bytes = rows[..., head_dim:]
+    width = rows.shape[-1]
+    head_dim = width - SCALE_BYTES if head_dim is None else head_dim
+    scale_bytes = rows[..., head_dim : head_dim + SCALE_BYTES]
     if in_kernel:
         scale = scale_of(scale_bytes)
     else:
         scale = lax.bitcast_convert_type(scale_bytes, jnp.float32)
-    return (rows[..., :head_dim].astype(jnp.float32) * scale[..., None]).astype(dtype)
+    if head_dim + SCALE_BYTES == width:
+        return (rows[..., :head_dim].astype(jnp.float32) * scale[..., None]).astype(dtype)
+    lane = lax.broadcasted_iota(jnp.int32, rows.shape, rows.ndim - 1)
+    values = rows.astype(jnp.float32) * scale[..., None]
+    return jnp.where(lane < head_dim, values, 0.0).astype(dtype)

@@ -1,7 +1,8 @@
 """Ragged paged attention for TPU: a Pallas Mosaic kernel with its own KV cache layout.
 
-TPU layout: (2, num_blocks, num_kv_heads, block_size, head_dim). One kv head's page is then a
-contiguous, (8, 128)-tiled [block_size, head_dim] slab, so a page DMA lands in VMEM ready for
+TPU layout: (2, num_blocks, num_kv_heads, block_size, row), row = head_dim padded to at least
+the 128 lanes (`tpu_row_width`). One kv head's page is then a contiguous, (8, 128)-tiled
+[block_size, row] slab, so a page DMA lands in VMEM ready for
 the MXU. The shared layout (..., block_size, num_kv_heads, head_dim) would tile (Hkv, D) and pad
 Hkv up to 8 (16 for bf16) sublanes in HBM whenever Hkv is small, wasting memory and bandwidth.
 
@@ -26,13 +27,29 @@ from jax.experimental.pallas import tpu as pltpu
 from .kv_quant import cache_row_width, dequantize, quantize
 from .reference import MASK_VALUE
 
+LANES = 128  # a TPU vector register's minor dimension
+
+
+def tpu_row_width(head_dim: int, dtype) -> int:
+    """Elements of one cached (token, kv head) row in the TPU layout: `cache_row_width`,
+    padded with zeros up to the 128 lanes when it is narrower.
+
+    A narrower row (64-, 80- or 96-wide heads) gives the cache a shape the TPU compiler
+    lays out with the blocks dimension minor (to avoid padding it in HBM), a layout
+    neither the cache write nor the kernel takes: every step then copied each layer's whole
+    cache twice or three times (issue 46; RESULTS.md). A full-lane row is laid out
+    row-major, as the kernel reads it. Wider rows are kept as they are."""
+    width = cache_row_width(head_dim, dtype)
+    return max(width, LANES)
+
 
 def kv_cache_shape_tpu(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32
 ) -> tuple[int, ...]:
     """Shape of the TPU paged KV cache: (2, num_blocks, num_kv_heads, block_size, row), row =
-    head_dim (head_dim + 4 for int8: each row carries its scale, see kv_quant)."""
-    return (2, num_blocks, num_kv_heads, block_size, cache_row_width(head_dim, dtype))
+    `tpu_row_width` (head_dim, + 4 for int8: each row carries its scale, see kv_quant; at
+    least 128)."""
+    return (2, num_blocks, num_kv_heads, block_size, tpu_row_width(head_dim, dtype))
 
 
 def write_kv_tpu(
@@ -40,16 +57,23 @@ def write_kv_tpu(
 ) -> jax.Array:
     """Scatter k, v [T, Hkv, D] into the TPU-layout cache at slot = block_id * block_size + off.
 
-    The scatter runs on the (2, num_blocks, Hkv * block_size, D) view, one row per (head,
-    position): with one KV head per chip the 5-D form's size-1 axis made the TPU compiler
-    copy the whole cache around the scatter (seen in `xlm plan`'s temp bytes)."""
+    The scatter runs on the (2 * num_blocks, Hkv * block_size, row) view (a bitcast of the
+    cache), one whole row per (K or V, head, position): its only window is the minor
+    dimension, which the cache's row-major layout keeps contiguous. Scattering on the 5-D
+    form, or with K/V as a window dimension, made the TPU compiler relayout the whole cache
+    around the scatter (issue 46). Rows are written whole, padding lanes as zeros."""
     two, num_blocks, num_kv_heads, block_size, row = kv_cache.shape
     slots = slot_mapping.astype(jnp.int32)
     rows = jnp.arange(num_kv_heads)[None, :] * block_size + (slots % block_size)[:, None]
     blocks = jnp.repeat(slots // block_size, num_kv_heads)
-    kv = quantize(jnp.stack([k, v], axis=0), kv_cache.dtype).reshape(two, -1, row)
-    flat = jnp.asarray(kv_cache).reshape(two, num_blocks, num_kv_heads * block_size, row)
-    return flat.at[:, blocks, rows.reshape(-1)].set(kv, mode="drop").reshape(kv_cache.shape)
+    # K rows go to blocks [0, num_blocks), V rows to [num_blocks, 2 * num_blocks).
+    blocks = jnp.concatenate([blocks, blocks + num_blocks])
+    rows = jnp.tile(rows.reshape(-1), two)
+    kv = quantize(jnp.stack([k, v], axis=0), kv_cache.dtype)
+    kv = jnp.pad(kv, ((0, 0),) * (kv.ndim - 1) + ((0, row - kv.shape[-1]),))
+    kv = kv.reshape(-1, row)
+    flat = jnp.asarray(kv_cache).reshape(two * num_blocks, num_kv_heads * block_size, row)
+    return flat.at[blocks, rows].set(kv, mode="drop").reshape(kv_cache.shape)
 
 
 def _sublane_tile(dtype) -> int:
@@ -94,6 +118,7 @@ def _kernel(
     block_size,
     pages_per_tile,
     max_pages,
+    head_dim,
 ):
     h, g = pl.program_id(0), pl.program_id(1)
     rows = block_q * group
@@ -158,8 +183,8 @@ def _kernel(
                 c.wait()
             # An fp8 or int8 cache is widened to the queries' dtype in VMEM (a half or a
             # quarter of the HBM reads).
-            k = dequantize(k_buf[slot], q.dtype, in_kernel=True)
-            v = dequantize(v_buf[slot], q.dtype, in_kernel=True)
+            k = dequantize(k_buf[slot], q.dtype, in_kernel=True, head_dim=head_dim)
+            v = dequantize(v_buf[slot], q.dtype, in_kernel=True, head_dim=head_dim)
             s = (
                 lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 * sm_scale
@@ -234,6 +259,9 @@ def ragged_paged_attention_tpu(
     """Pallas Mosaic ragged paged attention over the TPU (2, NB, Hkv, BS, row) cache layout."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, block_size, row = kv_cache.shape
+    # Rows padded to the lanes (tpu_row_width) are read whole: queries get zero lanes to
+    # match and the output's extra lanes are dropped.
+    width = row if row > cache_row_width(head_dim, kv_cache.dtype) else head_dim
     num_reqs, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     knobs = default_knobs_tpu(num_tokens, num_reqs, num_q_heads, num_kv_heads, block_size, q.dtype)
@@ -249,9 +277,9 @@ def ragged_paged_attention_tpu(
     padded_tokens = num_q_blocks * block_q
 
     # [T, Hq, D] -> [Hkv, T * group, D]: each kv head's query rows as one 2-D, tile-able slab.
-    q_t = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
-    q_t = q_t.reshape(padded_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_t = q_t.reshape(num_kv_heads, padded_tokens * group, head_dim)
+    q_t = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, width - head_dim)))
+    q_t = q_t.reshape(padded_tokens, num_kv_heads, group, width).transpose(1, 0, 2, 3)
+    q_t = q_t.reshape(num_kv_heads, padded_tokens * group, width)
     first_req, last_req = _block_request_ranges(query_start_loc, num_seqs, block_q, num_q_blocks)
 
     tile_tokens = pages_per_tile * block_size
@@ -265,20 +293,21 @@ def ragged_paged_attention_tpu(
         block_size=block_size,
         pages_per_tile=pages_per_tile,
         max_pages=max_pages,
+        head_dim=head_dim,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(num_kv_heads, num_q_blocks),
         in_specs=[
-            pl.BlockSpec((None, rows, head_dim), lambda h, g, *_: (h, g, 0)),
+            pl.BlockSpec((None, rows, width), lambda h, g, *_: (h, g, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
         ],
-        out_specs=pl.BlockSpec((None, rows, head_dim), lambda h, g, *_: (h, g, 0)),
+        out_specs=pl.BlockSpec((None, rows, width), lambda h, g, *_: (h, g, 0)),
         scratch_shapes=[
             pltpu.VMEM((2, tile_tokens, row), kv_cache.dtype),
             pltpu.VMEM((2, tile_tokens, row), kv_cache.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
-            pltpu.VMEM((rows, head_dim), jnp.float32),
+            pltpu.VMEM((rows, width), jnp.float32),
             pltpu.VMEM((rows, 1), jnp.float32),
             pltpu.VMEM((rows, 1), jnp.float32),
         ],
@@ -301,5 +330,5 @@ def ragged_paged_attention_tpu(
         q_t,
         kv_cache,
     )
-    out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
-    return out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]
+    out = out.reshape(num_kv_heads, padded_tokens, group, width).transpose(1, 0, 2, 3)
+    return out.reshape(padded_tokens, num_q_heads, width)[:num_tokens, :, :head_dim]

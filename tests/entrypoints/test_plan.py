@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 from transformers import AutoConfig
 
@@ -192,3 +193,56 @@ def test_gpu_node_compiles_with_the_triton_kernel(tmp_path, capsys):
         # XLA:GPU reports no cost without a device: xlm's own count stands in.
         assert p["cost_source"] == "count" and p["flops"] > 0
         assert p["pallas_kernel"] is (p["kind"] == "model")
+
+
+def _model_programs(model: str, topology: str, num_blocks: int, sizes: tuple[int, ...]) -> dict:
+    """model[size] programs compiled for `topology` with a `num_blocks`-block cache: their
+    figures, the weights' and the cache's bytes per chip."""
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.planning import compile_program, counted_cost
+    from xlm.platforms.target import compile_target, compiling_for
+    from xlm.worker.compilation import ProgramKind
+    from xlm.worker.worker import Worker
+
+    args = EngineArgs(
+        model=model,
+        load_format="dummy",
+        target_topology=topology,
+        max_model_len=512,
+        max_num_seqs=16,
+        max_num_batched_tokens=max(sizes),
+        num_gpu_blocks_override=num_blocks,
+    )
+    with compiling_for(compile_target(topology)):
+        worker = Worker(args.create_config())
+        runner = worker.model_runner
+        specs, count = runner.program_specs(), counted_cost(worker)
+        keys = [runner._key(ProgramKind.MODEL, size) for size in sizes]
+        programs = {key.size: compile_program(key, specs[key], count) for key in keys}
+    cache = sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(runner.kv_caches))
+    return dict(programs=programs, weights=worker.weight_bytes_per_device(), cache=cache)
+
+
+# Head widths of small models (SmolLM2, Llama-3.2-1B: 64; others 80) and of large ones (128).
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_steps_update_the_cache_in_place_for_any_head_width(tmp_path, topology, head_dim):
+    """A step compiled for the TPU reads the weights and its own rows of the cache, never a
+    copy of the whole cache: bytes and temporaries stay put when the cache grows 4 times
+    (issue 46: 64-wide heads made the compiler lay the cache out blocks-minor and copy it
+    two or three times per layer and step; a scatter with K/V as a window dimension did
+    the same to 2048-token steps). Caches of hundreds of MB per layer, so that none fits
+    in the chip's VMEM, where the compiler would stage it."""
+    model = config_dir(tmp_path, "llama", "LlamaForCausalLM", head_dim=head_dim)
+    sizes = (1, 2048)
+    small, big = (_model_programs(model, topology, n, sizes) for n in (16384, 65536))
+    grown = big["cache"] - small["cache"]
+    assert grown > 100 * big["weights"]  # any copy of the cache would dwarf the rest
+    for size in sizes:
+        a, b = small["programs"][size], big["programs"][size]
+        assert b.pallas_kernel, size
+        assert b.temp_bytes - a.temp_bytes < 0.01 * grown, (size, a.temp_bytes, b.temp_bytes)
+        assert b.bytes_accessed - a.bytes_accessed < 0.05 * grown, (size, a, b)
+    # A decode step moves far less than one layer's cache (a copy reads and writes it whole).
+    one_layer = small["cache"] // LLAMA["num_hidden_layers"]
+    assert big["programs"][1].bytes_accessed < one_layer / 4

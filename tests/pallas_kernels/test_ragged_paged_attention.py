@@ -18,9 +18,11 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_gpu,
     ragged_paged_attention_reference,
     ragged_paged_attention_tpu,
+    tpu_row_width,
     write_kv,
     write_kv_tpu,
 )
+from pallas_kernels.ragged_paged_attention.kv_quant import row_head_dim
 from tests.pallas_kernels.rpa_batches import (
     Batch,
     brute_force_attention,
@@ -98,7 +100,11 @@ def test_write_kv_scatters_into_slots_then_attention_sees_them():
 
 
 def _to_tpu_layout(kv_cache):
-    return jnp.asarray(kv_cache).transpose(0, 1, 3, 2, 4)  # (2, NB, BS, Hkv, D) -> TPU layout
+    """(2, NB, BS, Hkv, row) shared layout -> the TPU layout: heads before positions, rows
+    padded with zeros to `tpu_row_width` (128 lanes for this file's 32-wide heads)."""
+    cache = jnp.asarray(kv_cache).transpose(0, 1, 3, 2, 4)
+    width = tpu_row_width(row_head_dim(cache.shape[-1], cache.dtype), cache.dtype)
+    return jnp.pad(cache, ((0, 0),) * 4 + ((0, width - cache.shape[-1]),))
 
 
 def _check_kernel(kernel, b: Batch, dtype, window=None, cap=None, tol=None, **knobs):
@@ -190,7 +196,7 @@ def test_write_kv_tpu_matches_shared_layout():
     slots = np.array([5, 6, 7, 8, 17, 2], np.int32)
     shared = write_kv(jnp.zeros(kv_cache_shape(5, 4, 2, 8)), k, v, slots)
     tpu = write_kv_tpu(jnp.zeros(kv_cache_shape_tpu(5, 4, 2, 8)), k, v, slots)
-    assert tpu.shape == (2, 5, 2, 4, 8)
+    assert tpu.shape == (2, 5, 2, 4, 128)  # 8-wide rows padded to the 128 lanes
     np.testing.assert_array_equal(np.asarray(_to_tpu_layout(shared)), np.asarray(tpu))
 
 
@@ -300,9 +306,9 @@ def test_tpu_kernel_compiles_for_tpu(topology_name, dtype, window, cap, num_toke
 @needs_libtpu
 @pytest.mark.parametrize("num_tokens,num_reqs", [(8, 8), (256, 8)])
 def test_tpu_kernel_compiles_an_int8_cache_for_tpu(num_tokens, num_reqs):
-    """Mosaic takes the int8 cache's head_dim + 4 rows (codes, then the scale's bytes) and
-    decodes the scale in the kernel; HBM rounds rows up to whole 128-lane tiles, so head_dim
-    64 costs half bfloat16's bytes (whose 64-lane rows pad too) and head_dim 128 the same."""
+    """Mosaic takes the int8 cache's rows (codes, then the scale's bytes, padded to the 128
+    lanes: `tpu_row_width`) and decodes the scale in the kernel, so head_dim 64 costs half
+    bfloat16's bytes (whose 64-lane rows are padded too)."""
     s = jax.ShapeDtypeStruct
     t, r, hq, hkv, nb, bs, max_blocks = num_tokens, num_reqs, 12, 4, 64, 16, 16
     mesh = _tpu_topology_mesh("v6e:2x2")
@@ -325,7 +331,7 @@ def test_tpu_kernel_compiles_an_int8_cache_for_tpu(num_tokens, num_reqs):
             compiled = jax.jit(f).trace(*args).lower().compile()
         assert "tpu_custom_call" in compiled.as_text()
         cache_bytes[kv_dtype] = compiled.memory_analysis().argument_size_in_bytes
-    # Only the cache differs: bfloat16's 64-lane rows take 128 lanes * 2 bytes, int8's 68.
+    # Only the cache differs: bfloat16's 64-lane rows take 128 lanes * 2 bytes, int8's 128 * 1.
     padded_bf16_cache = 2 * nb * hkv * bs * 128 * 2
     assert cache_bytes[jnp.bfloat16] - cache_bytes[jnp.int8] >= 0.45 * padded_bf16_cache
 

@@ -63,7 +63,9 @@ def load_hf_config(model: str, load_format: str = "auto") -> Any:
     """The transformers config of a model directory or GGUF file."""
     # An engine reads its model's config first: the kernels compile from here on.
     _start_cpu_kernels_build()
-    if resolve_load_format(model, load_format) == "gguf":
+    # The config comes from what the path is, whatever the weights' format: a dummy load
+    # (`xlm plan`, benchmarks) of a GGUF file reads the GGUF's metadata.
+    if resolve_load_format(model, load_format) == "gguf" or model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise FileNotFoundError(f"GGUF file {model!r} does not exist")
 
