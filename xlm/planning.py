@@ -338,6 +338,22 @@ def _grown_temps(
     ]
 
 
+def _compile_sized(
+    config: XlmConfig, worker: Worker, budget: _Budget, every: bool
+) -> tuple[Worker, dict[ProgramKey, CompiledProgram], ProgramTooLargeError | None, list[str]]:
+    """Compile with one request's cache, size the cache after the largest temporaries,
+    compile again at that size: (final worker, programs, refusal, temporaries that grew)."""
+    weight_bytes = worker.weight_bytes_per_device()
+    worker = _with_blocks(config, worker.blocks_for_one_request())
+    small, refused = _compile_chosen(worker, every)
+    if refused is not None:
+        return worker, small, refused, []
+    max_temp = max(p.temp_bytes for p in small.values())
+    worker = _with_blocks(config, _cache_blocks(worker, weight_bytes, max_temp, budget))
+    programs, refused = _compile_chosen(worker, every)
+    return worker, programs, refused, _grown_temps(small, programs)
+
+
 def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
     """Build the worker for `config`'s target topology, compile its programs and report.
 
@@ -369,20 +385,10 @@ def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
     report["dtype"] = jnp.dtype(worker.kv_dtype).name
     report["block_size"] = config.cache_config.block_size
     report["num_programs"] = len(worker.model_runner.program_specs())
-    weight_bytes = worker.weight_bytes_per_device()
-    grown: list[str] = []
     if auto_kv:
-        worker = _with_blocks(config, worker.blocks_for_one_request())
-        programs, refused = _compile_chosen(worker, every)
-        if refused is None:
-            small = programs
-            max_temp = max(p.temp_bytes for p in small.values())
-            blocks = _cache_blocks(worker, weight_bytes, max_temp, budget)
-            worker = _with_blocks(config, blocks)
-            programs, refused = _compile_chosen(worker, every)
-            grown = _grown_temps(small, programs)
+        worker, programs, refused, grown = _compile_sized(config, worker, budget, every)
     else:
-        programs, refused = _compile_chosen(worker, every)
+        (programs, refused), grown = _compile_chosen(worker, every), []
     sizes = _sizes(worker)
     if refused is not None:
         growth = f" (temporaries grew with the cache: {'; '.join(grown)})" if grown else ""
