@@ -9,7 +9,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -154,10 +156,17 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
 
 
 def fuzz_for_server_errors(
-    url: str, headers: dict[str, str] | None = None, paths: set[str] | None = None, examples=25
+    url: str,
+    headers: dict[str, str] | None = None,
+    paths: set[str] | None = None,
+    examples=25,
+    *,
+    call_headers: dict[str, str] | None = None,
+    is_wrong: Callable[[Any], bool] | None = None,
 ) -> tuple[set[str], list[str]]:
     """Schemathesis over a live server's OpenAPI operations (those under `paths`, or all):
-    the paths fuzzed and a line per case answered with a 5xx."""
+    the paths fuzzed and a line per case answered with a 5xx (or for which `is_wrong`
+    holds). `call_headers`: the cases' headers where they differ from the schema's."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
@@ -177,8 +186,10 @@ def fuzz_for_server_errors(
         )
         @given(case=operation.as_strategy())
         def fuzz(case) -> None:
-            response = case.call(headers=headers, timeout=120)
-            if response.status_code >= 500:
+            response = case.call(
+                headers=headers if call_headers is None else call_headers, timeout=120
+            )
+            if response.status_code >= 500 or (is_wrong is not None and is_wrong(response)):
                 failures.append(
                     f"{case.method} {case.path} {case.body!r} -> "
                     f"{response.status_code} {response.text[:300]}"

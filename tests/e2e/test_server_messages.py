@@ -15,7 +15,7 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.server_utils import MODEL, RemoteServer
+from tests.e2e.server_utils import MODEL, RemoteServer, fuzz_for_server_errors
 from tests.e2e.test_server_structured import WEATHER  # the chat tool tests' schema
 
 anthropic = pytest.importorskip("anthropic")
@@ -184,41 +184,24 @@ def test_bad_inputs_are_anthropic_errors(server, client):
     assert _create(bearer, max_tokens=2).usage.output_tokens == 2  # Authorization: Bearer too
 
 
+def _not_anthropic_error(response) -> bool:
+    if not 400 <= response.status_code < 500:
+        return False
+    body = response.json()
+    return body.get("type") != "error" or "message" not in body.get("error", {})
+
+
 def test_schemathesis_fuzz_of_the_messages_routes(server, client):
-    schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, given, settings
-
-    bearer = {"Authorization": f"Bearer {KEY}"}  # x-api-key opens the Messages routes only
-    schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=bearer)
-    auth = {"x-api-key": KEY}
-    operations = [
-        result.ok()
-        for result in schema.get_all_operations()
-        if result.ok().path.startswith("/v1/messages")
-    ]
-    assert {op.path for op in operations} == {"/v1/messages", "/v1/messages/count_tokens"}
-    failures: list[str] = []
-    for operation in operations:
-
-        @settings(
-            max_examples=20,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(case=operation.as_strategy())
-        def fuzz(case) -> None:
-            response = case.call(headers=auth, timeout=120)
-            wrong = response.status_code >= 500
-            if 400 <= response.status_code < 500:
-                body = response.json()
-                wrong = body.get("type") != "error" or "message" not in body.get("error", {})
-            if wrong:
-                failures.append(
-                    f"{case.path} {case.body!r} -> {response.status_code} {response.text[:300]}"
-                )
-
-        fuzz()
+    pytest.importorskip("schemathesis")
+    paths = {"/v1/messages", "/v1/messages/count_tokens"}
+    fuzzed, failures = fuzz_for_server_errors(
+        server.url,
+        {"Authorization": f"Bearer {KEY}"},  # x-api-key opens the Messages routes only
+        paths,
+        examples=20,
+        call_headers={"x-api-key": KEY},
+        is_wrong=_not_anthropic_error,
+    )
+    assert fuzzed == paths
     assert not failures, "\n".join(failures[:10]) + "\n" + server.log_tail()
     assert _create(client, max_tokens=2).usage.output_tokens == 2  # still serving

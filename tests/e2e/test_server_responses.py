@@ -22,6 +22,8 @@ jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 from openai.types.responses import Response  # noqa: E402
 
+from tests.e2e.test_server_structured import WEATHER  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 CONVERSATION = [
@@ -32,15 +34,6 @@ TIME = {
     "type": "object",
     "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
     "required": ["zone"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "minLength": 2, "maxLength": 12},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
     "additionalProperties": False,
 }
 TOOLS = [

@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from tests.entrypoints.openai.fake_engine import FakeAsyncEngine
+from tests.entrypoints.openai.test_serving_messages import _anthropic_error
 from xlm.entrypoints.openai.api_server import build_app
 from xlm.entrypoints.openai.cli_args import finish_args, make_arg_parser
 from xlm.entrypoints.openai.routes import messages
@@ -39,14 +40,6 @@ def _ask(**kwargs):
     body = {"model": MODEL, "max_tokens": 4, "system": "s"}
     body["messages"] = [{"role": "user", "content": "x y"}]
     return {**body, **kwargs}
-
-
-def _anthropic_error(r, status: int, err_type: str) -> str:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"type", "error"} and body["type"] == "error", body
-    assert body["error"]["type"] == err_type and body["error"]["message"]
-    return body["error"]["message"]
 
 
 def _methods(routes) -> dict[str, set[str]]:
