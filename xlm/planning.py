@@ -308,15 +308,20 @@ def _with_blocks(config: XlmConfig, num_blocks: int) -> Worker:
 
 
 def _compile_chosen(
-    worker: Worker, every: bool
+    worker: Worker, every: bool, compiled: dict[ProgramKey, CompiledProgram] | None = None
 ) -> tuple[dict[ProgramKey, CompiledProgram], ProgramTooLargeError | None]:
-    """Compile the programs `choose_programs` picks; stop at the first one refused."""
+    """Compile the programs `choose_programs` picks; stop at the first one refused.
+    Programs that take no KV cache are taken from `compiled` where it has them (the cache's
+    size changes only the model programs)."""
     specs = worker.model_runner.program_specs()
     max_seqs = worker.config.scheduler_config.max_num_seqs
     decode = {k for b in (1, max_seqs) for k in decode_keys(worker, b)}
     programs: dict[ProgramKey, CompiledProgram] = {}
     count = counted_cost(worker)
     for key in choose_programs(specs, decode, every):
+        if key.kind != ProgramKind.MODEL and key in (compiled or {}):
+            programs[key] = compiled[key]
+            continue
         try:
             programs[key] = compile_program(key, specs[key], count)
         except ProgramTooLargeError as e:
@@ -350,7 +355,7 @@ def _compile_sized(
         return worker, small, refused, []
     max_temp = max(p.temp_bytes for p in small.values())
     worker = _with_blocks(config, _cache_blocks(worker, weight_bytes, max_temp, budget))
-    programs, refused = _compile_chosen(worker, every)
+    programs, refused = _compile_chosen(worker, every, small)
     return worker, programs, refused, _grown_temps(small, programs)
 
 
