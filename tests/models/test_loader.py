@@ -53,6 +53,19 @@ def test_auto_load_format_picks_gguf_for_gguf_paths():
     assert resolve_load_format("/m/model.gguf", "dummy") == "dummy"
 
 
+def test_a_dummy_load_of_a_gguf_reads_its_config_from_the_gguf(smollm2_gguf):
+    """`xlm plan smollm2-135m` (a built-in name that resolves to a .gguf) loads "dummy":
+    the config still comes from the GGUF's metadata, not from a directory."""
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.models.loader import load_hf_config
+
+    gguf = load_hf_config(smollm2_gguf, "gguf")
+    dummy = load_hf_config(smollm2_gguf, "dummy")
+    assert dummy.to_dict() == gguf.to_dict() and dummy.num_attention_heads == 9
+    config = EngineArgs(model="smollm2-135m", load_format="dummy").create_config()
+    assert config.model_config.hf_config.to_dict() == gguf.to_dict()
+
+
 def test_missing_config_and_weights(tmp_path, tiny_checkpoint):
     empty = tmp_path / "empty"
     empty.mkdir()
