@@ -22,7 +22,7 @@ jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 from openai.types.responses import Response  # noqa: E402
 
-from tests.e2e.test_server_structured import WEATHER  # noqa: E402
+from tests.e2e.test_server_structured import SCHEMAS, THINK_REGEX, TIME, WEATHER  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -30,17 +30,10 @@ CONVERSATION = [
     {"role": "system", "content": "You are a terse assistant."},
     {"role": "user", "content": "Name a color of the sky."},
 ]
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"type": "function", "name": "get_time", "parameters": TIME, "strict": True},
     {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True},
 ]
-SCHEMAS = {"get_time": TIME, "get_weather": WEATHER}
 PERSON = {
     "type": "object",
     "properties": {
@@ -50,7 +43,6 @@ PERSON = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-THINK_REGEX = r"<think>[a-z ]{5,30}</think>[A-Z][a-z ]{5,30}\."
 STORE_ENTRIES = 4
 
 
