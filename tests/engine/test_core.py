@@ -106,7 +106,10 @@ def check_speculating_batch(path: str, spec: dict, *, accepts: bool = True) -> N
     assert llm.llm_engine.num_compilations == compiled
 
 
-@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+# The n-gram proposer is the same for every family and its proposals go through the
+# verification the draft-model sweep below runs in every family; two families here: plain
+# attention, and sliding windows with KV cache groups.
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_with_ngram_proposals_equals_without(tiny_checkpoint, arch):
     check_speculating_batch(tiny_checkpoint(arch), SPEC)
 
