@@ -408,9 +408,7 @@ def with_replicas(report: dict[str, Any], dp: int) -> dict[str, Any]:
         "max_num_seqs": report["max_num_seqs"],
         "batch_max_tok_s": est["batch_max_tok_s"] if est else None,
     }
-    total = {
-        key: None if value is None else value * dp for key, value in per_replica.items()
-    }
+    total = {key: None if value is None else value * dp for key, value in per_replica.items()}
     return {**report, "per_replica": per_replica, "total": total}
 
 
