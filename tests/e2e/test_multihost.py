@@ -288,12 +288,18 @@ def test_serve_over_two_processes_then_leader_death_ends_the_follower(pods, mode
     assert "leader process 0 stopped responding" in log or "JAX distributed service" in log
 
 
-# What a TPU VM's runtime and a Kubernetes Indexed Job set on each host (the Indexed Job's
-# manifest adds the count and process 0's address, as examples/k8s/ does).
+# What a TPU VM's runtime, a LeaderWorkerSet and a Kubernetes Indexed Job set on each host
+# (the Indexed Job's manifest adds the count and process 0's address, as examples/k8s/ does).
 POD_ENVIRONMENTS: dict[str, PodEnv] = {
     "tpu-vm": lambda i, port: dict(
         TPU_WORKER_ID=str(i),
         TPU_WORKER_HOSTNAMES="127.0.0.1,127.0.0.1",
+        JAX_COORDINATOR_PORT=str(port),
+    ),
+    "lws": lambda i, port: dict(
+        LWS_WORKER_INDEX=str(i),
+        LWS_GROUP_SIZE="2",
+        LWS_LEADER_ADDRESS="127.0.0.1",
         JAX_COORDINATOR_PORT=str(port),
     ),
     "indexed-job": lambda i, port: dict(

@@ -15,7 +15,7 @@ import xlm  # noqa: E402
 from tests.ports import free_ports  # noqa: E402
 from tests.ray.tiny_engine import ENGINE  # noqa: E402
 from xlm.entrypoints.openai.admission import default_max_waiting  # noqa: E402
-from xlm.ray.serve import build_app, build_openai_app, serve_args  # noqa: E402
+from xlm.ray.serve import build_openai_app, serve_args  # noqa: E402
 
 PROMPTS = [f"w{i} w{i + 3} w{2 * i + 5}" for i in range(6)]
 MAX_TOKENS = 8
@@ -92,14 +92,19 @@ def test_two_replicas_answer_the_openai_client_with_the_local_greedy_text(served
 
 
 def test_serve_run_builder_reads_text_values(model):
-    app = build_app(
+    # What `serve run xlm.ray.serve:build_app KEY=VALUE ...` does with the import path.
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    app = call_user_app_builder_with_args_if_necessary(
+        import_attr("xlm.ray.serve:build_app"),
         {
             "model": model,
             "num_replicas": "3",
             "replica_cpus": "0.25",
             "enable-prefix-caching": "false",
             "max_num_seqs": "8",
-        }
+        },
     )
     deployment = app._bound_deployment
     assert deployment.num_replicas == 3
