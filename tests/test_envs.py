@@ -71,3 +71,53 @@ def test_unknown_names_are_refused(monkeypatch):
         envs.is_set("XLM_NOPE")
     monkeypatch.setenv("XLM_API_KEY", "k")
     assert envs.is_set("XLM_API_KEY") and "XLM_API_KEY" in dir(envs)
+
+
+XLM_MULTIHOST = ("XLM_COORDINATOR_ADDRESS", "XLM_NUM_PROCESSES", "XLM_PROCESS_ID")
+
+
+@pytest.fixture
+def pod_env(monkeypatch):
+    """No pod variable set; returns a setter."""
+    for name in (*envs.POD_VARIABLES, *XLM_MULTIHOST):
+        monkeypatch.delenv(name, raising=False)
+
+    def set_env(**values: str) -> None:
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+
+    return set_env
+
+
+def test_pod_environment_of_each_platform(pod_env):
+    assert envs.pod_environment() == envs.PodEnvironment()
+    pod_env(JOB_COMPLETION_INDEX="3")
+    assert envs.pod_environment() == envs.PodEnvironment(3, None, None, "indexed-job")
+    pod_env(TPU_WORKER_ID="1", TPU_WORKER_HOSTNAMES="t-w-0, t-w-1,t-w-2,t-w-3")
+    assert envs.pod_environment() == envs.PodEnvironment(1, 4, "t-w-0:8476", "tpu-vm")
+    pod_env(LWS_WORKER_INDEX="2", LWS_GROUP_SIZE="3", LWS_LEADER_ADDRESS="g-0.svc")
+    pod_env(JAX_COORDINATOR_PORT="9000")
+    assert envs.pod_environment() == envs.PodEnvironment(2, 3, "g-0.svc:9000", "lws")
+
+
+def test_multihost_options_come_from_the_pod_unless_given(pod_env):
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.executor.multihost import is_follower
+
+    pod_env(TPU_WORKER_ID="1", TPU_WORKER_HOSTNAMES="10.0.0.5,10.0.0.6")
+    multihost = EngineArgs(model="m", distributed_executor_backend="multihost")
+    config = multihost.create_parallel_config()
+    assert (config.coordinator_address, config.num_processes, config.process_id) == (
+        "10.0.0.5:8476",
+        2,
+        1,
+    )
+    assert is_follower(config)
+    # XLM_* and the options win over the pod's; the uni backend reads no pod variable.
+    pod_env(XLM_COORDINATOR_ADDRESS="10.0.0.9:1234")
+    given = EngineArgs(model="m", distributed_executor_backend="multihost", process_id=0)
+    config = given.create_parallel_config()
+    assert (config.coordinator_address, config.process_id) == ("10.0.0.9:1234", 0)
+    assert not is_follower(config)
+    uni = EngineArgs(model="m").create_parallel_config()
+    assert (uni.num_processes, uni.process_id) == (None, None)

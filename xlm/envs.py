@@ -6,6 +6,7 @@ subprocesses that change the environment see the change.
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -107,6 +108,67 @@ def tpu_worker_id() -> int | None:
         if value is not None:
             return value
     return None
+
+
+# The coordinator's port where only its host is known (a TPU VM's worker list, a
+# LeaderWorkerSet's leader address): JAX_COORDINATOR_PORT, else JAX's own default.
+DEFAULT_COORDINATOR_PORT = 8476
+
+
+# What pod_environment reads, platforms' names (not xlm's).
+POD_VARIABLES = (
+    "LWS_WORKER_INDEX",
+    "LWS_GROUP_SIZE",
+    "LWS_LEADER_ADDRESS",
+    "TPU_WORKER_ID",
+    "CLOUD_TPU_TASK_ID",
+    "TPU_WORKER_HOSTNAMES",
+    "JOB_COMPLETION_INDEX",
+    "JAX_COORDINATOR_PORT",
+)
+
+
+@dataclass(frozen=True)
+class PodEnvironment:
+    """A multi-host process group as its platform describes it (None: not described)."""
+
+    process_id: int | None = None
+    num_processes: int | None = None
+    coordinator_address: str | None = None
+    source: str | None = None  # "lws", "tpu-vm" or "indexed-job"
+
+
+def pod_environment() -> PodEnvironment:
+    """This host's place in a pod from what a LeaderWorkerSet (LWS_WORKER_INDEX,
+    LWS_GROUP_SIZE, LWS_LEADER_ADDRESS), a TPU VM (TPU_WORKER_ID, TPU_WORKER_HOSTNAMES) or
+    a Kubernetes Indexed Job (JOB_COMPLETION_INDEX) sets, first found wins. The
+    coordinator is process 0's host at JAX_COORDINATOR_PORT (default 8476); an Indexed
+    Job names neither the count nor the hosts (set XLM_NUM_PROCESSES and
+    XLM_COORDINATOR_ADDRESS in its manifest)."""
+    port = _get_int("JAX_COORDINATOR_PORT") or DEFAULT_COORDINATOR_PORT
+    index = _get_int("LWS_WORKER_INDEX")
+    if index is not None:
+        leader = os.environ.get("LWS_LEADER_ADDRESS") or None
+        return PodEnvironment(
+            process_id=index,
+            num_processes=_get_int("LWS_GROUP_SIZE"),
+            coordinator_address=f"{leader}:{port}" if leader else None,
+            source="lws",
+        )
+    worker = tpu_worker_id()
+    if worker is not None:
+        hosts = [h.strip() for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")]
+        hosts = [h for h in hosts if h]
+        return PodEnvironment(
+            process_id=worker,
+            num_processes=len(hosts) or None,
+            coordinator_address=f"{hosts[0]}:{port}" if hosts else None,
+            source="tpu-vm",
+        )
+    index = _get_int("JOB_COMPLETION_INDEX")
+    if index is not None:
+        return PodEnvironment(process_id=index, source="indexed-job")
+    return PodEnvironment()
 
 
 def cxx_compiler() -> str | None:

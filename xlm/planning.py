@@ -359,8 +359,12 @@ def _compile_sized(
     return worker, programs, refused, _grown_temps(small, programs)
 
 
-def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
+def plan(config: XlmConfig, *, every: bool = False, data_parallel_size: int = 1) -> dict[str, Any]:
     """Build the worker for `config`'s target topology, compile its programs and report.
+
+    With `data_parallel_size` N, the topology holds N replicas of tensor_parallel_size
+    chips each (as `xlm serve --data-parallel-size N` places them); one replica is compiled
+    and the report adds its figures (`per_replica`) and the N replicas' (`total`).
 
     With the cache sized automatically, the programs are first compiled with the smallest
     cache (one request's blocks): the cache is then what the budget leaves after the
@@ -380,7 +384,38 @@ def plan(config: XlmConfig, *, every: bool = False) -> dict[str, Any]:
             f"tensor_parallel_size={tp} needs {tp} chips; {target.topology} has "
             f"{len(target.devices)}"
         )
-    report = _header(config, target)
+    dp = data_parallel_size
+    if not isinstance(dp, int) or dp < 1 or tp * dp > len(target.devices):
+        raise ValueError(
+            f"data_parallel_size={dp}: allowed 1 to {len(target.devices) // tp} (replicas of "
+            f"tensor_parallel_size={tp} chips on the {len(target.devices)} of {target.topology})"
+        )
+    report = {**_header(config, target), "data_parallel_size": dp}
+    return with_replicas(_plan_one(config, target, report, every), dp)
+
+
+def with_replicas(report: dict[str, Any], dp: int) -> dict[str, Any]:
+    """`report` (one engine's plan) with one replica's figures and those of `dp` replicas:
+    chips, KV cache tokens, concurrent requests and the decode estimate at full batch
+    scale with the replica count (replicas share nothing)."""
+    pc = report["per_chip"]
+    est = report.get("decode_estimate")
+    tp = report["tensor_parallel_size"]
+    per_replica = {
+        "chips": tp,
+        "weight_bytes": pc["weight_bytes"] * tp,
+        "kv_cache_tokens": pc["kv_cache_tokens"],
+        "max_num_seqs": report["max_num_seqs"],
+        "batch_max_tok_s": est["batch_max_tok_s"] if est else None,
+    }
+    total = {key: None if value is None else value * dp for key, value in per_replica.items()}
+    return {**report, "per_replica": per_replica, "total": total}
+
+
+def _plan_one(
+    config: XlmConfig, target: CompileTarget, report: dict[str, Any], every: bool
+) -> dict[str, Any]:
+    """One engine's plan: the worker built for the target, its programs compiled."""
     budget = _Budget(target.chip.hbm_bytes, config.cache_config.memory_utilization)
     auto_kv = config.cache_config.num_blocks is None
     try:

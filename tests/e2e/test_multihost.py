@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -53,13 +54,25 @@ def expected(model) -> dict[str, str]:
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}
 
 
+PodEnv = Callable[[int, int], dict[str, str]]
+
+
 class Pod:
     """Two `xlm` processes (process 0 leads) forming one TP=4 engine on 127.0.0.1."""
 
-    def __init__(self, tmp_path: Path, command: list[str], leader_extra: list[str] = ()):
+    def __init__(
+        self,
+        tmp_path: Path,
+        command: list[str],
+        leader_extra: list[str] = (),
+        pod_env: PodEnv | None = None,
+    ):
         # The coordinator's port (and the step channel's two after it) must be known to
         # both processes before the leader binds them, so they cannot come from binding
         # port 0; another process may take them in between: start again on fresh ports.
+        # With `pod_env`, each process learns its place from a platform's variables
+        # (pod_env(process_id, coordinator port)) instead of the multihost flags.
+        self.pod_env = pod_env
         for attempt in range(PORT_ATTEMPTS):
             self._start(tmp_path, command, list(leader_extra))
             if not self._lost_port_race() or attempt == PORT_ATTEMPTS - 1:
@@ -67,7 +80,8 @@ class Pod:
             self.close()
 
     def _start(self, tmp_path: Path, command: list[str], leader_extra: list[str]) -> None:
-        self.coordinator = f"127.0.0.1:{free_ports(3)}"
+        port = free_ports(3)
+        self.coordinator = f"127.0.0.1:{port}"
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -75,13 +89,15 @@ class Pod:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         for process_id in (1, 0):
             log = tmp_path / f"process{process_id}-{time.monotonic_ns()}.log"
-            multihost = [
-                "-tp=4",
-                "--distributed-executor-backend=multihost",
-                f"--coordinator-address={self.coordinator}",
-                "--num-processes=2",
-                f"--process-id={process_id}",
-            ]
+            multihost = ["-tp=4", "--distributed-executor-backend=multihost"]
+            if self.pod_env is None:
+                multihost += [
+                    f"--coordinator-address={self.coordinator}",
+                    "--num-processes=2",
+                    f"--process-id={process_id}",
+                ]
+            else:
+                env.update(self.pod_env(process_id, port))
             extra = leader_extra if process_id == 0 else []
             # Each process hashes strings differently, as separate hosts do: anything
             # that must agree across processes may not follow a set's order.
@@ -138,13 +154,31 @@ class Pod:
 def pods(tmp_path):
     made: list[Pod] = []
 
-    def make(command: list[str], leader_extra: list[str] = ()) -> Pod:
-        made.append(Pod(tmp_path, command, leader_extra))
+    def make(
+        command: list[str], leader_extra: list[str] = (), pod_env: PodEnv | None = None
+    ) -> Pod:
+        made.append(Pod(tmp_path, command, leader_extra, pod_env))
         return made[-1]
 
     yield make
     for pod in made:
         pod.close()
+
+
+def wait_healthy(pod: Pod) -> str:
+    """The URL of the pod's server once /health answers 200."""
+    deadline = time.monotonic() + 900
+    while True:
+        assert pod.leader.poll() is None, pod.log(0)[-4000:]
+        assert time.monotonic() < deadline, "server never became healthy"
+        port = bound_port(pod.log(0))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            if port and httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
 
 
 def group_alive(pid: int) -> bool:
@@ -235,18 +269,7 @@ def test_run_batch_survives_a_killed_follower_by_rerun(pods, model, expected, tm
 @pytest.mark.slow
 def test_serve_over_two_processes_then_leader_death_ends_the_follower(pods, model, expected):
     pod = pods(["serve", model, "--host", "127.0.0.1", "--port", "0"])
-    deadline = time.monotonic() + 900
-    while True:
-        assert pod.leader.poll() is None, pod.log(0)[-4000:]
-        assert time.monotonic() < deadline, "server never became healthy"
-        port = bound_port(pod.log(0))
-        url = f"http://127.0.0.1:{port}"
-        try:
-            if port and httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    url = wait_healthy(pod)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     for prompt in PROMPTS[:3]:
         completion = client.completions.create(
@@ -263,6 +286,49 @@ def test_serve_over_two_processes_then_leader_death_ends_the_follower(pods, mode
     # leader) may notice first and end the process itself.
     log = pod.log(1)
     assert "leader process 0 stopped responding" in log or "JAX distributed service" in log
+
+
+# What a TPU VM's runtime, a LeaderWorkerSet and a Kubernetes Indexed Job set on each host
+# (the Indexed Job's manifest adds the count and process 0's address, as examples/k8s/ does).
+POD_ENVIRONMENTS: dict[str, PodEnv] = {
+    "tpu-vm": lambda i, port: dict(
+        TPU_WORKER_ID=str(i),
+        TPU_WORKER_HOSTNAMES="127.0.0.1,127.0.0.1",
+        JAX_COORDINATOR_PORT=str(port),
+    ),
+    "lws": lambda i, port: dict(
+        LWS_WORKER_INDEX=str(i),
+        LWS_GROUP_SIZE="2",
+        LWS_LEADER_ADDRESS="127.0.0.1",
+        JAX_COORDINATOR_PORT=str(port),
+    ),
+    "indexed-job": lambda i, port: dict(
+        JOB_COMPLETION_INDEX=str(i),
+        XLM_NUM_PROCESSES="2",
+        XLM_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", list(POD_ENVIRONMENTS))
+def test_same_serve_command_on_each_host_serves_from_host_0(pods, model, expected, platform):
+    """`xlm serve` with the same flags on both "hosts", each placed by its platform's
+    variables alone: one engine over both, host 0 answers HTTP, host 1 follows."""
+    pod = pods(
+        ["serve", model, "--host", "127.0.0.1", "--port", "0"],
+        pod_env=POD_ENVIRONMENTS[platform],
+    )
+    url = wait_healthy(pod)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    prompt = PROMPTS[4]
+    completion = client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert completion.choices[0].text == expected[prompt]
+    assert "jax.distributed: process 0 of 2, 2 local / 4 global devices" in pod.log(0)
+    assert "multihost: follower process 1 ready." in pod.log(1)
+    assert "Listening on" not in pod.log(1)
 
 
 @pytest.mark.slow

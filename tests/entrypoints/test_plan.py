@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from tests.conftest import _BASE
 from xlm.entrypoints import cli
+from xlm.entrypoints.plan import format_report
 from xlm.platforms.target import CHIPS
 
 pytest.importorskip("libtpu")
@@ -165,6 +166,35 @@ def test_bad_target_is_a_clear_error(tmp_path, capsys):
     assert "target_topology='v9z:2x2'" in capsys.readouterr().err
     assert cli.main(["plan", model, "--target-topology", "v5e:2x2", "-tp", "8"]) == 2
     assert "tensor_parallel_size=8 needs 8 chips" in capsys.readouterr().err
+
+
+def test_data_parallel_replicas_report_one_replica_and_their_total(tmp_path, capsys):
+    """Two TP=2 replicas on a v5e:2x2: one replica is compiled on 2 chips (its figures equal
+    the per-chip ones times the chips), the total is twice a replica."""
+    model = config_dir(tmp_path, "llama", "LlamaForCausalLM")
+    flags = ["--target-topology", "v5e:2x2", "-tp", "2", *ENGINE]
+    code, r, _ = run_plan(capsys, model, *flags, "--data-parallel-size", "2")
+    assert code == 0 and r["fits"] is True and r["data_parallel_size"] == 2
+    pc, one, total = r["per_chip"], r["per_replica"], r["total"]
+    assert pc["weight_bytes"] == llama_weight_bytes_per_chip(LLAMA, 2)
+    assert one == {
+        "chips": 2,
+        "weight_bytes": 2 * pc["weight_bytes"],
+        "kv_cache_tokens": pc["kv_cache_tokens"],
+        "max_num_seqs": 16,
+        "batch_max_tok_s": r["decode_estimate"]["batch_max_tok_s"],
+    }
+    assert total == {key: 2 * value for key, value in one.items()}
+    text = format_report(r)
+    assert "2 replicas of TP=2" in text
+    assert f"{total['kv_cache_tokens']:>12}{32:>10}" in text  # the total row
+
+
+def test_more_replicas_than_the_topology_holds_is_a_clear_error(tmp_path, capsys):
+    model = config_dir(tmp_path, "llama", "LlamaForCausalLM")
+    flags = ["--target-topology", "v5e:2x2", "-tp", "2", "--data-parallel-size", "3"]
+    assert cli.main(["plan", model, *flags]) == 2
+    assert "data_parallel_size=3: allowed 1 to 2" in capsys.readouterr().err
 
 
 def test_engine_refuses_a_compile_target():

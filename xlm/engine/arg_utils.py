@@ -82,9 +82,11 @@ _HELP = {
     "distributed_executor_backend": "uni (this process, all local devices) or multihost "
     "(jax.distributed, one process per host) (env XLM_DISTRIBUTED_EXECUTOR_BACKEND)",
     "coordinator_address": "multihost: host:port of process 0's jax.distributed coordinator "
-    "(env XLM_COORDINATOR_ADDRESS; detected on TPU pods)",
-    "num_processes": "multihost: number of processes (env XLM_NUM_PROCESSES; detected on TPU)",
-    "process_id": "multihost: this process's id, 0 leads (env XLM_PROCESS_ID or TPU_WORKER_ID)",
+    "(env XLM_COORDINATOR_ADDRESS, else the pod's: LWS_LEADER_ADDRESS, TPU_WORKER_HOSTNAMES)",
+    "num_processes": "multihost: number of processes (env XLM_NUM_PROCESSES, else the pod's: "
+    "LWS_GROUP_SIZE, TPU_WORKER_HOSTNAMES)",
+    "process_id": "multihost: this process's id, 0 leads (env XLM_PROCESS_ID, else the pod's: "
+    "LWS_WORKER_INDEX, TPU_WORKER_ID, JOB_COMPLETION_INDEX)",
     "custom_ops": "comma list: all, none, +name, -name",
     "token_buckets": "comma list of padded token counts per step",
     "startup_programs": "which step programs are ready before serving: all; largest (the "
@@ -288,13 +290,27 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def create_parallel_config(self) -> ParallelConfig:
-        """The ParallelConfig alone (followers of a multihost engine need only this)."""
+        """The ParallelConfig alone (followers of a multihost engine need only this).
+
+        Under multihost, what the options and XLM_* leave unset comes from the pod's own
+        environment (a TPU VM, a Kubernetes Indexed Job or LeaderWorkerSet), so the same
+        command runs on every host."""
+        coordinator, count, process_id = (
+            self.coordinator_address,
+            self.num_processes,
+            self.process_id,
+        )
+        if self.distributed_executor_backend == "multihost":
+            pod = envs.pod_environment()
+            coordinator = coordinator or pod.coordinator_address
+            count = count if count is not None else pod.num_processes
+            process_id = process_id if process_id is not None else pod.process_id
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             executor_backend=self.distributed_executor_backend,
-            coordinator_address=self.coordinator_address,
-            num_processes=self.num_processes,
-            process_id=self.process_id,
+            coordinator_address=coordinator,
+            num_processes=count,
+            process_id=process_id,
             target_topology=self.target_topology,
         )
 

@@ -38,10 +38,19 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
         "would (default: per kind the smallest and largest, and the decode programs)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="replicas of tensor_parallel_size chips each on the topology: adds per-replica "
+        "and total figures (default: 1)",
+    )
     EngineArgs.add_cli_args(
         parser,
         skip=(
             "model",
+            "data_parallel_size",
             "warmup",
             "compile_all_first",
             "startup_programs",
@@ -64,7 +73,7 @@ def run_plan(args: argparse.Namespace) -> int:
     target = compile_target(args.target_topology)
     with compiling_for(target):
         config = engine_args.create_config()
-        report = plan(config, every=args.every)
+        report = plan(config, every=args.every, data_parallel_size=args.data_parallel_size)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -77,6 +86,28 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _gb(n: int | None) -> str:
     return "-" if n is None else f"{n / GB:.2f} GB"
+
+
+def _replica_lines(r: dict[str, Any]) -> list[str]:
+    """One replica's and all replicas' chips, KV tokens, requests and decode throughput."""
+    if r.get("data_parallel_size", 1) == 1:
+        return []
+
+    def row(label: str, f: dict[str, Any]) -> str:
+        tok_s = "-" if f["batch_max_tok_s"] is None else f"{f['batch_max_tok_s']:.0f}"
+        return (
+            f"  {label:<12}{f['chips']:>6}{_gb(f['weight_bytes']):>14}"
+            f"{f['kv_cache_tokens']:>12}{f['max_num_seqs']:>10}{tok_s:>16}"
+        )
+
+    return [
+        "",
+        f"data parallel: {r['data_parallel_size']} replicas of TP={r['tensor_parallel_size']}",
+        f"  {'':<12}{'chips':>6}{'weights':>14}{'KV tokens':>12}{'max seqs':>10}"
+        f"{'decode tok/s':>16}",
+        row("per replica", r["per_replica"]),
+        row("total", r["total"]),
+    ]
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -113,6 +144,7 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{p['flops'] / 1e9:>12.1f}{p['bytes_accessed'] / 1e6:>14.1f}"
                 f"{p['temp_bytes'] / 1e6:>10.1f}"
             )
+    lines += _replica_lines(r)
     est = r.get("decode_estimate")
     if est:
         counted = any(p.get("cost_source") == "count" for p in r["programs"])

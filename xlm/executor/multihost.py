@@ -32,11 +32,12 @@ _BARRIER = "barrier"
 
 
 def resolve_process_id(parallel_config: ParallelConfig) -> int | None:
-    """This process's id: the option, else XLM_PROCESS_ID, else the TPU worker id."""
+    """This process's id: the option, else XLM_PROCESS_ID, else the pod's (LWS_WORKER_INDEX,
+    TPU_WORKER_ID, JOB_COMPLETION_INDEX)."""
     if parallel_config.process_id is not None:
         return parallel_config.process_id
     process_id = envs.XLM_PROCESS_ID
-    return process_id if process_id is not None else envs.tpu_worker_id()
+    return process_id if process_id is not None else envs.pod_environment().process_id
 
 
 def keep_stdout_for_python() -> None:
@@ -197,7 +198,8 @@ def is_follower(parallel_config: ParallelConfig) -> bool:
     if process_id is None:
         raise ValueError(
             "process_id=None: multihost needs each process's id (--process-id, "
-            "XLM_PROCESS_ID, or TPU_WORKER_ID on a TPU VM)"
+            "XLM_PROCESS_ID, or the pod's TPU_WORKER_ID, JOB_COMPLETION_INDEX or "
+            "LWS_WORKER_INDEX)"
         )
     return process_id != 0
 

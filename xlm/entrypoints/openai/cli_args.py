@@ -294,6 +294,12 @@ def config_file_args(path: str) -> list[str]:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of option names to values")
+    return mapping_args(data)
+
+
+def mapping_args(data: dict[str, Any]) -> list[str]:
+    """A mapping of long option names (`max_num_seqs`, or `model` for the positional) to
+    values, as command-line arguments (True: --flag, False: --no-flag, a list: its items)."""
     argv: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")

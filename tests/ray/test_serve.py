@@ -1,0 +1,127 @@
+"""xlm on Ray Serve, on a local Ray cluster (127.0.0.1, 2 CPUs): two replicas of the tiny
+model behind Ray's proxy answer the official openai client with the local LLM's greedy
+text, behind the server's own API key; `serve run`'s builder and bad options."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+import xlm  # noqa: E402
+from tests.ports import free_ports  # noqa: E402
+from tests.ray.tiny_engine import ENGINE  # noqa: E402
+from xlm.entrypoints.openai.admission import default_max_waiting  # noqa: E402
+from xlm.ray.serve import build_openai_app, serve_args  # noqa: E402
+
+PROMPTS = [f"w{i} w{i + 3} w{2 * i + 5}" for i in range(6)]
+MAX_TOKENS = 8
+API_KEY = "sk-ray"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint) -> str:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> dict[str, str]:
+    """The reference: greedy text of the same model and options, in this process, no Ray."""
+    llm = xlm.LLM(model=model, **ENGINE)
+    params = xlm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return {p: o.outputs[0].text for p, o in zip(PROMPTS, outputs)}
+
+
+@pytest.fixture(scope="module")
+def served(model) -> str:
+    """The app with 2 replicas on a local cluster; yields the proxy's URL."""
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 * 1024**2,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    port = free_ports(1)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        engine_args = {"model": model, **ENGINE, "disable_log_stats": True, "api_key": API_KEY}
+        app = build_openai_app(engine_args, num_replicas=2, ray_actor_options={"num_cpus": 0.5})
+        serve.run(app, name="xlm", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_two_replicas_answer_the_openai_client_with_the_local_greedy_text(served, model, expected):
+    status = serve.status().applications["xlm"].deployments["xlm"]
+    assert status.replica_states == {"RUNNING": 2}
+    client = openai.OpenAI(base_url=served + "/v1", api_key=API_KEY, max_retries=0)
+    for prompt in PROMPTS:
+        completion = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert completion.choices[0].text == expected[prompt]
+        assert completion.usage.completion_tokens == MAX_TOKENS
+    stream = client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    assert (
+        "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected[PROMPTS[0]]
+    )
+    assert [m.id for m in client.models.list().data] == [model]
+    # The server's own guard: the key, in OpenAI's error shape.
+    wrong = openai.OpenAI(base_url=served + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    # Its own validation, naming the parameter.
+    response = httpx.post(
+        served + "/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": model, "prompt": "hi", "max_tokens": 4, "temperature": -1},
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert "temperature" in response.json()["error"]["message"]
+
+
+def test_serve_run_builder_reads_text_values(model):
+    # What `serve run xlm.ray.serve:build_app KEY=VALUE ...` does with the import path.
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    app = call_user_app_builder_with_args_if_necessary(
+        import_attr("xlm.ray.serve:build_app"),
+        {
+            "model": model,
+            "num_replicas": "3",
+            "replica_cpus": "0.25",
+            "enable-prefix-caching": "false",
+            "max_num_seqs": "8",
+        },
+    )
+    deployment = app._bound_deployment
+    assert deployment.num_replicas == 3
+    assert deployment.ray_actor_options["num_cpus"] == 0.25
+    # Every request the server admits (8 running and its waiting room) reaches the replica.
+    assert deployment.max_ongoing_requests == 8 + default_max_waiting(8) > 8
+    engine_args = deployment.init_args[0]
+    assert engine_args["enable_prefix_caching"] is False
+    assert serve_args(engine_args).enable_prefix_caching is False
+
+
+def test_bad_options_fail_when_the_app_is_built(model):
+    with pytest.raises(ValueError, match="unrecognized arguments: --max-nums-seqs"):
+        build_openai_app({"model": model, "max_nums_seqs": 4})
+    with pytest.raises(ValueError, match="'model'"):
+        build_openai_app({"max_num_seqs": 4})
+    with pytest.raises(ValueError, match="not both"):
+        build_openai_app({"model": model}, num_replicas=2, autoscaling_config={"max_replicas": 2})
+    with pytest.raises(ValueError, match="num_replicas=0 is invalid"):
+        build_openai_app({"model": model}, num_replicas=0)
