@@ -266,28 +266,6 @@ def test_run_batch_survives_a_killed_follower_by_rerun(pods, model, expected, tm
         assert r["response"]["body"]["choices"][0]["text"] == expected[prompt]
 
 
-@pytest.mark.slow
-def test_serve_over_two_processes_then_leader_death_ends_the_follower(pods, model, expected):
-    pod = pods(["serve", model, "--host", "127.0.0.1", "--port", "0"])
-    url = wait_healthy(pod)
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-    for prompt in PROMPTS[:3]:
-        completion = client.completions.create(
-            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-        )
-        assert completion.choices[0].text == expected[prompt]
-    pod.kill_host(0)
-    try:
-        pod.follower.wait(FAULT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"follower outlived its leader:\n{pod.log(1)[-3000:]}")
-    assert pod.follower.returncode != 0
-    # Our heartbeat names the leader; JAX's coordination client (the service lived in the
-    # leader) may notice first and end the process itself.
-    log = pod.log(1)
-    assert "leader process 0 stopped responding" in log or "JAX distributed service" in log
-
-
 # What a TPU VM's runtime, a LeaderWorkerSet and a Kubernetes Indexed Job set on each host
 # (the Indexed Job's manifest adds the count and process 0's address, as examples/k8s/ does).
 POD_ENVIRONMENTS: dict[str, PodEnv] = {
@@ -311,7 +289,38 @@ POD_ENVIRONMENTS: dict[str, PodEnv] = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("platform", list(POD_ENVIRONMENTS))
+def test_serve_over_two_processes_then_leader_death_ends_the_follower(pods, model, expected):
+    """Placed by a TPU VM's variables alone (one pod start checks both): host 0 serves,
+    host 1 follows, and the follower ends when its leader dies."""
+    pod = pods(
+        ["serve", model, "--host", "127.0.0.1", "--port", "0"],
+        pod_env=POD_ENVIRONMENTS["tpu-vm"],
+    )
+    url = wait_healthy(pod)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    for prompt in PROMPTS[:3]:
+        completion = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert completion.choices[0].text == expected[prompt]
+    assert "jax.distributed: process 0 of 2, 2 local / 4 global devices" in pod.log(0)
+    assert "Listening on" not in pod.log(1)
+    pod.kill_host(0)
+    try:
+        pod.follower.wait(FAULT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"follower outlived its leader:\n{pod.log(1)[-3000:]}")
+    assert pod.follower.returncode != 0
+    # Our heartbeat names the leader; JAX's coordination client (the service lived in the
+    # leader) may notice first and end the process itself.
+    log = pod.log(1)
+    assert "leader process 0 stopped responding" in log or "JAX distributed service" in log
+
+
+# The TPU VM's variables start the leader-death test's pod; a LeaderWorkerSet's are
+# checked without processes (tests/e2e/test_examples.py places its manifest's pods).
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", ["indexed-job"])
 def test_same_serve_command_on_each_host_serves_from_host_0(pods, model, expected, platform):
     """`xlm serve` with the same flags on both "hosts", each placed by its platform's
     variables alone: one engine over both, host 0 answers HTTP, host 1 follows."""
