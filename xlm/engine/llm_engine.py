@@ -135,5 +135,25 @@ class LLMEngine:
     def list_loras(self) -> list[int]:
         return self.engine_core.call_utility("list_loras")
 
+    # ---- sleep mode and weight updates ---------------------------------------------------
+    # No timeout: reading a large checkpoint again may take minutes.
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Free the weights' (level 1: to host memory) and KV cache's device memory."""
+        return self.engine_core.call_utility("sleep", level, timeout=None)
+
+    def wake_up(self) -> None:
+        self.engine_core.call_utility("wake_up", timeout=None)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.call_utility("is_sleeping")
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights of the same shapes and dtypes from a checkpoint."""
+        self.engine_core.call_utility("update_weights", path, timeout=None)
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of weights and KV cache on the engine's devices now."""
+        return self.engine_core.call_utility("device_bytes")
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
