@@ -121,7 +121,8 @@ def test_update_weights_gives_the_new_checkpoints_outputs(llm, checkpoints, prom
 
 def test_update_weights_mismatch_names_the_tensor_and_changes_nothing(llm, checkpoints, prompts):
     before = token_ids(llm, prompts)
-    with pytest.raises(ValueError, match=r"tensor \S*mlp\S* is \(\d+, \d+\) float32 in .*wide.*nothing was changed"):
+    named = r"tensor \S*mlp\S* is \(\d+, \d+\) float32 in .*wide.*nothing was changed"
+    with pytest.raises(ValueError, match=named):
         llm.update_weights(checkpoints["wide"])
     with pytest.raises(ValueError, match="does not exist"):
         llm.update_weights(checkpoints["a"] + "-missing")

@@ -12,6 +12,7 @@ from xlm.core.async_scheduler import AsyncScheduler
 from xlm.core.outputs import SchedulerOutput, SchedulerStats
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
+from xlm.engine.exceptions import EngineBusyError
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from xlm.executor import executor_class_for
 from xlm.executor.abstract import Executor
@@ -264,7 +265,7 @@ class EngineCore:
         while self._in_flight and not self.scheduler.has_unfinished_requests():
             self.step()
         if self.has_unfinished_requests():
-            raise ValueError(
+            raise EngineBusyError(
                 f"{what}: {self.scheduler.get_num_unfinished_requests()} requests are "
                 "unfinished; call it when the engine is idle (wait for or abort them)"
             )

@@ -44,6 +44,7 @@ from xlm.worker.input_batch import InputBatch
 from xlm.worker.kv_allocation import KVCacheAllocation
 from xlm.worker.packing import pack
 from xlm.worker.programs import StepPrograms
+from xlm.worker.prompt_logprobs import PROMPT_LOGPROB_ROWS
 from xlm.worker.sleep_mode import (
     SleepRecord,
     check_weights,
@@ -53,7 +54,6 @@ from xlm.worker.sleep_mode import (
     restore_weights,
     swap_weights,
 )
-from xlm.worker.prompt_logprobs import PROMPT_LOGPROB_ROWS
 from xlm.worker.spec_decode import Proposer, Speculator
 from xlm.worker.step_inputs import StepInputs, prepare_inputs
 from xlm.worker.step_outputs import StepInFlight, read_sampled
@@ -179,7 +179,8 @@ class ModelRunner:
 
     def device_bytes(self) -> tuple[int, int]:
         """(weights, KV cache) bytes this runner holds on this process's devices now."""
-        weights = sum(device_bytes(v.get_value()) for v in flat_variables(self.state).values())
+        arrays = {id(v.get_value()): v.get_value() for v in flat_variables(self.state).values()}
+        weights = sum(device_bytes(a) for a in arrays.values())  # a shared array once
         kv = 0 if self._sleep is not None else sum(device_bytes(a) for a in self.kv_caches)
         return weights, kv
 

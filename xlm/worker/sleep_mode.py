@@ -88,11 +88,17 @@ def drop_weights(state: nnx.State, level: int) -> tuple[dict[str, HostCopy], int
     """Delete the state's device arrays (level 1: copied to the host first; level 2: only
     the runtime leaves are); the host copies and the device bytes freed."""
     host: dict[str, HostCopy] = {}
+    first: dict[int, str] = {}  # an array two Variables share (tied weights) goes once
     freed = 0
     for name, var in flat_variables(state).items():
         value = var.get_value()
         if not isinstance(value, jax.Array):
             continue
+        if id(value) in first:
+            if first[id(value)] in host:
+                host[name] = host[first[id(value)]]
+            continue
+        first[id(value)] = name
         if level == 1 or is_runtime(name):
             host[name] = HostCopy.of(value)
         freed += device_bytes(value)
@@ -105,10 +111,14 @@ def restore_weights(state: nnx.State, host: dict[str, HostCopy], fresh: nnx.Stat
     read again from its checkpoint: level 2), placed as the old arrays were."""
     variables = flat_variables(state)
     new = {} if fresh is None else flat_variables(fresh)
+    restored: dict[int, jax.Array] = {}  # by host copy: a shared array comes back shared
     for name, var in variables.items():
         old = var.get_value()
         if name in host:
-            var.set_value(host[name].to_device())
+            copy = host[name]
+            if id(copy) not in restored:
+                restored[id(copy)] = copy.to_device()
+            var.set_value(restored[id(copy)])
         elif isinstance(old, jax.Array):
             value = new[name].get_value()
             var.set_value(_placed_like(value, old))
