@@ -10,6 +10,7 @@ import pytest
 import xlm
 from tests.conftest import VOCAB_SIZE, write_tiny_checkpoint
 from tests.engine.reference import TINY_ENGINE
+from xlm.engine.exceptions import EngineBusyError
 
 ARCH = "llama"
 NEW_TOKENS = 12
@@ -127,3 +128,22 @@ def test_update_weights_mismatch_names_the_tensor_and_changes_nothing(llm, check
     with pytest.raises(ValueError, match="does not exist"):
         llm.update_weights(checkpoints["a"] + "-missing")
     assert token_ids(llm, prompts) == before
+
+
+def test_sleep_and_update_weights_refuse_a_busy_engine(llm, checkpoints, prompts):
+    before = token_ids(llm, prompts[:1])
+    engine = llm.llm_engine
+    engine.add_request("busy", prompts[0], greedy())
+    with pytest.raises(EngineBusyError, match="1 requests are unfinished"):
+        llm.sleep(1)
+    with pytest.raises(EngineBusyError, match="unfinished"):
+        llm.update_weights(checkpoints["b"])
+    engine.abort_request(["busy"])
+    assert not llm.is_sleeping()
+    assert token_ids(llm, prompts[:1]) == before  # the old weights still serve
+
+    llm.sleep(1)
+    with pytest.raises(ValueError, match="asleep"):
+        llm.update_weights(checkpoints["b"])
+    llm.wake_up()
+    assert token_ids(llm, prompts[:1]) == before
