@@ -53,3 +53,33 @@ def test_llm_multiprocess_generates_like_the_server(server):
     finally:
         llm.llm_engine.shutdown()
     assert not proc.is_alive() and proc.exitcode == 0
+
+
+def test_llm_multiprocess_sleep_mode(tiny_checkpoint):
+    """Sleep mode through the engine-core process: the same outputs after wake-up, and the
+    core's refusals raise as they do in process (ValueError)."""
+    from tests.engine.reference import TINY_ENGINE
+    from xlm.entrypoints.llm import LLM
+    from xlm.sampling_params import SamplingParams
+
+    llm = LLM(
+        model=tiny_checkpoint("llama"), multiprocess=True, enable_sleep_mode=True, **TINY_ENGINE
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        before = llm.generate([[5, 17, 33]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        compiled = llm.llm_engine.num_compilations
+        with pytest.raises(ValueError, match="level=3 is invalid"):
+            llm.sleep(3)
+        freed = llm.sleep(2)
+        assert freed["weights"] > 0 and freed["kv_cache"] > 0
+        assert llm.is_sleeping()
+        with pytest.raises(ValueError, match="asleep"):
+            llm.update_weights(tiny_checkpoint("llama"))
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        after = llm.generate([[5, 17, 33]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        assert after == before
+        assert llm.llm_engine.num_compilations == compiled
+    finally:
+        llm.llm_engine.shutdown()

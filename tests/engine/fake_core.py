@@ -99,7 +99,7 @@ class FakeEngineCore(EngineCore):
     def echo(self, *args: Any) -> list[Any]:
         return list(args)
 
-    def sleep(self, seconds: float) -> bool:
+    def slow_call(self, seconds: float) -> bool:
         time.sleep(seconds)
         return True
 

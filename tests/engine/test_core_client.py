@@ -47,7 +47,7 @@ def test_undecodable_messages_are_dropped_and_the_engine_serves_on(sync_client):
 
 def test_timed_out_utility_calls_leave_no_pending_future(sync_client):
     with pytest.raises(TimeoutError):
-        sync_client.call_utility("sleep", 1.0, timeout=0.05)
+        sync_client.call_utility("slow_call", 1.0, timeout=0.05)
     assert sync_client._pending == {}
     assert sync_client.call_utility("echo", 1) == [1]  # the late answer is ignored
     assert sync_client._pending == {}
@@ -72,7 +72,7 @@ def test_async_timed_out_utility_call_leaves_no_pending_future():
         client = AsyncMPClient({}, True, FakeEngineCoreProc)
         try:
             with pytest.raises(asyncio.TimeoutError):
-                await client.call_utility_async("sleep", 1.0, timeout=0.05)
+                await client.call_utility_async("slow_call", 1.0, timeout=0.05)
             assert client._pending == {}
             assert await client.call_utility_async("echo", 2) == [2]
             assert client._pending == {}

@@ -66,6 +66,8 @@ class ModelConfig:
     # Set with quantization="gguf" from the file: the scales' group size along the input
     # and whether groups have a minimum (xlm.quantization.QuantLayout).
     quant_layout: Any = None
+    # Sleep mode (LLM.sleep / wake_up, POST /sleep): the weights can leave the devices.
+    enable_sleep_mode: bool = False
     # Set by the loader once the checkpoint's config has been read.
     hf_config: Any = field(default=None, repr=False, compare=False)
     # The pooling a pooling runner applies when a request does not say (set with runner).

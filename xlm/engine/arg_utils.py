@@ -104,6 +104,8 @@ _HELP = {
     "first token, reasoning included",
     "enable_lora": "serve LoRA adapters (PEFT directories) beside the base model: requests "
     "name one, each step mixes up to max_loras of them",
+    "enable_sleep_mode": "allow sleep(level) / wake_up() (POST /sleep, /wake_up): level 1 "
+    "moves the weights to host memory and drops the KV cache, level 2 drops both",
     "max_loras": "LoRA adapters on the device at once (slots; a step never mixes more)",
     "max_lora_rank": "largest adapter rank (every slot is padded to it)",
     "max_cpu_loras": "LoRA adapters kept read on the host (default: max_loras)",
@@ -216,6 +218,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Sleep mode: LLM.sleep / wake_up and the server's POST /sleep, /wake_up.
+    enable_sleep_mode: bool = False
     # Compile-only (`xlm plan` adds the flag; an engine refuses it).
     target_topology: str | None = None
 
@@ -364,6 +368,7 @@ class EngineArgs:
             hub = dict(revision=self.revision, download_dir=self.download_dir)
             tokenizer = resolve_model_name(tokenizer, load_format="dummy", **hub)
         model_config = self._model_config(self.model, tokenizer, self.runner, self.convert)
+        model_config.enable_sleep_mode = self.enable_sleep_mode
         if model_config.is_pooling:
             model_config.default_pooling = default_pooling_params(
                 model_config.model, model_config.convert

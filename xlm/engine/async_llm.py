@@ -108,6 +108,9 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self._output_handler: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        # Whether the engine sleeps, as this client last set or read it (the server answers
+        # new requests 503 meanwhile).
+        self.sleeping = False
         startup.report("API server engine client")
 
     @classmethod
@@ -401,6 +404,26 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache in the core."""
         return await self.engine_core.reset_prefix_cache_async()
+
+    # ---- sleep mode and weight updates ---------------------------------------------------
+    # No timeout: reading a large checkpoint again may take minutes.
+    async def sleep(self, level: int = 1) -> dict[str, int]:
+        """Free the weights' (level 1: to host memory) and KV cache's device memory."""
+        freed = await self.engine_core.call_utility_async("sleep", level, timeout=None)
+        self.sleeping = True
+        return freed
+
+    async def wake_up(self) -> None:
+        await self.engine_core.call_utility_async("wake_up", timeout=None)
+        self.sleeping = False
+
+    async def is_sleeping(self) -> bool:
+        self.sleeping = await self.engine_core.call_utility_async("is_sleeping")
+        return self.sleeping
+
+    async def update_weights(self, path: str) -> None:
+        """Load new weights of the same shapes and dtypes from a checkpoint."""
+        await self.engine_core.call_utility_async("update_weights", path, timeout=None)
 
     def do_log_stats(self) -> None:
         """Let each stat logger emit its periodic output."""

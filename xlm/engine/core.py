@@ -12,6 +12,7 @@ from xlm.core.async_scheduler import AsyncScheduler
 from xlm.core.outputs import SchedulerOutput, SchedulerStats
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
+from xlm.engine.exceptions import EngineBusyError
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from xlm.executor import executor_class_for
 from xlm.executor.abstract import Executor
@@ -60,11 +61,14 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: deque[SchedulerOutput] = deque()
         self._first_dispatch: float | None = None
+        self._sleep_level: int | None = None  # asleep: the level (sleep mode)
         logger.info("Engine core ready in %.1f s.", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admit a request; raises ValueError when it can never fit (or its LoRA adapter
         cannot be read: LoRAAdapterError)."""
+        if self._sleep_level is not None:
+            raise ValueError("the engine is asleep: call wake_up() before adding requests")
         lora = request.lora_request
         if lora is not None and self.config.lora_config is not None:
             self.executor.add_lora(lora)  # read and checked now, not mid-step
@@ -205,6 +209,66 @@ class EngineCore:
     def get_num_compilations(self) -> int:
         """Step programs compiled or loaded so far (flat once all are ready)."""
         return self.executor.get_num_compilations()
+
+    # ---- sleep mode and weight updates ---------------------------------------------------
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Free the device memory of the weights (level 1: moved to host memory; level 2:
+        dropped, read again from the checkpoint on wake_up) and of the KV cache; the bytes
+        freed. Asleep already: nothing happens. The engine must be idle."""
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError(
+                "sleep mode is off: start the engine with enable_sleep_mode=True "
+                "(--enable-sleep-mode)"
+            )
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(
+                f"level={level!r} is invalid: 1 (weights to host memory, KV cache dropped) "
+                "or 2 (weights and KV cache dropped)"
+            )
+        if self._sleep_level is not None:
+            return {"weights": 0, "kv_cache": 0}
+        self._require_idle("sleep")
+        # No program may be lowered from the weights while they are gone.
+        self.executor.wait_for_programs()
+        self.scheduler.reset_prefix_cache()  # the cached blocks' K/V go with the cache
+        freed = self.executor.sleep(level)
+        self._sleep_level = level
+        return freed
+
+    def wake_up(self) -> None:
+        """Bring the weights and an empty KV cache back; awake already: nothing happens."""
+        if self._sleep_level is None:
+            return
+        self.executor.wake_up()
+        self._sleep_level = None
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level is not None
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights from a checkpoint of the same architecture (shapes and dtypes
+        checked: ValueError naming the tensor, nothing changed); the prefix cache, computed
+        with the old weights, is dropped. The engine must be awake and idle."""
+        if self._sleep_level is not None:
+            raise ValueError("update_weights: the engine is asleep; call wake_up() first")
+        self._require_idle("update_weights")
+        self.executor.update_weights(path)
+        self.scheduler.reset_prefix_cache()
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of weights and KV cache on this process's devices now."""
+        return self.executor.device_bytes()
+
+    def _require_idle(self, what: str) -> None:
+        # Async scheduling may leave a step in flight after its requests finished: collect
+        # it (its outputs concern no one any more).
+        while self._in_flight and not self.scheduler.has_unfinished_requests():
+            self.step()
+        if self.has_unfinished_requests():
+            raise EngineBusyError(
+                f"{what}: {self.scheduler.get_num_unfinished_requests()} requests are "
+                "unfinished; call it when the engine is idle (wait for or abort them)"
+            )
 
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         """Wait for the background compilation; whether every step program is ready."""

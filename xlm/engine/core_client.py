@@ -66,8 +66,9 @@ class InprocClient:
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.make_stats()
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Call a public EngineCore method (the multiprocess clients' UTILITY message)."""
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call a public EngineCore method (the multiprocess clients' UTILITY message;
+        `timeout` is theirs: a call here returns when done)."""
         return getattr(self.engine_core, method)(*args)
 
     def shutdown(self) -> None:

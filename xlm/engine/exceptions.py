@@ -49,3 +49,7 @@ class EngineGenerateError(RuntimeError):
 
 class RequestAbortedError(EngineGenerateError):
     """The server aborted the request (shutdown); callers finish it with reason "abort"."""
+
+
+class EngineBusyError(ValueError):
+    """A call that needs an idle engine (sleep, update_weights) while requests run."""

@@ -8,6 +8,7 @@ from xlm.config import XlmConfig
 from xlm.core.outputs import SchedulerStats
 from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.core_client import EngineCoreClient, InprocClient
+from xlm.engine.exceptions import EngineBusyError, EngineDeadError
 from xlm.engine.mp_client import SyncMPClient
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.processor import Processor
@@ -135,5 +136,45 @@ class LLMEngine:
     def list_loras(self) -> list[int]:
         return self.engine_core.call_utility("list_loras")
 
+    # ---- sleep mode and weight updates ---------------------------------------------------
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Free the weights' (level 1: to host memory) and KV cache's device memory."""
+        return self._admin("sleep", level)
+
+    def wake_up(self) -> None:
+        self._admin("wake_up")
+
+    def is_sleeping(self) -> bool:
+        return self._admin("is_sleeping")
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights of the same shapes and dtypes from a checkpoint."""
+        self._admin("update_weights", path)
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of weights and KV cache on the engine's devices now."""
+        return self._admin("device_bytes")
+
+    def _admin(self, method: str, *args: Any) -> Any:
+        """Call the core without a timeout (reading a large checkpoint again takes
+        minutes); a refusal from a core in another process raises as it would here."""
+        try:
+            return self.engine_core.call_utility(method, *args, timeout=None)
+        except EngineDeadError:
+            raise
+        except RuntimeError as e:
+            raise core_refusal(e) from None
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def core_refusal(error: RuntimeError) -> Exception:
+    """The ValueError (or EngineBusyError) an engine-core process answered a utility call
+    with, as its own class again; any other error as it is."""
+    kind, sep, message = str(error).partition(": ")
+    if sep and kind == "EngineBusyError":
+        return EngineBusyError(message)
+    if sep and kind == "ValueError":
+        return ValueError(message)
+    return error

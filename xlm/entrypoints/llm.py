@@ -235,6 +235,27 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    # ---- sleep mode (enable_sleep_mode=True) and weight updates ---------------------------
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Free device memory while idle: level 1 moves the weights to host memory and
+        drops the KV cache, level 2 drops both (the weights are read again from their files
+        on wake_up). Returns the device bytes freed ({"weights", "kv_cache"}); generating
+        while asleep raises. Nothing is recompiled on wake-up."""
+        return self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Bring the weights and an empty KV cache back (awake already: nothing happens)."""
+        self.llm_engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights from a checkpoint directory (or GGUF file) of the same model
+        shapes, e.g. after an RL training step; a tensor whose shape or dtype differs raises
+        ValueError naming it, and nothing changes. The prefix cache is dropped."""
+        self.llm_engine.update_weights(path)
+
     def _run(
         self,
         prompts: list[PromptType],

@@ -75,6 +75,23 @@ class Executor(ABC):
     def list_loras(self) -> list[int]:
         return self.worker.list_loras()
 
+    # Sleep mode and weight updates: every process's worker does the same (a multihost
+    # executor mirrors these calls to its followers).
+    def sleep(self, level: int) -> dict[str, int]:
+        """Free the workers' weights (level 1: to host memory) and KV caches."""
+        return self.worker.sleep(level)
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights of the same shapes and dtypes (ValueError when they differ)."""
+        self.worker.update_weights(path)
+
+    def device_bytes(self) -> dict[str, int]:
+        """Weights and KV cache bytes on this process's devices now."""
+        return self.worker.device_bytes()
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release the workers."""

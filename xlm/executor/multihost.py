@@ -29,6 +29,9 @@ logger = init_logger(__name__)
 _SHUTDOWN = "shutdown"
 _CONFIG = "config"
 _BARRIER = "barrier"
+# Worker calls that may fail on user input, leaving the worker unchanged: a follower logs
+# the error and goes on (the leader raises it to the caller).
+_REFUSABLE = frozenset({"update_weights"})
 
 
 def resolve_process_id(parallel_config: ParallelConfig) -> int | None:
@@ -155,6 +158,18 @@ class MultihostExecutor(Executor):
     def collect(self) -> ModelRunnerOutput:
         return self._call("collect")
 
+    def sleep(self, level: int) -> dict[str, int]:
+        return self._call("sleep", level)
+
+    def wake_up(self) -> None:
+        self._call("wake_up")
+
+    def update_weights(self, path: str) -> None:
+        # Every process reads `path` itself (it must be visible on every host); a checkpoint
+        # that does not fit is refused alike everywhere (see run_follower).
+        self.channel.send(("update_weights", (path,)))
+        self.worker.update_weights(path)
+
     def shutdown(self) -> None:
         channel, self.channel = getattr(self, "channel", None), None
         if channel is not None:
@@ -184,7 +199,13 @@ def run_follower(parallel_config: ParallelConfig) -> None:
         if method == _BARRIER:
             barrier(*args)
             continue
-        getattr(worker, method)(*args)
+        try:
+            getattr(worker, method)(*args)
+        except ValueError as e:
+            if method not in _REFUSABLE:
+                raise
+            # The leader refuses the same call for the same reason; both stay as they were.
+            logger.warning("multihost: follower %d refused %s: %s", process_id, method, e)
         steps += 1
     logger.info("multihost: leader shut down after %d calls; follower %d exits.", steps, process_id)
     channel.close()

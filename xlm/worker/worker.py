@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 from flax import nnx
@@ -18,7 +19,7 @@ from xlm.distributed.mesh import describe_mesh, make_mesh, per_device_bytes
 from xlm.logger import init_logger
 from xlm.lora.request import LoRARequest
 from xlm.metrics import startup
-from xlm.models.loader import get_model, resolve_dtype
+from xlm.models.loader import get_model, load_hf_config, resolve_dtype
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
 from xlm.platforms.target import CompileTarget, compile_target
 from xlm.worker.model_runner import ModelRunner
@@ -131,6 +132,9 @@ class Worker:
         self.num_blocks = self._determine_num_blocks()
         config.cache_config.num_blocks = self.num_blocks
         config.cache_config.sliding_window = shared_sliding_window(self.model)
+        # The config the weights are read from again (sleep level 2): update_weights
+        # points it at the new checkpoint.
+        self._weights_config = config
         runner_cls = PoolingModelRunner if config.model_config.is_pooling else ModelRunner
         with startup.phase("KV cache"):
             self.model_runner = runner_cls(
@@ -278,3 +282,67 @@ class Worker:
 
     def list_loras(self) -> list[int]:
         return self.model_runner.lora.list()
+
+    # ---- sleep mode and weight updates (xlm.worker.sleep_mode) ---------------------------
+    def _runners(self) -> list[tuple[ModelRunner, XlmConfig]]:
+        """Each runner with the config its weights are read from (a draft model's too)."""
+        runners = [(self.model_runner, self._weights_config)]
+        draft = getattr(self.model_runner.proposer, "runner", None)
+        if draft is not None:
+            runners.append((draft, self.draft_config))
+        return runners
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of weights and KV cache on this process's devices now (a draft's included)."""
+        sizes = [runner.device_bytes() for runner, _ in self._runners()]
+        return {"weights": sum(w for w, _ in sizes), "kv_cache": sum(k for _, k in sizes)}
+
+    def sleep(self, level: int) -> dict[str, int]:
+        """Free the weights (level 1: to host memory; level 2: dropped) and the KV cache;
+        the device bytes freed."""
+        records = [runner.sleep(level) for runner, _ in self._runners()]
+        freed = {
+            "weights": sum(r.freed_weight_bytes for r in records),
+            "kv_cache": sum(r.freed_kv_bytes for r in records),
+        }
+        logger.info(
+            "Sleeping (level %d): freed %.2f GiB of weights and %.2f GiB of KV cache.",
+            level,
+            freed["weights"] / GiB,
+            freed["kv_cache"] / GiB,
+        )
+        return freed
+
+    def wake_up(self) -> None:
+        """Weights and a zeroed KV cache back on the devices (level 2: weights re-read)."""
+        for runner, config in self._runners():
+            fresh = None
+            if runner.sleep_level == 2:
+                fresh = nnx.state(get_model(config, mesh=self.mesh))
+            runner.wake_up(fresh)
+        logger.info("Awake: weights and KV cache are back on the devices.")
+
+    def update_weights(self, path: str) -> None:
+        """Load the target model's weights from `path` (a checkpoint directory or GGUF
+        file); ValueError naming the tensor, with nothing changed, when they do not fit."""
+        if not os.path.exists(path):
+            raise ValueError(f"update_weights: path {path!r} does not exist")
+        old = self._weights_config.model_config
+        try:
+            model_config = dataclasses.replace(
+                old,
+                model=path,
+                load_format="auto",
+                # The engine's dtype, not the new checkpoint's: the programs take that.
+                dtype=jnp.dtype(resolve_dtype(old.dtype, old.hf_config)).name,
+                hf_config=load_hf_config(path),
+            )
+            config = self._weights_config.replace(model_config=model_config)
+            fresh = nnx.state(get_model(config, mesh=self.mesh))
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(
+                f"update_weights: could not load {path!r}: {e}; nothing was changed"
+            ) from e
+        self.model_runner.update_weights(fresh, path)
+        self._weights_config = config
+        logger.info("Weights updated from %s.", path)

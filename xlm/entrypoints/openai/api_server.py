@@ -124,6 +124,15 @@ def _install_guards(app: FastAPI, args: argparse.Namespace, state: ServerState) 
                         "service_unavailable",
                     )
                 )
+            if request.method == "POST" and getattr(state.engine, "sleeping", False) is True:
+                return error_response(
+                    OpenAIError(
+                        "The engine is asleep: POST /wake_up first",
+                        HTTPStatus.SERVICE_UNAVAILABLE,
+                        "service_unavailable",
+                        code="engine_sleeping",
+                    )
+                )
         return await call_next(request)
 
     if origins:  # outside the key check, so preflights and error responses carry CORS

@@ -88,6 +88,13 @@ class LoadLoRAAdapterRequest(OpenAIBaseModel):
     lora_path: str = Field(min_length=1)
 
 
+class UpdateWeightsRequest(OpenAIBaseModel):
+    """POST /update_weights: a checkpoint directory (or GGUF file) of the served model's
+    shapes, on the server's filesystem."""
+
+    path: str = Field(min_length=1)
+
+
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):
     """POST /v1/unload_lora_adapter (vLLM's; its lora_int_id is accepted and unused)."""
 

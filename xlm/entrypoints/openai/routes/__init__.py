@@ -10,6 +10,7 @@ from xlm.entrypoints.openai.routes import (
     models,
     responses,
     score,
+    sleep,
     system,
 )
 
@@ -21,4 +22,5 @@ ROUTERS = (
     responses.router,
     messages.router,
     score.router,
+    sleep.router,
 )
