@@ -61,11 +61,8 @@ NOT_YET_MIRRORED = {
     "xlm/ray/processor.py",
     "xlm/ray/replica.py",
     "xlm/structured_output/backend.py",
-    "xlm/worker/buckets.py",
     "xlm/worker/compilation.py",
     "xlm/worker/model_runner.py",
-    "xlm/worker/packing.py",
-    "xlm/worker/sampling_rows.py",
 }
 
 
