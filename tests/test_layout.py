@@ -50,7 +50,6 @@ NOT_YET_MIRRORED = {
     "xlm/executor/abstract.py",
     "xlm/executor/multihost.py",
     "xlm/executor/uniproc.py",
-    "xlm/models/builtin.py",
     "xlm/models/loader/dummy_format.py",
     "xlm/models/loader/gguf_reader.py",
     "xlm/models/loader/gguf_tokenizer.py",
