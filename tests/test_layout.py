@@ -51,7 +51,6 @@ NOT_YET_MIRRORED = {
     "xlm/executor/multihost.py",
     "xlm/executor/uniproc.py",
     "xlm/models/loader/dummy_format.py",
-    "xlm/models/loader/gguf_reader.py",
     "xlm/models/loader/gguf_tokenizer.py",
     "xlm/models/loader/safetensors_format.py",
     "xlm/platforms/interface.py",
