@@ -26,7 +26,6 @@ ALLOWLIST = {
 NOT_YET_MIRRORED = {
     "xlm/engine/arg_utils.py",
     "xlm/engine/core_proc.py",
-    "xlm/engine/detokenizer.py",
     "xlm/engine/llm_engine.py",
     "xlm/engine/messages.py",
     "xlm/engine/parallel_sampling.py",
@@ -50,9 +49,6 @@ NOT_YET_MIRRORED = {
     "xlm/executor/abstract.py",
     "xlm/executor/multihost.py",
     "xlm/executor/uniproc.py",
-    "xlm/models/loader/dummy_format.py",
-    "xlm/models/loader/gguf_tokenizer.py",
-    "xlm/models/loader/safetensors_format.py",
     "xlm/platforms/interface.py",
     "xlm/ray/processor.py",
     "xlm/ray/replica.py",
