@@ -27,8 +27,6 @@ NOT_YET_MIRRORED = {
     "xlm/engine/arg_utils.py",
     "xlm/engine/core_proc.py",
     "xlm/engine/llm_engine.py",
-    "xlm/engine/messages.py",
-    "xlm/engine/parallel_sampling.py",
     "xlm/entrypoints/collect_env.py",
     "xlm/entrypoints/generate.py",
     "xlm/entrypoints/openai/admission.py",
