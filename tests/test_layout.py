@@ -48,7 +48,6 @@ NOT_YET_MIRRORED = {
     "xlm/executor/uniproc.py",
     "xlm/ray/processor.py",
     "xlm/ray/replica.py",
-    "xlm/structured_output/backend.py",
     "xlm/worker/compilation.py",
     "xlm/worker/model_runner.py",
 }
