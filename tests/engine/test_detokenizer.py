@@ -5,9 +5,8 @@ through OutputProcessor: tests/engine/test_output_processor.py."""
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
+from tests.bpe_tokenizer import hello_tokenizer
 from xlm.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, check_stop_strings
 from xlm.sampling_params import SamplingParams
 
@@ -16,16 +15,7 @@ TEXT = "Hello 😀 world, 你好 naïve café! The stop word is here."
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["Hello world, hello words. The stop word is here."] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    return hello_tokenizer()
 
 
 def _stream(tokenizer, params, ids, prompt=(5, 6), per_step=1):

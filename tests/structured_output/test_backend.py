@@ -10,9 +10,8 @@ import re
 import threading
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
+from tests.bpe_tokenizer import train_byte_level_bpe
 from xlm.structured_output import backend
 from xlm.structured_output.backend import (
     GrammarCompiler,
@@ -31,17 +30,8 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """A byte-level BPE (every string has a spelling) with an EOS token."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(['{"ok": true, "n": 42} alpha beta 2024-01-31'] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    text = '{"ok": true, "n": 42} alpha beta 2024-01-31'
+    return train_byte_level_bpe(text, 300, ["<eos>"], eos_token="<eos>")
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,8 @@ import os
 import pytest
 from gguf import GGUFWriter
 
+from tests.test_tokenizer import TEXTS
 from xlm.models.loader.gguf_tokenizer import convert_gguf_tokenizer, gguf_tokenizer
-
-TEXTS = [
-    "Hello world!",
-    "  leading spaces and\ttabs\nnewlines",
-    "unicode: héllo, 日本語, emoji 🤗",
-    "<|im_start|>user\nhi<|im_end|>",
-    "",
-]
 
 
 @pytest.fixture(scope="module")
