@@ -245,6 +245,15 @@ def smollm2_transformers_gguf_model(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def smollm2_transformers_tokenizer(smollm2_gguf):
+    """transformers' own tokenizer of the GGUF (its gguf_file= path): the reference."""
+    from transformers import AutoTokenizer
+
+    directory, filename = os.path.split(smollm2_gguf)
+    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+
+
+@pytest.fixture(scope="session")
 def smollm2_llm(smollm2_gguf):
     """One small-shaped xlm engine on the real SmolLM2 GGUF for the whole session."""
     import xlm

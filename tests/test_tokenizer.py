@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -29,29 +28,8 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path):
-    from transformers import AutoTokenizer
-
-    directory, filename = os.path.split(gguf_path)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-
-
-def test_gguf_tokenizer_matches_transformers(gguf_path, reference):
-    tokenizer = get_tokenizer(gguf_path)
-    assert tokenizer.is_fast
-    assert len(tokenizer) == len(reference) == 49152
-    for text in TEXTS:
-        ids = tokenizer.encode(text)
-        assert ids == reference.encode(text)
-        assert tokenizer.decode(ids) == reference.decode(ids) == text
-    assert tokenizer.encode("<|im_end|>") == [2]
-    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (
-        "<|im_start|>",
-        "<|im_end|>",
-        "<|im_end|>",
-    )
-    assert tokenizer.chat_template == reference.chat_template
-    assert "<|im_start|>" in tokenizer.chat_template
+def reference(smollm2_transformers_tokenizer):
+    return smollm2_transformers_tokenizer
 
 
 def test_chat_template_matches_transformers(gguf_path, reference):

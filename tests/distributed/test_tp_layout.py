@@ -57,11 +57,3 @@ def test_physical_layout_repeats_heads_and_interleaves_gate_up_per_shard():
     gate, up = np.arange(4), 10 + np.arange(4)  # 4 columns each, 2 shards
     got = to_physical(np.concatenate([gate, up])[None], {"fused_shards": (2, 2)})
     np.testing.assert_array_equal(got, [[0, 1, 10, 11, 2, 3, 12, 13]])
-
-
-def test_collect_env_shows_the_mesh():
-    from xlm.entrypoints.collect_env import collect_env
-
-    info = collect_env(tensor_parallel_size=1)
-    assert info["mesh"].startswith("mesh (data=1, model=1) of 1 ")
-    assert "1 process(es)" in info["mesh"] and len(info["mesh_devices"]) == 1

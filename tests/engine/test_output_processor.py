@@ -3,9 +3,8 @@
 import importlib.util
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
+from tests.bpe_tokenizer import hello_tokenizer
 from xlm.core.outputs import EngineCoreOutput, LogprobsLists
 from xlm.engine.detokenizer import TokenizerInfo
 from xlm.engine.output_processor import OutputProcessor
@@ -18,16 +17,7 @@ TEXT = "Hello 😀 world, 你好世界 🎉🎉 naïve café! Über straße ok."
 @pytest.fixture(scope="module")
 def tokenizer():
     """A byte-level BPE trained on a little ASCII text: non-ASCII chars split into bytes."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["Hello world, hello words. The stop word is here."] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    return hello_tokenizer()
 
 
 def _run(processor, request_id, ids, finish_last="length", per_step=1):

