@@ -199,6 +199,7 @@ class EngineCore:
             "kv_cache_tokens": self.scheduler.kv_cache_manager.max_request_tokens,
             # The devices this process sees (a data-parallel rank: only its own group).
             "num_local_devices": _num_local_devices(),
+            "data_parallel_rank": self.config.parallel_config.data_parallel_rank,
         }
 
     def reset_prefix_cache(self) -> bool:

@@ -74,7 +74,11 @@ class DataParallelRouter:
         least = self._least_loaded(live)
         key = self.prefix_key(request)
         rank = self.prefix_rank.get(key) if key is not None else None
-        if rank is None or not self.alive[rank] or self.loads[rank] - self.loads[least] > self.slack:
+        if (
+            rank is None
+            or not self.alive[rank]
+            or self.loads[rank] - self.loads[least] > self.slack
+        ):
             rank = least
         if key is not None:
             self.prefix_rank[key] = rank
@@ -364,7 +368,9 @@ class DPAsyncMPClient(_DPClientBase):
         queue_ = self._ensure_pumps()
         if lost:
             reason = f"data-parallel engine {rank} died: {message}"
-            failed = [EngineCoreOutput(r, [], finish_reason="error", stop_reason=reason) for r in lost]
+            failed = [
+                EngineCoreOutput(r, [], finish_reason="error", stop_reason=reason) for r in lost
+            ]
             queue_.put_nowait((EngineCoreOutputs(failed, None, time.time(), rank), []))
         if len(self._reported_dead) == len(self.engines):
             queue_.put_nowait(EngineDeadError(self.dead_message or message))
