@@ -14,9 +14,9 @@ from xlm.config import ParallelConfig
 from xlm.distributed.mesh import (
     describe_mesh,
     make_mesh,
-    rank_devices,
     per_device_bytes,
     put_replicated,
+    rank_devices,
     to_host,
     tp_mesh,
 )

@@ -17,9 +17,9 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from xlm.config import XlmConfig
+from xlm.engine.dp_client import make_async_client
 from xlm.engine.exceptions import EngineDeadError, RequestAbortedError
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from xlm.engine.dp_client import make_async_client
 from xlm.engine.mp_client import AsyncMPClient
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.processor import Processor

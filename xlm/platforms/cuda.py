@@ -16,7 +16,9 @@ class CudaPlatform(Platform):
         # Unset: GPUs 0, 1, ... (asking JAX here would start the GPU backend in the front end).
         ids = envs.cuda_visible_devices()
         if ids is None:
-            return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(rank * tp, (rank + 1) * tp))}
+            return {
+                "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(rank * tp, (rank + 1) * tp))
+            }
         group = ids[rank * tp : (rank + 1) * tp]
         if len(group) < tp:
             raise ValueError(
