@@ -11,6 +11,7 @@ from xlm.config import (
     SchedulerConfig,
     XlmConfig,
 )
+from xlm.engine.arg_utils import EngineArgs
 from xlm.platforms.cpu import CpuPlatform
 
 
@@ -38,6 +39,17 @@ from xlm.platforms.cpu import CpuPlatform
         (lambda: ParallelConfig(num_processes=2, process_id=2), r"process_id=2.*\[0, 2\)"),
         (lambda: ParallelConfig(coordinator_address="nohost"), "coordinator_address='nohost'"),
         (lambda: ParallelConfig(num_processes=2), "num_processes=2.*multihost"),
+        (lambda: ParallelConfig(data_parallel_rank=1), r"data_parallel_rank=1.*\[0, 1\)"),
+        (
+            lambda: ParallelConfig(data_parallel_size=2, executor_backend="multihost"),
+            "data_parallel_size=2.*'uni' engines",
+        ),
+        (
+            lambda: EngineArgs(
+                data_parallel_size=2, data_parallel_size_local=1
+            ).create_parallel_config(),
+            "data_parallel_size_local=1 is not supported: allowed 2",
+        ),
         (lambda: CompilationConfig(token_buckets=[0, 8]), r"token_buckets=\[0, 8\]"),
     ],
 )

@@ -17,7 +17,8 @@ TESTS = ROOT / "tests"
 ALLOWLIST = {
     "xlm/entrypoints/openai/routes/embeddings.py": "one route (e2e/test_server_embeddings.py)",
     "xlm/entrypoints/openai/routes/sleep.py": "admin routes (e2e/test_server_sleep.py)",
-    "xlm/platforms/cuda.py": "a device class of constants, tested in tests/ops/test_custom_op.py",
+    "xlm/platforms/cuda.py": "constants and the data-parallel GPU env, tested in "
+    "tests/ops/test_custom_op.py and tests/platforms/test_cpu.py",
     "xlm/platforms/rocm.py": "a device class of constants, tested in tests/ops/test_custom_op.py",
 }
 

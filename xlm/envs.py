@@ -176,6 +176,19 @@ def cxx_compiler() -> str | None:
     return os.environ.get("CXX") or None
 
 
+def xla_flags() -> str:
+    """XLA's flags from the environment (XLA_FLAGS), "" when unset."""
+    return os.environ.get("XLA_FLAGS", "")
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """The GPU ids CUDA_VISIBLE_DEVICES names, or None when it is unset."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
 def _get_cache_root() -> str:
     return _VARIABLES["XLM_CACHE_ROOT"]()
 

@@ -16,6 +16,7 @@ from xlm.distributed.mesh import (
     make_mesh,
     per_device_bytes,
     put_replicated,
+    rank_devices,
     to_host,
     tp_mesh,
 )
@@ -24,8 +25,19 @@ from xlm.distributed.mesh import (
 def test_sizes_are_checked_against_the_devices():
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 devices; 1 device"):
         make_mesh(ParallelConfig(tensor_parallel_size=2), jax.devices()[:1])
-    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported"):
-        make_mesh(ParallelConfig(data_parallel_size=2))
+    # A data-parallel rank's engine is one TP group: its mesh's data axis stays 1.
+    mesh = make_mesh(ParallelConfig(data_parallel_size=2, data_parallel_rank=1), jax.devices()[:1])
+    assert dict(mesh.shape) == {"data": 1, "model": 1}
+
+
+def test_a_data_parallel_rank_takes_its_device_group():
+    devices = list(range(8))
+    assert rank_devices(devices, tp=2, dp=2, rank=0) == [0, 1]
+    assert rank_devices(devices, tp=2, dp=2, rank=1) == [2, 3]
+    assert rank_devices(devices, tp=2, dp=4, rank=3) == [6, 7]
+    # A rank process that sees only its own group (the platform restricted it) uses it all.
+    assert rank_devices([5, 6], tp=2, dp=2, rank=1) == [5, 6]
+    assert rank_devices(devices, tp=2, dp=1, rank=0) == devices
 
 
 def test_one_device_mesh_places_and_fetches():

@@ -109,3 +109,17 @@ class FakeEngineCore(EngineCore):
 
 class FakeEngineCoreProc(EngineCoreProc, FakeEngineCore):
     """The real socket loop over the stand-in core (spawned by the MP clients)."""
+
+
+class FakeConfig(dict):
+    """The fake core's dict config with the fields the data-parallel clients read."""
+
+    def __init__(self, data_parallel_size: int = 2, block_size: int = 4, **options: Any) -> None:
+        from types import SimpleNamespace
+
+        from xlm.config import ParallelConfig
+
+        super().__init__(options)
+        self.parallel_config = ParallelConfig(data_parallel_size=data_parallel_size)
+        self.cache_config = SimpleNamespace(block_size=block_size)
+        self.scheduler_config = SimpleNamespace(max_num_seqs=8)

@@ -26,18 +26,20 @@ def test_prometheus_logger_counts_deltas_and_histograms():
     logger.record(SchedulerStats(prefix_cache_queries=12, prefix_cache_hits=4), None)
     logger.record_aborted(2)
     text = generate_latest(logger.registry).decode()
-    assert 'xlm:num_requests_running{model_name="m"} 0.0' in text  # the latest snapshot
-    assert 'xlm:kv_cache_usage_perc{model_name="m"} 0.0' in text
-    assert 'xlm:num_preemptions_total{model_name="m"} 1.0' in text
-    assert 'xlm:prefix_cache_queries_total{model_name="m"} 12.0' in text
-    assert 'xlm:prefix_cache_hits_total{model_name="m"} 4.0' in text
-    assert 'xlm:prompt_tokens_total{model_name="m"} 4.0' in text
-    assert 'xlm:generation_tokens_total{model_name="m"} 1.0' in text
-    assert 'xlm:request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
-    assert 'xlm:request_success_total{finished_reason="abort",model_name="m"} 2.0' in text
-    assert 'xlm:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
-    assert 'xlm:e2e_request_latency_seconds_sum{model_name="m"} 0.25' in text
-    assert 'xlm:request_queue_time_seconds_count{model_name="m"} 2.0' in text
+    assert 'xlm:num_requests_running{engine="0",model_name="m"} 0.0' in text  # the latest snapshot
+    assert 'xlm:kv_cache_usage_perc{engine="0",model_name="m"} 0.0' in text
+    assert 'xlm:num_preemptions_total{engine="0",model_name="m"} 1.0' in text
+    assert 'xlm:prefix_cache_queries_total{engine="0",model_name="m"} 12.0' in text
+    assert 'xlm:prefix_cache_hits_total{engine="0",model_name="m"} 4.0' in text
+    assert 'xlm:prompt_tokens_total{engine="0",model_name="m"} 4.0' in text
+    assert 'xlm:generation_tokens_total{engine="0",model_name="m"} 1.0' in text
+    assert 'xlm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0' in text
+    assert (
+        'xlm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 2.0' in text
+    )
+    assert 'xlm:time_to_first_token_seconds_count{engine="0",model_name="m"} 1.0' in text
+    assert 'xlm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 0.25' in text
+    assert 'xlm:request_queue_time_seconds_count{engine="0",model_name="m"} 2.0' in text
 
 
 def test_logging_stat_logger_logs_one_line(caplog):
@@ -69,9 +71,25 @@ def test_prometheus_logger_exports_speculative_decoding():
         None,
     )
     text = generate_latest(logger.registry).decode()
-    assert 'xlm:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
-    assert 'xlm:spec_decode_num_draft_tokens_total{model_name="m"} 16.0' in text
-    assert 'xlm:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0' in text
-    assert 'xlm:spec_decode_acceptance_rate{model_name="m"} 0.5' in text
+    assert 'xlm:spec_decode_num_drafts_total{engine="0",model_name="m"} 5.0' in text
+    assert 'xlm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 16.0' in text
+    assert 'xlm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 8.0' in text
+    assert 'xlm:spec_decode_acceptance_rate{engine="0",model_name="m"} 0.5' in text
     # 1 + 8 accepted over 5 verifications.
-    assert 'xlm:spec_decode_mean_accepted_length{model_name="m"} 2.6' in text
+    assert 'xlm:spec_decode_mean_accepted_length{engine="0",model_name="m"} 2.6' in text
+
+
+def test_prometheus_logger_labels_each_data_parallel_engine():
+    logger = PrometheusStatLogger("m", engine_indexes=range(2))
+    text = generate_latest(logger.registry).decode()
+    # Both engines are listed before any step.
+    assert 'xlm:num_requests_running{engine="1",model_name="m"} 0.0' in text
+    logger.record(SchedulerStats(num_running_reqs=3, prefix_cache_hits=5), None, engine_idx=1)
+    logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_hits=2), None, engine_idx=0)
+    logger.record(SchedulerStats(num_running_reqs=2, prefix_cache_hits=9), None, engine_idx=1)
+    text = generate_latest(logger.registry).decode()
+    assert 'xlm:num_requests_running{engine="0",model_name="m"} 1.0' in text
+    assert 'xlm:num_requests_running{engine="1",model_name="m"} 2.0' in text
+    # Each engine's cumulative counter advances from its own last total.
+    assert 'xlm:prefix_cache_hits_total{engine="0",model_name="m"} 2.0' in text
+    assert 'xlm:prefix_cache_hits_total{engine="1",model_name="m"} 9.0' in text

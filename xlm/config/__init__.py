@@ -258,11 +258,14 @@ class SchedulerConfig:
 class ParallelConfig:
     """Device mesh and hosts: tensor and data parallel sizes, multi-host set-up."""
 
-    # Validated here; the engine refuses > 1 until tensor parallelism over a mesh lands.
+    # Devices one engine shards the model over (its `model` mesh axis).
     tensor_parallel_size: int = 1
-    # The fields below are validated but not read yet: the pods issue (#12) makes them
-    # work (data-parallel replicas, a multi-host executor over jax.distributed).
+    # Engine cores behind one front end (data parallelism at the client level): each rank
+    # is its own process on its own group of tensor_parallel_size devices; the client
+    # routes each request to one rank (xlm/engine/dp_client.py).
     data_parallel_size: int = 1
+    # This engine's rank among them (the data-parallel client sets it per engine).
+    data_parallel_rank: int = 0
     # "uni": one process drives all local devices; "multihost": jax.distributed, one
     # process per host, process 0 schedules and the others follow.
     executor_backend: Literal["uni", "multihost"] = "uni"
@@ -278,6 +281,14 @@ class ParallelConfig:
         owner = "ParallelConfig"
         _positive_int(owner, "tensor_parallel_size", self.tensor_parallel_size)
         _positive_int(owner, "data_parallel_size", self.data_parallel_size)
+        _require(
+            isinstance(self.data_parallel_rank, int)
+            and 0 <= self.data_parallel_rank < self.data_parallel_size,
+            owner,
+            "data_parallel_rank",
+            self.data_parallel_rank,
+            f"an integer in [0, {self.data_parallel_size})",
+        )
         _require(
             self.executor_backend in ("uni", "multihost"),
             owner,
@@ -306,6 +317,13 @@ class ParallelConfig:
                 self.coordinator_address,
                 "'host:port'",
             )
+        _require(
+            self.data_parallel_size == 1 or self.executor_backend == "uni",
+            owner,
+            "data_parallel_size",
+            self.data_parallel_size,
+            "1 with executor_backend='multihost' (data-parallel ranks are 'uni' engines)",
+        )
         if self.executor_backend == "uni":
             _require(
                 self.num_processes in (None, 1),
@@ -317,8 +335,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Devices one engine spans (read by the multi-host executor of issue #12)."""
-        return self.tensor_parallel_size * self.data_parallel_size
+        """Devices one engine spans (each data-parallel rank is an engine of its own)."""
+        return self.tensor_parallel_size
 
     @property
     def is_multihost(self) -> bool:

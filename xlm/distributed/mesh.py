@@ -31,14 +31,18 @@ def tp_mesh() -> jax.sharding.AbstractMesh | None:
 
 
 def make_mesh(parallel_config: ParallelConfig, devices: list[Any] | None = None) -> Mesh:
-    """The (data, model) mesh over the first tp devices of `jax.devices()` (all hosts')."""
-    devices = list(jax.devices() if devices is None else devices)
-    tp, dp = parallel_config.tensor_parallel_size, parallel_config.data_parallel_size
-    if dp != 1:
-        raise ValueError(
-            f"data_parallel_size={dp} is not supported inside one engine: allowed 1 (run "
-            "data-parallel replicas as separate engines, e.g. run-batch --num-shards)"
-        )
+    """The (data, model) mesh of one engine: tp devices of `jax.devices()` (all hosts').
+
+    A data-parallel rank's process normally sees only its own device group (its platform
+    restricts the visible devices, `Platform.data_parallel_env`); where it sees every
+    rank's devices, it takes its group, devices [rank * tp, (rank + 1) * tp)."""
+    tp = parallel_config.tensor_parallel_size
+    devices = rank_devices(
+        list(jax.devices() if devices is None else devices),
+        tp,
+        parallel_config.data_parallel_size,
+        parallel_config.data_parallel_rank,
+    )
     if tp > len(devices):
         raise ValueError(
             f"tensor_parallel_size={tp} needs {tp} devices; {len(devices)} device(s) "
@@ -49,8 +53,17 @@ def make_mesh(parallel_config: ParallelConfig, devices: list[Any] | None = None)
             f"tensor_parallel_size={tp} must equal the {len(devices)} devices of the "
             f"{jax.process_count()} processes: every host takes part in the one model"
         )
-    grid = _device_grid(devices[:tp], (dp, tp))
+    # Data parallelism runs across engines, so each engine's `data` axis has size 1.
+    grid = _device_grid(devices[:tp], (1, tp))
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def rank_devices(devices: list[Any], tp: int, dp: int, rank: int) -> list[Any]:
+    """A data-parallel rank's device group: all devices when they are only its own (fewer
+    than dp * tp visible), else devices [rank * tp, (rank + 1) * tp)."""
+    if dp > 1 and len(devices) >= dp * tp:
+        return devices[rank * tp : (rank + 1) * tp]
+    return devices
 
 
 def _device_grid(devices: list[Any], shape: tuple[int, int]) -> np.ndarray:

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from xlm.config import XlmConfig
+from xlm.engine.dp_client import make_async_client
 from xlm.engine.exceptions import EngineDeadError, RequestAbortedError
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from xlm.engine.mp_client import AsyncMPClient
@@ -84,7 +85,7 @@ class AsyncLLM:
         # Start the engine process first: it loads the model while nothing else waits, and
         # its READY message carries the context length the core settled on.
         with startup.phase("engine core process"):
-            self.engine_core = engine_core_client or AsyncMPClient(xlm_config, log_stats)
+            self.engine_core = engine_core_client or make_async_client(xlm_config, log_stats)
         ready = self.engine_core.ready_info
         # The core settled the context length (the model's limit): the front end follows.
         if ready.get("max_model_len") and xlm_config is not None:
@@ -338,7 +339,9 @@ class AsyncLLM:
         if outputs.scheduler_stats is not None:
             self.last_scheduler_stats = outputs.scheduler_stats
         for stat_logger in self.stat_loggers:
-            stat_logger.record(outputs.scheduler_stats, iteration_stats)
+            stat_logger.record(
+                outputs.scheduler_stats, iteration_stats, engine_idx=outputs.engine_index
+            )
 
     def _route(self, request_output: RequestOutput) -> None:
         collector = self.collectors.get(request_output.request_id)
@@ -365,10 +368,13 @@ class AsyncLLM:
     def errored(self) -> bool:
         """Whether the engine has died."""
         if self.dead_error is None and self.engine_core.engine_dead:
-            self.dead_error = EngineDeadError(
-                self.engine_core.engine.dead_message or "engine core died"
-            )
+            self.dead_error = EngineDeadError(self.engine_core.dead_message or "engine core died")
         return self.dead_error is not None
+
+    @property
+    def dead_engines(self) -> list[int]:
+        """Data-parallel ranks whose engine died (the others still serve)."""
+        return list(getattr(self.engine_core, "dead_engines", ()))
 
     @property
     def num_unfinished_requests(self) -> int:

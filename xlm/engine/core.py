@@ -201,6 +201,9 @@ class EngineCore:
             # The longest prompt the KV cache admits (with KV cache groups, all groups'
             # blocks together must fit, so it is less than (num_blocks - 1) * block_size).
             "kv_cache_tokens": self.scheduler.kv_cache_manager.max_request_tokens,
+            # The devices this process sees (a data-parallel rank: only its own group).
+            "num_local_devices": _num_local_devices(),
+            "data_parallel_rank": self.config.parallel_config.data_parallel_rank,
         }
 
     def reset_prefix_cache(self) -> bool:
@@ -294,3 +297,9 @@ def make_structured_output_manager(config: XlmConfig) -> StructuredOutputManager
         reasoning_parser=so_config.reasoning_parser,
         enable_in_reasoning=so_config.enable_in_reasoning,
     )
+
+
+def _num_local_devices() -> int:
+    import jax
+
+    return jax.local_device_count()

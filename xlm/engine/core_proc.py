@@ -243,8 +243,16 @@ class EngineCoreProc(EngineCore):
         output_address: str,
         log_stats: bool = True,
         parent_pid: int | None = None,
+        rank_env: dict[str, str] | None = None,
+        rank_cpus: set[int] | None = None,
     ) -> None:
-        """Entry point of the engine process (spawn target): start `cls`, run it."""
+        """Entry point of the engine process (spawn target): start `cls`, run it.
+
+        `rank_env` and `rank_cpus` (a data-parallel rank's, from its platform) are applied
+        first, before JAX starts: its visible devices and the cores it runs on."""
+        os.environ.update(rank_env or {})
+        if rank_cpus:
+            os.sched_setaffinity(0, rank_cpus)
         # The front end handles Ctrl-C and tells us to stop; SIGTERM stops us cleanly.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         proc: EngineCoreProc | None = None

@@ -8,6 +8,7 @@ from xlm.config import XlmConfig
 from xlm.core.outputs import SchedulerStats
 from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.core_client import EngineCoreClient, InprocClient
+from xlm.engine.dp_client import DPSyncMPClient
 from xlm.engine.exceptions import EngineBusyError, EngineDeadError
 from xlm.engine.mp_client import SyncMPClient
 from xlm.engine.output_processor import OutputProcessor
@@ -36,7 +37,10 @@ class LLMEngine:
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: EngineCoreClient
-        if multiprocess:
+        if config.parallel_config.data_parallel_size > 1:  # one process per rank
+            with startup.phase("engine core processes"):
+                self.engine_core = DPSyncMPClient(config, log_stats)
+        elif multiprocess:
             with startup.phase("engine core process"):
                 self.engine_core = SyncMPClient(config, log_stats)
         else:
@@ -117,6 +121,11 @@ class LLMEngine:
         """The engine core's counters now: requests, KV cache, prefix cache, preemptions,
         speculative decoding (proposed, accepted, acceptance rate)."""
         return self.engine_core.get_stats()
+
+    def get_stats_per_engine(self) -> list[SchedulerStats]:
+        """Each data-parallel rank's counters, by rank (one entry without data parallelism)."""
+        per_engine = getattr(self.engine_core, "get_stats_per_engine", None)
+        return per_engine() if per_engine is not None else [self.get_stats()]
 
     def get_tokenizer(self):
         return self.tokenizer

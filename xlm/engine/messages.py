@@ -108,6 +108,8 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    # The data-parallel rank these came from (its client sets it on receipt).
+    engine_index: int = 0
 
 
 # Payload of UTILITY_RESULT: (call_id, ok, the method's result or the error message).

@@ -49,6 +49,8 @@ class _EngineProcess:
         xlm_config: XlmConfig,
         log_stats: bool,
         engine_core_proc_class: type[EngineCoreProc],
+        rank_env: dict[str, str] | None = None,
+        rank_cpus: set[int] | None = None,
     ) -> None:
         base = envs.XLM_RPC_BASE_PATH
         os.makedirs(base, exist_ok=True)
@@ -67,6 +69,7 @@ class _EngineProcess:
             target=engine_core_proc_class.run_engine_core,
             name="XlmEngineCore",
             args=(xlm_config, self.input_address, self.output_address, log_stats, os.getpid()),
+            kwargs={"rank_env": rank_env, "rank_cpus": rank_cpus},
             daemon=True,
         )
         self.proc.start()
@@ -168,18 +171,28 @@ class _EngineProcess:
 
 
 class _MPClientBase:
-    """Shared set-up of the ZeroMQ clients."""
+    """Shared set-up of the ZeroMQ clients.
+
+    `engine_index`, `rank_env` and `rank_cpus`: the data-parallel rank this engine is
+    (its outputs carry the index) and its process's environment and cores
+    (`xlm.engine.dp_client` sets them)."""
 
     def __init__(
         self,
         xlm_config: XlmConfig,
         log_stats: bool = True,
         engine_core_proc_class: type[EngineCoreProc] = EngineCoreProc,
+        engine_index: int = 0,
+        rank_env: dict[str, str] | None = None,
+        rank_cpus: set[int] | None = None,
     ) -> None:
         self.xlm_config = xlm_config
+        self.engine_index = engine_index
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder()
-        self.engine = _EngineProcess(xlm_config, log_stats, engine_core_proc_class)
+        self.engine = _EngineProcess(
+            xlm_config, log_stats, engine_core_proc_class, rank_env, rank_cpus
+        )
         self.ready_info = self.engine.ready_info
         self._call_ids = itertools.count()
         self._finalizer = weakref.finalize(self, self.engine.close)
@@ -190,6 +203,11 @@ class _MPClientBase:
         return self.engine.dead_message is not None or (
             not self.engine.closing and not self.engine.is_alive
         )
+
+    @property
+    def dead_message(self) -> str | None:
+        """Why the engine died (None while it runs, or when it died without a word)."""
+        return self.engine.dead_message
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the engine process is gone."""
@@ -205,6 +223,7 @@ class _MPClientBase:
         """Route one message from the engine; False once the engine has failed."""
         kind, payload = frames[0].bytes, self.decoder.decode(frames[1:])
         if kind == OutputType.OUTPUTS:
+            payload.engine_index = self.engine_index
             self._put_output(payload)
         elif kind == OutputType.QUEUE_TIMES:
             self._record_queue_times(payload)
@@ -249,11 +268,17 @@ class _MPClientBase:
 
 
 class SyncMPClient(_MPClientBase):
-    """Blocking client for LLMEngine; a reader thread routes outputs and utility results."""
+    """Blocking client for LLMEngine; a reader thread routes outputs and utility results.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    `outputs_queue`: where outputs go (the data-parallel client gives its ranks one)."""
+
+    def __init__(
+        self, *args: Any, outputs_queue: queue.Queue[Any] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.outputs_queue: queue.Queue[Any] = queue.Queue()
+        self.outputs_queue: queue.Queue[Any] = (
+            queue.Queue() if outputs_queue is None else outputs_queue
+        )
         self._pending: dict[int, Future] = {}
         # The reader thread and any caller thread touch _pending.
         self._pending_lock = threading.Lock()

@@ -70,6 +70,8 @@ def run_plan(args: argparse.Namespace) -> int:
     engine_args.target_topology = args.target_topology
     # Only the config is read: weights become ShapeDtypeStructs, whatever the directory has.
     engine_args.load_format = "dummy"
+    # One replica is compiled; --data-parallel-size multiplies its figures (plan() below).
+    engine_args.data_parallel_size = 1
     target = compile_target(args.target_topology)
     with compiling_for(target):
         config = engine_args.create_config()

@@ -16,8 +16,13 @@ _FINISH_REASONS = ("stop", "length", "abort", "error")
 class StatLoggerBase:
     """Receives scheduler stats and iteration stats after each engine step."""
 
-    def record(self, scheduler_stats: Any | None, iteration_stats: IterationStats | None) -> None:
-        """Account one step."""
+    def record(
+        self,
+        scheduler_stats: Any | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
+    ) -> None:
+        """Account one step of engine `engine_idx` (the data-parallel rank; 0 without)."""
 
     def record_aborted(self, count: int = 1) -> None:
         """Account requests aborted by the front end (client gone, deadline)."""
@@ -35,8 +40,13 @@ class LoggingStatLogger(StatLoggerBase):
         self.num_generation_tokens = 0
         self.scheduler_stats: Any = None
 
-    def record(self, scheduler_stats: Any | None, iteration_stats: IterationStats | None) -> None:
-        """Accumulate token counts; keep the latest scheduler stats."""
+    def record(
+        self,
+        scheduler_stats: Any | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
+    ) -> None:
+        """Accumulate token counts (all engines); keep the latest scheduler stats."""
         if scheduler_stats is not None:
             self.scheduler_stats = scheduler_stats
         if iteration_stats is not None:
@@ -120,89 +130,135 @@ _TOKEN_LATENCY_BUCKETS = [
 
 
 class PrometheusStatLogger(StatLoggerBase):
-    """vLLM-style Prometheus metrics in a private registry (served at /metrics)."""
+    """vLLM-style Prometheus metrics in a private registry (served at /metrics), labelled
+    by `model_name` and `engine` (the data-parallel rank whose steps they count)."""
 
-    def __init__(self, model_name: str, registry: Any | None = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    def __init__(
+        self, model_name: str, registry: Any | None = None, engine_indexes: Any = (0,)
+    ) -> None:
+        from prometheus_client import CollectorRegistry
 
         self.registry = registry if registry is not None else CollectorRegistry()
-        labels = ["model_name"]
-        r = self.registry
+        self.model_name = model_name
+        self._families = _make_families(self.registry)
+        self._engines: dict[int, _EngineMetrics] = {}
+        for engine_idx in engine_indexes:
+            self._engine(engine_idx)
 
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+    def _engine(self, engine_idx: int) -> _EngineMetrics:
+        metrics = self._engines.get(engine_idx)
+        if metrics is None:
+            metrics = _EngineMetrics(self._families, self.model_name, str(engine_idx))
+            self._engines[engine_idx] = metrics
+        return metrics
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+    def record(
+        self,
+        scheduler_stats: Any | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
+    ) -> None:
+        """Update gauges, counters and histograms of the engine that ran the step."""
+        self._engine(engine_idx).record(scheduler_stats, iteration_stats)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+    def record_aborted(self, count: int = 1) -> None:
+        """Count requests the front end aborted (disconnects, shutdown) under engine 0."""
+        self._engine(min(self._engines, default=0)).request_success["abort"].inc(count)
 
-        self.num_requests_running = gauge("xlm:num_requests_running", "Requests running.")
-        self.num_requests_waiting = gauge("xlm:num_requests_waiting", "Requests waiting.")
-        self.kv_cache_usage = gauge("xlm:kv_cache_usage_perc", "KV cache usage (1 = 100%).")
-        self.programs_ready = gauge(
-            "xlm:programs_ready",
-            "Step programs compiled and ready (the rest compile in the background).",
-        )
-        self.programs_total = gauge("xlm:programs_total", "Step programs the engine may run.")
-        self.prefix_cache_queries = counter(
-            "xlm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
-        self.prefix_cache_hits = counter(
-            "xlm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        )
-        self.num_preemptions = counter("xlm:num_preemptions", "Cumulative preemptions.")
-        self.spec_num_drafts = counter(
-            "xlm:spec_decode_num_drafts", "Speculative decoding: requests' proposals verified."
-        )
-        self.spec_num_draft_tokens = counter(
-            "xlm:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."
-        )
-        self.spec_num_accepted_tokens = counter(
-            "xlm:spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
-        )
-        self.spec_acceptance_rate = gauge(
-            "xlm:spec_decode_acceptance_rate", "Accepted of proposed tokens, cumulative."
-        )
-        self.spec_mean_accepted_length = gauge(
-            "xlm:spec_decode_mean_accepted_length",
-            "Tokens per verification: accepted proposals plus the one sampled, cumulative.",
-        )
-        self.prompt_tokens = counter("xlm:prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("xlm:generation_tokens", "Generation tokens produced.")
-        success = Counter(
-            "xlm:request_success",
-            "Finished requests by finish reason.",
-            labels + ["finished_reason"],
-            registry=r,
-        )
+
+_GAUGES = {
+    "num_requests_running": ("xlm:num_requests_running", "Requests running."),
+    "num_requests_waiting": ("xlm:num_requests_waiting", "Requests waiting."),
+    "kv_cache_usage": ("xlm:kv_cache_usage_perc", "KV cache usage (1 = 100%)."),
+    "programs_ready": (
+        "xlm:programs_ready",
+        "Step programs compiled and ready (the rest compile in the background).",
+    ),
+    "programs_total": ("xlm:programs_total", "Step programs the engine may run."),
+    "spec_acceptance_rate": (
+        "xlm:spec_decode_acceptance_rate",
+        "Accepted of proposed tokens, cumulative.",
+    ),
+    "spec_mean_accepted_length": (
+        "xlm:spec_decode_mean_accepted_length",
+        "Tokens per verification: accepted proposals plus the one sampled, cumulative.",
+    ),
+}
+_COUNTERS = {
+    "prefix_cache_queries": (
+        "xlm:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    "prefix_cache_hits": ("xlm:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": ("xlm:num_preemptions", "Cumulative preemptions."),
+    "spec_num_drafts": (
+        "xlm:spec_decode_num_drafts",
+        "Speculative decoding: requests' proposals verified.",
+    ),
+    "spec_num_draft_tokens": (
+        "xlm:spec_decode_num_draft_tokens",
+        "Speculative decoding: tokens proposed.",
+    ),
+    "spec_num_accepted_tokens": (
+        "xlm:spec_decode_num_accepted_tokens",
+        "Speculative decoding: proposed tokens accepted.",
+    ),
+    "prompt_tokens": ("xlm:prompt_tokens", "Prefill tokens processed."),
+    "generation_tokens": ("xlm:generation_tokens", "Generation tokens produced."),
+}
+_HISTOGRAMS = {
+    "ttft": ("xlm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
+    "itl": ("xlm:inter_token_latency_seconds", "Inter-token latency.", _TOKEN_LATENCY_BUCKETS),
+    "tpot": (
+        "xlm:request_time_per_output_token_seconds",
+        "Mean time per output token of each request.",
+        _TOKEN_LATENCY_BUCKETS,
+    ),
+    "e2e": ("xlm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS),
+    "queue_time": (
+        "xlm:request_queue_time_seconds",
+        "Time requests spent waiting.",
+        _LATENCY_BUCKETS,
+    ),
+}
+_LABELS = ["model_name", "engine"]
+
+
+def _make_families(registry: Any) -> dict[str, Any]:
+    """Every metric family once per registry (each engine binds its own labels)."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    families: dict[str, Any] = {}
+    for attr, (name, doc) in _GAUGES.items():
+        families[attr] = Gauge(name, doc, _LABELS, registry=registry)
+    for attr, (name, doc) in _COUNTERS.items():
+        families[attr] = Counter(name, doc, _LABELS, registry=registry)
+    for attr, (name, doc, buckets) in _HISTOGRAMS.items():
+        families[attr] = Histogram(name, doc, _LABELS, buckets=buckets, registry=registry)
+    families["request_success"] = Counter(
+        "xlm:request_success",
+        "Finished requests by finish reason.",
+        _LABELS + ["finished_reason"],
+        registry=registry,
+    )
+    return families
+
+
+class _EngineMetrics:
+    """One engine's labelled metrics and the cumulative totals it last reported."""
+
+    def __init__(self, families: dict[str, Any], model_name: str, engine: str) -> None:
+        for attr in (*_GAUGES, *_COUNTERS, *_HISTOGRAMS):
+            setattr(self, attr, families[attr].labels(model_name, engine))
         self.request_success = {
-            reason: success.labels(model_name, reason) for reason in _FINISH_REASONS
+            reason: families["request_success"].labels(model_name, engine, reason)
+            for reason in _FINISH_REASONS
         }
-        self.ttft = histogram(
-            "xlm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
-        )
-        self.itl = histogram(
-            "xlm:inter_token_latency_seconds", "Inter-token latency.", _TOKEN_LATENCY_BUCKETS
-        )
-        self.tpot = histogram(
-            "xlm:request_time_per_output_token_seconds",
-            "Mean time per output token of each request.",
-            _TOKEN_LATENCY_BUCKETS,
-        )
-        self.e2e = histogram(
-            "xlm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
-        )
-        self.queue_time = histogram(
-            "xlm:request_queue_time_seconds", "Time requests spent waiting.", _LATENCY_BUCKETS
-        )
         self._last_queries = self._last_hits = self._last_preemptions = 0
         self._last_spec = [0, 0, 0]
 
-    def record(self, scheduler_stats: Any | None, iteration_stats: IterationStats | None) -> None:
+    def record(self, s: Any | None, it: IterationStats | None) -> None:
         """Update gauges, counters and histograms."""
-        s = scheduler_stats
         if s is not None:
             self.num_requests_running.set(s.num_running_reqs)
             self.num_requests_waiting.set(s.num_waiting_reqs)
@@ -227,9 +283,10 @@ class PrometheusStatLogger(StatLoggerBase):
                     self._last_spec[i] = _inc(c, value, self._last_spec[i])
                 self.spec_acceptance_rate.set(s.spec_acceptance_rate)
                 self.spec_mean_accepted_length.set(s.spec_mean_accepted_length)
-        it = iteration_stats
-        if it is None:
-            return
+        if it is not None:
+            self._record_iteration(it)
+
+    def _record_iteration(self, it: IterationStats) -> None:
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
         if it.num_generation_tokens:
@@ -249,10 +306,6 @@ class PrometheusStatLogger(StatLoggerBase):
                 self.tpot.observe(fin.mean_time_per_output_token)
             if fin.queue_time is not None:
                 self.queue_time.observe(fin.queue_time)
-
-    def record_aborted(self, count: int = 1) -> None:
-        """Count requests the front end aborted (disconnects, shutdown)."""
-        self.request_success["abort"].inc(count)
 
 
 def _inc(counter: Any, total: int, last: int) -> int:

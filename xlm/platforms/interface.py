@@ -91,6 +91,16 @@ class Platform:
     def check_and_update_config(self, config: XlmConfig) -> None:
         """Adjust a config to this platform (block size, buckets, ...); raise if unsupported."""
 
+    def data_parallel_env(self, rank: int, tp: int) -> dict[str, str]:
+        """Environment variables that show a data-parallel rank's process only its own
+        `tp` devices (set in that process before JAX starts). None here: the rank's engine
+        takes its group from all the devices it sees (`xlm.distributed.mesh.rank_devices`)."""
+        return {}
+
+    def data_parallel_cpus(self, rank: int, dp: int) -> set[int] | None:
+        """CPU cores a data-parallel rank's process is pinned to (None: no pinning)."""
+        return None
+
 
 class UnspecifiedPlatform(Platform):
     """No platform activated: xlm can be imported but not run a model."""

@@ -34,7 +34,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     config = create_engine_config(args)
     registry = CollectorRegistry()
     name = (args.served_model_name or [args.model])[0]
-    stat_loggers = [PrometheusStatLogger(name, registry)]
+    ranks = range(config.parallel_config.data_parallel_size)
+    stat_loggers = [PrometheusStatLogger(name, registry, engine_indexes=ranks)]
     if not args.disable_log_stats:
         stat_loggers.append(LoggingStatLogger())
     engine = AsyncLLM.from_config(config, stat_loggers=stat_loggers, max_logprobs=args.max_logprobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 
 from fastapi import APIRouter, Request
@@ -17,7 +18,10 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    if server_state(raw_request).engine.errored:
+    """200 while every engine serves; 503 once one is dead. With data parallelism a dead
+    rank answers 503 with `dead_engines` (its ranks) while the other ranks keep serving."""
+    engine = server_state(raw_request).engine
+    if engine.errored:
         return error_response(
             OpenAIError(
                 "The engine is dead",
@@ -26,6 +30,19 @@ async def health(raw_request: Request) -> Response:
                 code="engine_dead",
             )
         )
+    dead = list(getattr(engine, "dead_engines", ()))
+    if dead:
+        response = error_response(
+            OpenAIError(
+                f"Data-parallel engine(s) {', '.join(map(str, dead))} dead; the others serve",
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                code="engine_dead",
+            )
+        )
+        body = json.loads(response.body)
+        body["error"]["dead_engines"] = dead
+        return JSONResponse(body, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
     return Response(status_code=200)
 
 

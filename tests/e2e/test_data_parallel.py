@@ -1,0 +1,69 @@
+"""Data parallelism offline: `LLM(data_parallel_size=2, tensor_parallel_size=2)` on eight
+fake CPU devices generates the same greedy tokens as one engine at TP=2 for 64 prompts,
+in input order; both ranks work, each rank's process sees only its own two devices, and
+nothing compiles after warm-up. (The server's routing, metrics and a killed rank:
+tests/e2e/test_server_data_parallel.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ENGINE = dict(
+    max_model_len=96,
+    max_num_seqs=16,
+    max_num_batched_tokens=256,
+    token_buckets=[16, 64, 256],
+    kv_cache_memory=0.02,
+    tensor_parallel_size=2,
+)
+
+
+def _prompts(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    # Token ids past the special ones; lengths from under one block to several blocks.
+    return [
+        {"prompt_token_ids": rng.integers(3, 200, size=int(rng.integers(4, 60))).tolist()}
+        for _ in range(n)
+    ]
+
+
+def test_dp2_tp2_equals_one_engine_for_64_prompts(tiny_checkpoint, monkeypatch):
+    from xlm.engine.dp_client import DPSyncMPClient
+    from xlm.entrypoints.llm import LLM
+    from xlm.sampling_params import SamplingParams
+
+    # Engine processes inherit eight fake devices; a data-parallel rank's process replaces
+    # that with its own tensor_parallel_size (xlm.platforms.cpu).
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    path = tiny_checkpoint("llama")
+    prompts = _prompts(64)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    one = LLM(model=path, multiprocess=True, **ENGINE)
+    try:
+        assert one.llm_engine.engine_core.ready_info["num_local_devices"] == 8
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.llm_engine.shutdown()
+
+    dp = LLM(model=path, data_parallel_size=2, **ENGINE)
+    try:
+        core = dp.llm_engine.engine_core
+        assert isinstance(core, DPSyncMPClient)
+        assert [e.ready_info["num_local_devices"] for e in core.engines] == [2, 2]
+        outs = dp.generate(prompts, params, use_tqdm=False)
+        assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        per_rank = dp.llm_engine.get_stats_per_engine()
+        assert all(s.total_num_scheduled_tokens > 0 for s in per_rank), per_rank
+        assert dp.wait_for_programs(timeout=600)
+        compiled = dp.llm_engine.num_compilations
+        again = dp.generate(prompts[:8], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == expected[:8]
+        assert dp.llm_engine.num_compilations == compiled
+    finally:
+        dp.llm_engine.shutdown()
+    assert not any(e.engine.proc.is_alive() for e in core.engines)

@@ -1,0 +1,161 @@
+"""Data-parallel clients: the router (load, prefix affinity, a dead rank) on its own, and
+DPAsyncMPClient / DPSyncMPClient over two stand-in cores in real spawned processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tests.engine.fake_core import FakeConfig, FakeEngineCoreProc, FakeRequest
+from xlm.core.outputs import SchedulerStats
+from xlm.engine.dp_client import (
+    DataParallelRouter,
+    DPAsyncMPClient,
+    DPSyncMPClient,
+    affinity_slack,
+    merge_stats,
+)
+from xlm.engine.exceptions import EngineDeadError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _req(request_id: str, tokens: list[int], **kw) -> FakeRequest:
+    request = FakeRequest(request_id, tokens, **kw)
+    request.cache_salt = None
+    request.lora_request = None
+    return request
+
+
+def test_router_balances_load_and_rotates_ties():
+    router = DataParallelRouter(2, block_size=4, slack=2)
+    # Short prompts (no full block) go to the least loaded rank, ties alternating.
+    ranks = [router.choose(_req(f"r{i}", [i])) for i in range(4)]
+    assert ranks == [0, 1, 0, 1] and router.loads == [2, 2]
+    router.finish("r0")
+    router.finish("r2")
+    assert router.choose(_req("r4", [9])) == 0  # the less loaded one
+    router.finish("unknown")  # finishing twice or an unknown id changes nothing
+    assert router.loads == [1, 2]
+
+
+def test_router_sends_a_repeated_first_block_where_it_went_until_too_busy():
+    router = DataParallelRouter(2, block_size=4, slack=2)
+    prefix = [5, 6, 7, 8]
+    first = router.choose(_req("a", [*prefix, 1]))
+    # The same first block goes to `first` while it is at most `slack` busier.
+    assert [router.choose(_req(f"p{i}", [*prefix, i])) for i in range(2)] == [first, first]
+    assert router.loads[first] == 3 and router.loads[1 - first] == 0
+    # Three more in flight than the other rank: the prefix moves to the idle rank.
+    assert router.choose(_req("moved", [*prefix, 9])) == 1 - first
+    assert router.choose(_req("follows", [*prefix, 10])) == 1 - first
+    # The salt is part of the key (a salted prompt never shares the unsalted cache).
+    salted = _req("salted", [*prefix, 1])
+    salted.cache_salt = "s"
+    assert router.prefix_key(salted) != router.prefix_key(_req("x", [*prefix, 1]))
+    assert router.prefix_key(_req("short", prefix[:3])) is None
+
+
+def test_router_marks_a_rank_dead_and_returns_its_requests():
+    router = DataParallelRouter(2, block_size=4, slack=2)
+    for i in range(4):
+        router.choose(_req(f"r{i}", [i]))
+    assert sorted(router.mark_dead(1)) == ["r1", "r3"]
+    assert [router.choose(_req(f"n{i}", [1, 2, 3, 4])) for i in range(3)] == [0, 0, 0]
+    router.mark_dead(0)
+    with pytest.raises(EngineDeadError, match="every data-parallel engine is dead"):
+        router.choose(_req("none", [1]))
+
+
+def test_affinity_slack_and_merged_stats():
+    assert affinity_slack(1) == 2 and affinity_slack(256) == 64
+    merged = merge_stats(
+        [
+            SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5, prefix_cache_hits=3),
+            SchedulerStats(num_running_reqs=1, kv_cache_usage=0.1, prefix_cache_hits=4),
+        ]
+    )
+    assert merged.num_running_reqs == 3 and merged.prefix_cache_hits == 7
+    assert merged.kv_cache_usage == pytest.approx(0.3)
+
+
+def test_async_dp_client_routes_and_survives_a_dead_rank():
+    async def collect(client, ids: set[str]) -> dict[str, tuple[list[int], str, int]]:
+        got: dict[str, list[int]] = {}
+        done: dict[str, tuple[list[int], str, int]] = {}
+        while set(done) != ids:
+            outs = await asyncio.wait_for(client.get_output_async(), 10)
+            for out in outs.outputs:
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason:
+                    done[out.request_id] = (
+                        got[out.request_id],
+                        out.finish_reason,
+                        outs.engine_index,
+                    )
+        return done
+
+    async def main() -> None:
+        client = DPAsyncMPClient(FakeConfig(step_sleep=0.01), True, FakeEngineCoreProc)
+        try:
+            assert client.ready_info["data_parallel_size"] == 2
+            pids = client.ready_info["pids"]
+            assert len(set(pids)) == 2 and os.getpid() not in pids
+            for i in range(4):
+                await client.add_request_async(_req(f"r{i}", [i * 10], max_tokens=3))
+            done = await collect(client, {f"r{i}" for i in range(4)})
+            assert {r: d[0] for r, d in done.items()} == {
+                f"r{i}": [i * 10 + 1, i * 10 + 2, i * 10 + 3] for i in range(4)
+            }
+            assert sorted(d[2] for d in done.values()) == [0, 0, 1, 1]  # both ranks served
+            assert client.router.loads == [0, 0]
+            # A long request on each rank; rank 1's process dies mid-way.
+            await client.add_request_async(_req("long0", [1], max_tokens=10_000))
+            await client.add_request_async(_req("long1", [2], max_tokens=10_000))
+            dead = client.router.rank_of("long1")
+            os.kill(client.engines[dead].engine.proc.pid, signal.SIGKILL)
+            out = await collect(client, {"long1"})
+            assert out["long1"][1] == "error" and out["long1"][2] == dead
+            assert client.dead_engines == [dead] and not client.engine_dead
+            assert f"engine {dead}:" in client.dead_message
+            # The live rank takes every new request; the long one there still runs.
+            await client.add_request_async(_req("after", [50], max_tokens=2))
+            assert client.router.rank_of("after") == 1 - dead
+            assert (await collect(client, {"after"}))["after"][:2] == ([51, 52], "length")
+            await client.abort_requests_async(["long0"])
+            assert await client.call_utility_async("echo", "y") == ["y"]
+            os.kill(client.engines[1 - dead].engine.proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                for _ in range(100):
+                    await asyncio.wait_for(client.get_output_async(), 10)
+            assert client.engine_dead
+            with pytest.raises(EngineDeadError):
+                await client.add_request_async(_req("late", [1]))
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_sync_dp_client_merges_both_ranks_outputs():
+    client = DPSyncMPClient(FakeConfig(), True, FakeEngineCoreProc)
+    try:
+        for i in range(6):
+            client.add_request(_req(f"r{i}", [i * 10], max_tokens=2))
+        done: dict[str, int] = {}
+        while len(done) < 6:
+            outs = client.get_output()
+            for out in outs.outputs:
+                if out.finish_reason:
+                    done[out.request_id] = outs.engine_index
+        assert sorted(done.values()) == [0, 0, 0, 1, 1, 1]
+        assert client.router.loads == [0, 0]
+        assert client.reset_prefix_cache() is True
+        assert [s.num_running_reqs for s in client.get_stats_per_engine()] == [0, 0]
+        assert client.call_utility("echo", 1) == [1]
+    finally:
+        client.shutdown()
+    assert not any(e.engine.proc.is_alive() for e in client.engines)

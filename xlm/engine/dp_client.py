@@ -1,0 +1,442 @@
+"""Data parallelism at the client: N engine cores behind one front end.
+
+Each data-parallel rank is an engine core of its own (`EngineCoreProc`, its own process)
+on its own device group, a tensor-parallel mesh of `tensor_parallel_size` devices; its
+platform shows the process only those devices (`Platform.data_parallel_env`) and, on CPU,
+pins it to its share of the cores. The clients here hold one multiprocess client per rank
+and look like one engine to `LLMEngine` (`DPSyncMPClient`) and `AsyncLLM`
+(`DPAsyncMPClient`).
+
+`DataParallelRouter` picks each request's rank: the rank that served the same first full
+prompt block (where its KV is in the prefix cache), unless that rank has more than
+`slack` requests more in flight than the least loaded; otherwise the least loaded rank
+(requests in flight = waiting + running, as the client counts them). A rank that dies
+fails only its own requests (finish reason "error"); the others keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import queue
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from xlm.config import XlmConfig
+from xlm.core.outputs import EngineCoreOutput, SchedulerStats
+from xlm.engine.core_proc import EngineCoreProc
+from xlm.engine.exceptions import EngineDeadError
+from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
+from xlm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Prefix -> rank entries the router remembers (least recently used dropped first).
+MAX_PREFIXES = 65536
+
+
+def affinity_slack(max_num_seqs: int) -> int:
+    """How many more requests in flight the prefix's rank may have than the least loaded
+    rank and still get the request: a quarter of a full batch, at least 2."""
+    return max(2, max_num_seqs // 4)
+
+
+class DataParallelRouter:
+    """Chooses a rank per request by prefix affinity and load; tracks requests in flight."""
+
+    def __init__(self, num_engines: int, block_size: int, slack: int) -> None:
+        self.block_size = block_size
+        self.slack = slack
+        self.loads = [0] * num_engines
+        self.alive = [True] * num_engines
+        self.request_rank: dict[str, int] = {}
+        self.prefix_rank: OrderedDict[int, int] = OrderedDict()
+        self._next = 0  # where the least-loaded search starts: ties rotate over ranks
+
+    def prefix_key(self, request: EngineCoreRequest) -> int | None:
+        """The hash of the prompt's first full block (with what else keys the prefix
+        cache: cache salt, LoRA adapter); None for a prompt shorter than a block."""
+        tokens = request.prompt_token_ids
+        if len(tokens) < self.block_size:
+            return None
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        return hash((lora, request.cache_salt, tuple(tokens[: self.block_size])))
+
+    def choose(self, request: EngineCoreRequest) -> int:
+        """The rank for a new request (counted in flight there until `finish`)."""
+        live = [r for r, ok in enumerate(self.alive) if ok]
+        if not live:
+            raise EngineDeadError("every data-parallel engine is dead")
+        least = self._least_loaded(live)
+        key = self.prefix_key(request)
+        rank = self.prefix_rank.get(key) if key is not None else None
+        if (
+            rank is None
+            or not self.alive[rank]
+            or self.loads[rank] - self.loads[least] > self.slack
+        ):
+            rank = least
+        if key is not None:
+            self.prefix_rank[key] = rank
+            self.prefix_rank.move_to_end(key)
+            if len(self.prefix_rank) > MAX_PREFIXES:
+                self.prefix_rank.popitem(last=False)
+        self.loads[rank] += 1
+        self.request_rank[request.request_id] = rank
+        return rank
+
+    def _least_loaded(self, live: list[int]) -> int:
+        n = len(self.loads)
+        order = sorted(live, key=lambda r: (self.loads[r], (r - self._next) % n))
+        self._next = (order[0] + 1) % n
+        return order[0]
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank a request in flight runs on."""
+        return self.request_rank.get(request_id)
+
+    def finish(self, request_id: str) -> None:
+        """A request finished or was aborted: no longer in flight."""
+        rank = self.request_rank.pop(request_id, None)
+        if rank is not None:
+            self.loads[rank] -= 1
+
+    def mark_dead(self, rank: int) -> list[str]:
+        """Route nothing more to `rank`; returns the requests that were in flight there."""
+        self.alive[rank] = False
+        lost = [r for r, k in self.request_rank.items() if k == rank]
+        for request_id in lost:
+            del self.request_rank[request_id]
+        self.loads[rank] = 0
+        for key in [k for k, r in self.prefix_rank.items() if r == rank]:
+            del self.prefix_rank[key]
+        return lost
+
+
+def rank_config(xlm_config: XlmConfig, rank: int) -> XlmConfig:
+    """The config of one rank's engine: the same, with its data_parallel_rank."""
+    config = copy.copy(xlm_config)
+    config.parallel_config = dataclasses.replace(
+        xlm_config.parallel_config, data_parallel_rank=rank
+    )
+    return config
+
+
+def _start_engines(client_class: type, xlm_config: XlmConfig, **kwargs: Any) -> list[Any]:
+    """Start one client (and engine process) per rank, all at once; all or none."""
+    from xlm.platforms import current_platform
+
+    parallel = xlm_config.parallel_config
+    dp, tp = parallel.data_parallel_size, parallel.tensor_parallel_size
+
+    def start(rank: int) -> Any:
+        return client_class(
+            rank_config(xlm_config, rank),
+            engine_index=rank,
+            rank_env=current_platform.data_parallel_env(rank, tp),
+            rank_cpus=current_platform.data_parallel_cpus(rank, dp),
+            **kwargs,
+        )
+
+    with ThreadPoolExecutor(max_workers=dp, thread_name_prefix="xlm-dp-start") as pool:
+        futures = [pool.submit(start, rank) for rank in range(dp)]
+        engines, error = [], None
+        for future in futures:
+            try:
+                engines.append(future.result())
+            except BaseException as e:  # the others started: stop them, report the first
+                error = error or e
+    if error is not None:
+        for engine in engines:
+            engine.shutdown()
+        raise error
+    return engines
+
+
+def merge_ready_info(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """One READY view of all ranks: the smallest capacities, every rank's pid."""
+    merged = dict(infos[0])
+    for key in ("max_model_len", "num_blocks", "kv_cache_tokens"):
+        values = [info[key] for info in infos if info.get(key)]
+        if values:
+            merged[key] = min(values)
+    merged["pids"] = [info.get("pid") for info in infos]
+    merged["data_parallel_size"] = len(infos)
+    return merged
+
+
+def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """All ranks' scheduler stats as one: counts summed, KV cache usage averaged."""
+    merged = SchedulerStats()
+    for f in dataclasses.fields(SchedulerStats):
+        values = [getattr(s, f.name) for s in stats]
+        total = sum(values)
+        setattr(merged, f.name, total / len(values) if f.name == "kv_cache_usage" else total)
+    return merged
+
+
+class _DPClientBase:
+    """What both data-parallel clients share: the engines, the router, per-rank state."""
+
+    engines: list[Any]
+
+    def _init_router(self, xlm_config: XlmConfig) -> None:
+        self.xlm_config = xlm_config
+        self.router = DataParallelRouter(
+            xlm_config.parallel_config.data_parallel_size,
+            xlm_config.cache_config.block_size,
+            affinity_slack(xlm_config.scheduler_config.max_num_seqs),
+        )
+
+    @property
+    def dead_engines(self) -> list[int]:
+        """Ranks whose engine died."""
+        return [
+            r
+            for r, engine in enumerate(self.engines)
+            if engine.engine_dead or not self.router.alive[r]
+        ]
+
+    @property
+    def engine_dead(self) -> bool:
+        """Whether every rank's engine died (then the whole front end is dead)."""
+        return len(self.dead_engines) == len(self.engines)
+
+    @property
+    def dead_message(self) -> str | None:
+        """Why the dead ranks died."""
+        messages = [
+            f"engine {r}: {self.engines[r].dead_message or 'its process is dead'}"
+            for r in self.dead_engines
+        ]
+        return "; ".join(messages) or None
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when no rank is left."""
+        if self.engine_dead:
+            raise EngineDeadError(self.dead_message or "every data-parallel engine is dead")
+
+    def _note_finished(self, outputs: EngineCoreOutputs) -> None:
+        for output in outputs.outputs:
+            if output.finished:
+                self.router.finish(output.request_id)
+
+    def _group_by_rank(self, request_ids: list[str]) -> dict[int, list[str]]:
+        groups: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            rank = self.router.rank_of(request_id)
+            if rank is not None:
+                groups.setdefault(rank, []).append(request_id)
+            self.router.finish(request_id)
+        return {r: ids for r, ids in groups.items() if self.router.alive[r]}
+
+
+class DPSyncMPClient(_DPClientBase):
+    """Blocking data-parallel client for LLMEngine (`LLM(data_parallel_size=N)`): one
+    shared outputs queue that every rank's reader thread feeds."""
+
+    def __init__(
+        self,
+        xlm_config: XlmConfig,
+        log_stats: bool = True,
+        engine_core_proc_class: type[EngineCoreProc] = EngineCoreProc,
+    ) -> None:
+        self._init_router(xlm_config)
+        self.outputs_queue: queue.Queue[Any] = queue.Queue()
+        self.engines: list[SyncMPClient] = _start_engines(
+            SyncMPClient,
+            xlm_config,
+            log_stats=log_stats,
+            engine_core_proc_class=engine_core_proc_class,
+            outputs_queue=self.outputs_queue,
+        )
+        self.ready_info = merge_ready_info([e.ready_info for e in self.engines])
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Send a request to the rank the router picks."""
+        rank = self.router.choose(request)
+        try:
+            self.engines[rank].add_request(request)
+        except BaseException:
+            self.router.finish(request.request_id)
+            raise
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests on the ranks they run on."""
+        for rank, ids in self._group_by_rank(list(request_ids)).items():
+            self.engines[rank].abort_requests(ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next outputs of any rank (EngineDeadError once one died: an offline run
+        cannot finish the dead rank's prompts)."""
+        result = self.outputs_queue.get()
+        if isinstance(result, BaseException):
+            self.outputs_queue.put(result)
+            raise result
+        self._note_finished(result)
+        return result
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Call an engine-core method on every rank; rank 0's result."""
+        return [engine.call_utility(method, *args) for engine in self.engines][0]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every rank's prefix cache."""
+        return all([engine.reset_prefix_cache() for engine in self.engines])
+
+    def get_num_compilations(self) -> int:
+        """Step programs compiled by all ranks together (flat after warm-up)."""
+        return sum(engine.get_num_compilations() for engine in self.engines)
+
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait for every rank's background compilation."""
+        return all([engine.wait_for_programs(timeout) for engine in self.engines])
+
+    def get_stats(self) -> SchedulerStats:
+        """All ranks' scheduler counters together."""
+        return merge_stats(self.get_stats_per_engine())
+
+    def get_stats_per_engine(self) -> list[SchedulerStats]:
+        """Each rank's scheduler counters, by rank."""
+        return [engine.get_stats() for engine in self.engines]
+
+    def shutdown(self) -> None:
+        """Stop every rank's engine process."""
+        for engine in self.engines:
+            engine.shutdown()
+
+
+class DPAsyncMPClient(_DPClientBase):
+    """Asyncio data-parallel client for AsyncLLM (the server): one task per rank moves
+    that rank's outputs into one queue; a rank that dies fails its requests only."""
+
+    def __init__(
+        self,
+        xlm_config: XlmConfig,
+        log_stats: bool = True,
+        engine_core_proc_class: type[EngineCoreProc] = EngineCoreProc,
+    ) -> None:
+        self._init_router(xlm_config)
+        self.engines: list[AsyncMPClient] = _start_engines(
+            AsyncMPClient,
+            xlm_config,
+            log_stats=log_stats,
+            engine_core_proc_class=engine_core_proc_class,
+        )
+        self.ready_info = merge_ready_info([e.ready_info for e in self.engines])
+        self._outputs: asyncio.Queue[Any] | None = None
+        self._pumps: list[asyncio.Task] = []
+        self._queue_times: list[float] = []
+        self._reported_dead: set[int] = set()
+
+    def _ensure_pumps(self) -> asyncio.Queue[Any]:
+        if self._outputs is None:
+            self._outputs = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            self._pumps = [loop.create_task(self._pump(r)) for r in range(len(self.engines))]
+        return self._outputs
+
+    async def _pump(self, rank: int) -> None:
+        engine = self.engines[rank]
+        try:
+            while True:
+                outputs = await engine.get_output_async()
+                assert self._outputs is not None
+                self._outputs.put_nowait((outputs, engine.pop_queue_times()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._on_engine_dead(rank, str(e))
+
+    def _on_engine_dead(self, rank: int, message: str) -> None:
+        """Fail the rank's requests in flight; the front end dies with the last rank."""
+        if rank in self._reported_dead:
+            return
+        self._reported_dead.add(rank)
+        lost = self.router.mark_dead(rank)
+        logger.error(
+            "Data-parallel engine %d died (%s); %d request(s) on it failed, %d rank(s) serve",
+            rank,
+            message,
+            len(lost),
+            len(self.engines) - len(self._reported_dead),
+        )
+        queue_ = self._ensure_pumps()
+        if lost:
+            reason = f"data-parallel engine {rank} died: {message}"
+            failed = [
+                EngineCoreOutput(r, [], finish_reason="error", stop_reason=reason) for r in lost
+            ]
+            queue_.put_nowait((EngineCoreOutputs(failed, None, time.time(), rank), []))
+        if len(self._reported_dead) == len(self.engines):
+            queue_.put_nowait(EngineDeadError(self.dead_message or message))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next outputs of any rank (their `engine_index` names it)."""
+        outputs_queue = self._ensure_pumps()
+        item = await outputs_queue.get()
+        if isinstance(item, BaseException):
+            outputs_queue.put_nowait(item)
+            raise item
+        outputs, self._queue_times = item
+        self._note_finished(outputs)
+        return outputs
+
+    def pop_queue_times(self) -> list[float]:
+        """Queue times of the outputs get_output_async returned last."""
+        times, self._queue_times = self._queue_times, []
+        return times
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        """Send a request to the rank the router picks (a live one)."""
+        self._ensure_pumps()
+        while True:
+            rank = self.router.choose(request)  # EngineDeadError when none is left
+            if not self.engines[rank].engine_dead:
+                break
+            self.router.finish(request.request_id)
+            self._on_engine_dead(rank, self.engines[rank].dead_message or "its process exited")
+        try:
+            await self.engines[rank].add_request_async(request)
+        except BaseException:
+            self.router.finish(request.request_id)
+            raise
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        """Abort requests on the ranks they run on."""
+        for rank, ids in self._group_by_rank(list(request_ids)).items():
+            await self.engines[rank].abort_requests_async(ids)
+
+    async def call_utility_async(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Call an engine-core method on every live rank; the first rank's result."""
+        live = [e for r, e in enumerate(self.engines) if self.router.alive[r] and not e.engine_dead]
+        if not live:
+            raise EngineDeadError(self.dead_message or "every data-parallel engine is dead")
+        results = await asyncio.gather(
+            *(e.call_utility_async(method, *args, timeout=timeout) for e in live)
+        )
+        return results[0]
+
+    async def reset_prefix_cache_async(self) -> bool:
+        """Forget every live rank's prefix cache."""
+        live = [e for r, e in enumerate(self.engines) if self.router.alive[r] and not e.engine_dead]
+        return all(await asyncio.gather(*(e.reset_prefix_cache_async() for e in live)))
+
+    def shutdown(self) -> None:
+        """Stop the pump tasks and every rank's engine process."""
+        for task in self._pumps:
+            if not task.done():
+                task.cancel()
+        for engine in self.engines:
+            engine.shutdown()
+
+
+def make_async_client(xlm_config: XlmConfig, log_stats: bool = True) -> Any:
+    """The server's engine client: one engine process, or one per data-parallel rank."""
+    if xlm_config.parallel_config.data_parallel_size > 1:
+        return DPAsyncMPClient(xlm_config, log_stats)
+    return AsyncMPClient(xlm_config, log_stats)
