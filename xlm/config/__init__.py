@@ -67,6 +67,12 @@ class ModelConfig:
     # and whether groups have a minimum (xlm.quantization.QuantLayout).
     quant_layout: Any = None
     # Set by the loader once the checkpoint's config has been read.
+    # Images in (a multimodal model): at most this many items per prompt by modality
+    # ({"image": 4}); where images may be read from; the pixel cap of one image.
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    max_image_pixels: int | None = None
     hf_config: Any = field(default=None, repr=False, compare=False)
     # The pooling a pooling runner applies when a request does not say (set with runner).
     default_pooling: Any = field(default=None, repr=False, compare=False)

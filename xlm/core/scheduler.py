@@ -84,6 +84,9 @@ class Scheduler:
                 pool_tokens,
             )
         self.requests: dict[str, Request] = {}
+        # A multimodal model: the most distinct images one step may cover, the encoder
+        # cache's slots (xlm.multimodal.budget); None: no cap (text only).
+        self.max_images_per_step: int | None = None
         self.waiting = create_request_queue(self.policy)
         # Scheduling order: admission order (fcfs) or (priority, arrival) (priority);
         # the last one is the one preempted.
@@ -201,6 +204,11 @@ class Scheduler:
                 num_new = threshold
             if num_new > token_budget:
                 num_new = token_budget
+            if request.mm_features:
+                num_new = self._fit_images(step, request, request.num_computed_tokens, num_new)
+                if num_new == 0:  # its next image waits for the encoder cache
+                    i += 1
+                    continue
             assert num_new > 0, f"{request} is running with nothing to compute"
             spec = request.spec_token_ids
             if spec:
@@ -284,6 +292,10 @@ class Scheduler:
                 num_new = threshold
             if num_new > token_budget:
                 num_new = token_budget
+            if request.mm_features:
+                num_new = self._fit_images(step, request, num_hit, num_new)
+                if num_new == 0:
+                    break  # head of line waits for the encoder cache
             new_block_ids = allocate_slots(request, num_new, num_hit, hit_blocks)
             if new_block_ids is None:
                 break  # head of line waits for blocks
@@ -297,6 +309,20 @@ class Scheduler:
         for request in reversed(skipped):
             waiting.prepend_request(request)
         step.token_budget = token_budget
+
+    def _fit_images(self, step: StepPlan, request: Request, start: int, num_new: int) -> int:
+        """`num_new` cut before the first image that would make the step cover more
+        distinct images than the encoder cache holds (the step's images are counted)."""
+        cap = self.max_images_per_step
+        if cap is None:
+            return num_new
+        for feature in request.mm_features:
+            if not feature.overlaps(start, start + num_new) or feature.identifier in step.images:
+                continue
+            if len(step.images) >= cap:
+                return max(feature.offset - start, 0)
+            step.images.add(feature.identifier)
+        return num_new
 
     def _admit(self, step: StepPlan, request: Request, num_hit: int) -> None:
         """Move an allocated waiting request to running; the runner gets its whole table."""
@@ -323,6 +349,7 @@ class Scheduler:
                     num_hit,
                     request.pooling_params,
                     request.lora_request,
+                    request.mm_features,
                 )
             )
         request.status = _RUNNING

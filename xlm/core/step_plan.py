@@ -20,6 +20,8 @@ class StepPlan:
     preempted_req_ids: set[str] = field(default_factory=set)
     scheduled: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Content hashes of the images whose placeholders the step covers (encoder budget).
+    images: set[str] = field(default_factory=set)
 
     def add_cached(
         self, req_id: str, resumed: bool, block_ids: BlockIds, num_computed: int, tokens: list[int]

@@ -87,6 +87,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             features = features[:, 1:]
         return self.multi_modal_projector(features)
 
+    def embed_input_ids(self, input_ids: jax.Array) -> jax.Array:
+        """The language model's token embeddings [T, H] (placeholders then replaced)."""
+        return self.model.embed_tokens(input_ids)
+
     def embed_dtype(self) -> Any:
         return self.model.embed_tokens.weight.dtype
 
