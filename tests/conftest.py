@@ -215,6 +215,15 @@ def tiny_llava(tmp_path_factory) -> str:
     return write_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava") / "llava"))
 
 
+@pytest.fixture(scope="session")
+def tiny_llava_llm(tiny_llava):
+    """One small-shaped xlm engine on the tiny LLaVA for the session (every program ready)."""
+    import xlm
+    from tests.engine.reference import TINY_ENGINE
+
+    return xlm.LLM(model=tiny_llava, **TINY_ENGINE)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache_dir(tmp_path_factory) -> str:
     """The per-session compiled-program cache (under TEST_CACHE_ROOT, set at import).

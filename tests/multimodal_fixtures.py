@@ -74,9 +74,7 @@ def write_tiny_llava(path: str, seed: int = 0) -> str:
         eos_token_id=2,
         pad_token_id=0,
     )
-    config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=VOCAB_SIZE - 1
-    )
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB_SIZE - 1)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():  # unit-scale weights: clear logit gaps, images that matter
@@ -104,3 +102,39 @@ def make_image(seed: int, width: int = 40, height: int = 33):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def expand_placeholders(token_ids: list[int], image_token_id: int) -> list[int]:
+    """transformers' LlavaProcessor expansion: each `<image>` -> TOKENS_PER_IMAGE of them."""
+    out: list[int] = []
+    for t in token_ids:
+        out.extend([t] * TOKENS_PER_IMAGE if t == image_token_id else [t])
+    return out
+
+
+def transformers_greedy(path: str, token_ids: list[int], images: list, max_new_tokens: int):
+    """The reference: transformers' LLaVA generating greedily on its own CLIP processor's
+    pixels (the PIL backend) from the prompt with its placeholders expanded."""
+    import torch
+    from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration
+
+    model = _hf_models.get(path)
+    if model is None:
+        model = _hf_models[path] = LlavaForConditionalGeneration.from_pretrained(path).eval()
+    processor = CLIPImageProcessorPil.from_pretrained(path)
+    ids = expand_placeholders(token_ids, model.config.image_token_index)
+    kwargs = {}
+    if images:
+        pixels = processor(images, return_tensors="np")["pixel_values"]
+        kwargs["pixel_values"] = torch.tensor(np.asarray(pixels))
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+_hf_models: dict = {}

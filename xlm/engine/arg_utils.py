@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
+import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +54,7 @@ _HELP = {
     "(a GGUF file's own block quants kept: Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) "
     "(default: float weights, or a compressed-tensors checkpoint's own int8/w8a8/fp8)",
     "served_model_name": "model name in the API (default: the model argument)",
-    "limit_mm_per_prompt": 'most multimodal items per prompt, as JSON: \'{"image": 4}\' '
+    "limit_mm_per_prompt": "most multimodal items per prompt, as JSON: '{\"image\": 4}' "
     "(default: 16 images)",
     "allowed_local_media_path": "directory under which file:// image URLs may be read "
     "(default: none; file:// URLs are refused)",

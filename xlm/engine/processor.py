@@ -69,6 +69,7 @@ class Processor:
         # Set for a multimodal model (from_config): its processor and items per prompt.
         self.mm_processor: MultiModalProcessor | None = None
         self.mm_limits: dict[str, int] = {"image": DEFAULT_IMAGES_PER_PROMPT}
+        self.media_policy = MediaPolicy()
 
     @classmethod
     def from_config(cls, config: XlmConfig) -> Processor:
@@ -88,8 +89,9 @@ class Processor:
             eos_token_id=sorted(eos_ids),
             generation_config=generation_config,
         )
+        processor.media_policy = media_policy(model_config)
         processor.mm_processor = get_mm_processor(
-            model_config.hf_config, model_config.model, media_policy(model_config)
+            model_config.hf_config, model_config.model, processor.media_policy
         )
         if model_config.limit_mm_per_prompt:
             processor.mm_limits.update(model_config.limit_mm_per_prompt)

@@ -71,8 +71,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         strategy = hf_config.vision_feature_select_strategy
         if strategy not in ("default", "full"):
             raise ValueError(
-                f"vision_feature_select_strategy={strategy!r} is invalid: allowed 'default', "
-                "'full'"
+                f"vision_feature_select_strategy={strategy!r} is invalid: allowed 'default', 'full'"
             )
         self.drop_cls = strategy == "default"
         self.vision_tower = CLIPVisionTransformer(

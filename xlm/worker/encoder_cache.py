@@ -121,17 +121,17 @@ class EncoderRunner:
                 needed.append((f, flat, int(start), stop))
             flat += int(count)
         pinned = {f.identifier for f, *_ in needed}
-        to_encode, seen = [], set()
+        to_encode = []
         for f, flat0, start, stop in needed:
+            # A miss encodes the image; every other read of it (another request, a later
+            # chunk of the same prompt) is a hit.
             slot = self.cache.lookup(f.identifier)
             if slot is None:
                 slot = self.cache.assign(f.identifier, pinned)
                 self.cache.misses += 1
                 to_encode.append((f, slot))
-                seen.add(f.identifier)
-            elif f.identifier not in seen:
+            else:
                 self.cache.hits += 1
-                seen.add(f.identifier)
             lo, hi = max(start, f.offset), min(stop, f.end)
             tokens = flat0 + np.arange(lo - start, hi - start)
             mm_rows[tokens] = self.cache.base_row(slot) + np.arange(lo - f.offset, hi - f.offset)
@@ -152,7 +152,9 @@ class EncoderRunner:
                 pixels[j] = feature.pixel_values
                 rows[j, : feature.length] = self.cache.base_row(slot) + np.arange(feature.length)
             program = program_for(bucket, pixels.shape)
-            pool = program(state, pool, put_replicated(pixels, self.mesh), put_replicated(rows, self.mesh))
+            pool = program(
+                state, pool, put_replicated(pixels, self.mesh), put_replicated(rows, self.mesh)
+            )
             i += bucket
         return pool
 

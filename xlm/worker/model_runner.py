@@ -30,7 +30,6 @@ from xlm.metrics import startup
 from xlm.multimodal.budget import encoder_cache_slots, tokens_per_image
 from xlm.worker import prompt_logprobs
 from xlm.worker.buckets import Buckets
-from xlm.worker.encoder_cache import EncoderRunner
 from xlm.worker.compilation import (
     BucketReadiness,
     MeshSpec,
@@ -41,6 +40,7 @@ from xlm.worker.compilation import (
     engine_fingerprint,
     executable_cache_dir,
 )
+from xlm.worker.encoder_cache import EncoderRunner
 from xlm.worker.executable_cache import ExecutableCache
 from xlm.worker.input_batch import InputBatch
 from xlm.worker.kv_allocation import KVCacheAllocation
