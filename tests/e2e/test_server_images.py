@@ -14,7 +14,6 @@ import io
 import openai
 import pytest
 
-from xlm.tokenizer import apply_chat_template
 from tests.e2e.server_utils import RemoteServer
 from tests.engine.reference import TINY_ENGINE, cli_engine_flags
 from tests.multimodal_fixtures import (
@@ -23,6 +22,7 @@ from tests.multimodal_fixtures import (
     make_image,
     transformers_greedy,
 )
+from xlm.tokenizer import apply_chat_template
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
