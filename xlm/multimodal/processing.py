@@ -68,11 +68,11 @@ class CLIPImagePreprocessor:
         if self.do_center_crop:
             crop_h, crop_w = self.crop_hw
             height, width = pixels.shape[:2]
-            if height < crop_h or width < crop_w:  # pad with zeros to the crop, centered
+            if height < crop_h or width < crop_w:  # zeros around it, the odd one before
                 pad_h, pad_w = max(crop_h - height, 0), max(crop_w - width, 0)
                 pixels = np.pad(
                     pixels,
-                    ((pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0)),
+                    ((pad_h - pad_h // 2, pad_h // 2), (pad_w - pad_w // 2, pad_w // 2), (0, 0)),
                 )
                 height, width = pixels.shape[:2]
             top, left = (height - crop_h) // 2, (width - crop_w) // 2
