@@ -52,7 +52,9 @@ def test_placeholders_expand_per_image_with_features(tiny_llava):
     again, _ = processor.process([mark], [make_image(0)])
     assert processor.process([mark], [make_image(0)])[1][0].identifier == features[0].identifier
     assert len(again) == n
-    with pytest.raises(RequestValidationError, match=r"1 image placeholders \(token id \d+\) for 2 images"):
+    with pytest.raises(
+        RequestValidationError, match=r"1 image placeholders \(token id \d+\) for 2 images"
+    ):
         processor.process([mark], images)
 
 
