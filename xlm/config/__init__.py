@@ -95,6 +95,23 @@ class ModelConfig:
             f"one of {_LOAD_FORMATS}",
         )
         _positive_int(owner, "max_model_len", self.max_model_len, optional=True)
+        _positive_int(owner, "max_image_pixels", self.max_image_pixels, optional=True)
+        limits = self.limit_mm_per_prompt
+        _require(
+            limits is None
+            or (
+                isinstance(limits, dict)
+                and set(limits) <= {"image"}
+                and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                    for v in limits.values()
+                )
+            ),
+            owner,
+            "limit_mm_per_prompt",
+            limits,
+            'a dict like {"image": N} with N >= 0',
+        )
         _require(
             self.quantization is None or self.quantization in QUANTIZATION_METHODS,
             owner,
