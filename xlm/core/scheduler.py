@@ -205,7 +205,9 @@ class Scheduler:
             if num_new > token_budget:
                 num_new = token_budget
             if request.mm_features:
-                num_new = self._fit_images(step, request, request.num_computed_tokens, num_new)
+                num_new = step.fit_images(
+                    request, request.num_computed_tokens, num_new, self.max_images_per_step
+                )
                 if num_new == 0:  # its next image waits for the encoder cache
                     i += 1
                     continue
@@ -293,7 +295,7 @@ class Scheduler:
             if num_new > token_budget:
                 num_new = token_budget
             if request.mm_features:
-                num_new = self._fit_images(step, request, num_hit, num_new)
+                num_new = step.fit_images(request, num_hit, num_new, self.max_images_per_step)
                 if num_new == 0:
                     break  # head of line waits for the encoder cache
             new_block_ids = allocate_slots(request, num_new, num_hit, hit_blocks)
@@ -309,20 +311,6 @@ class Scheduler:
         for request in reversed(skipped):
             waiting.prepend_request(request)
         step.token_budget = token_budget
-
-    def _fit_images(self, step: StepPlan, request: Request, start: int, num_new: int) -> int:
-        """`num_new` cut before the first image that would make the step cover more
-        distinct images than the encoder cache holds (the step's images are counted)."""
-        cap = self.max_images_per_step
-        if cap is None:
-            return num_new
-        for feature in request.mm_features:
-            if not feature.overlaps(start, start + num_new) or feature.identifier in step.images:
-                continue
-            if len(step.images) >= cap:
-                return max(feature.offset - start, 0)
-            step.images.add(feature.identifier)
-        return num_new
 
     def _admit(self, step: StepPlan, request: Request, num_hit: int) -> None:
         """Move an allocated waiting request to running; the runner gets its whole table."""

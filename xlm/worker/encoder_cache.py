@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlm.distributed.mesh import put_replicated
+from xlm.distributed.mesh import put_replicated, replicated
 from xlm.multimodal.inputs import features_in_range
 
 
@@ -97,7 +97,11 @@ class EncoderRunner:
         model = nnx.merge(self.graphdef, state)
         embeds = model.encode_images(pixels)  # [B, tokens, hidden]
         flat = embeds.reshape(-1, embeds.shape[-1]).astype(pool.dtype)
-        return pool.at[rows.reshape(-1)].set(flat)
+        pool = pool.at[rows.reshape(-1)].set(flat)
+        if self.mesh is None:
+            return pool
+        # The pool stays whole on every device, the layout the step programs read.
+        return jax.lax.with_sharding_constraint(pool, replicated(self.mesh))
 
     def pool_shape(self) -> tuple[int, int]:
         return (self.cache.num_rows, self.hidden)
@@ -151,7 +155,7 @@ class EncoderRunner:
             for j, (feature, slot) in enumerate(batch):
                 pixels[j] = feature.pixel_values
                 rows[j, : feature.length] = self.cache.base_row(slot) + np.arange(feature.length)
-            program = program_for(bucket, pixels.shape)
+            program = program_for(bucket)
             pool = program(
                 state, pool, put_replicated(pixels, self.mesh), put_replicated(rows, self.mesh)
             )

@@ -166,7 +166,7 @@ class ModelRunner:
         args = (self.state, pool, pixels, rows)
         return ProgramSpec(self.encoder.encode_fn, args, None, out_tree, self.device_mesh)
 
-    def _encoder_program(self, bucket: int, pixel_shape: tuple[int, ...]) -> Any:
+    def _encoder_program(self, bucket: int) -> Any:
         key = self._key(ProgramKind.ENCODER, bucket)
         return self.program_store.get(key, lambda: self._encoder_spec(bucket))
 
