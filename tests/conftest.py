@@ -207,6 +207,23 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[[str], str]:
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> str:
+    """Directory of a tiny random LLaVA-1.5 checkpoint (tests.multimodal_fixtures)."""
+    from tests.multimodal_fixtures import write_tiny_llava
+
+    return write_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava") / "llava"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_llm(tiny_llava):
+    """One small-shaped xlm engine on the tiny LLaVA for the session (every program ready)."""
+    import xlm
+    from tests.engine.reference import TINY_ENGINE
+
+    return xlm.LLM(model=tiny_llava, **TINY_ENGINE)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache_dir(tmp_path_factory) -> str:
     """The per-session compiled-program cache (under TEST_CACHE_ROOT, set at import).

@@ -136,3 +136,20 @@ def test_engine_args_defaults_are_the_configs():
     args = EngineArgs()
     assert args.max_num_seqs == SchedulerConfig().max_num_seqs
     assert args.memory_utilization == CacheConfig().memory_utilization
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("limit_mm_per_prompt", {"video": 1}),
+        ("limit_mm_per_prompt", {"image": -1}),
+        ("limit_mm_per_prompt", "4"),
+        ("max_image_pixels", 0),
+    ],
+)
+def test_image_limits_are_validated(field, value):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}="):
+        ModelConfig(model="m", **{field: value})
+    assert ModelConfig(model="m", limit_mm_per_prompt={"image": 0}).limit_mm_per_prompt == {
+        "image": 0
+    }

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "xlm"
 # An entry names a package or a module; the longest entry that prefixes a module wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("xlm.entrypoints", "xlm.ray"),
-    ("xlm.engine",),
+    ("xlm.engine", "xlm.multimodal"),
     ("xlm.executor", "xlm.planning"),
     ("xlm.worker", "xlm.tokenizer"),
     (
@@ -41,6 +41,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "xlm.pooling_params",
         "xlm.structured_output.params",
         "xlm.lora.request",
+        "xlm.multimodal.inputs",
+        "xlm.multimodal.budget",
         "xlm.outputs",
         "xlm.disk_cache",
         "xlm.quantization",

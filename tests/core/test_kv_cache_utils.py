@@ -53,3 +53,33 @@ def test_update_block_hashes_salts_first_block_and_chains():
     assert ha[0] != hb[0] and ha[1] != hb[1]
     assert hb[1] == hash_block_tokens(hb[0], [4, 5, 6, 7])
     assert update_block_hashes(b, 4, 1) == hb  # never shrinks or recomputes
+
+
+def _feature(identifier: str, offset: int, length: int):
+    import numpy as np
+
+    from xlm.multimodal.inputs import MultiModalFeature
+
+    return MultiModalFeature("image", identifier, offset, length, np.zeros((3, 1, 1), np.float32))
+
+
+def test_blocks_holding_image_placeholders_hash_the_image():
+    tokens = [7] * 12  # the same placeholder tokens, blocks of 4: the image spans 2..9
+    a = make_request("a", tokens)
+    b = make_request("b", tokens)
+    c = make_request("c", tokens)
+    a.mm_features = [_feature("cat", 2, 8)]
+    b.mm_features = [_feature("dog", 2, 8)]
+    c.mm_features = [_feature("cat", 2, 8)]
+    ha, hb, hc = (update_block_hashes(r, 4, 3) for r in (a, b, c))
+    assert ha == hc  # one image: the same blocks, shareable
+    assert all(x != y for x, y in zip(ha, hb, strict=True))  # another image: none shared
+    # The block's place inside the image is keyed: equal tokens, shifted image, other hash.
+    d = make_request("d", tokens)
+    d.mm_features = [_feature("cat", 3, 8)]
+    assert update_block_hashes(d, 4, 1)[0] != ha[0]
+    # A block past the image hashes its tokens only (its parent carries the image).
+    e = make_request("e", tokens)
+    e.mm_features = [_feature("cat", 0, 4)]
+    he = update_block_hashes(e, 4, 2)
+    assert he[1] == hash_block_tokens(he[0], [7] * 4)

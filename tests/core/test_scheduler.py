@@ -437,3 +437,26 @@ def test_priority_victim_is_low_priority_even_if_admitted_first():
     so, _ = step(sched, runner)  # a needs a third block
     assert so.preempted_req_ids == {"b"}
     assert so.num_scheduled_tokens == {"a": 1}
+
+
+def test_a_step_covers_no_more_images_than_the_encoder_cache_holds():
+    import numpy as np
+
+    from xlm.multimodal.inputs import MultiModalFeature
+
+    sched = make_sched(budget=64)
+    sched.max_images_per_step = 2
+    # Three 8-token images at 4, 16 and 28 in a 40-token prompt: the chunk stops before
+    # the third image's placeholders, and the next step covers it.
+    request = make_request("r", prompt(0, 40), max_tokens=1)
+    pixels = np.zeros((3, 1, 1), np.float32)
+    request.mm_features = [
+        MultiModalFeature("image", f"img{i}", off, 8, pixels) for i, off in enumerate((4, 16, 28))
+    ]
+    sched.add_request(request)
+    first = sched.schedule()
+    assert first.num_scheduled_tokens["r"] == 28
+    assert first.scheduled_new_reqs[0].mm_features is request.mm_features
+    sched.update_from_output(first, ModelRunnerOutput(["r"], [[]]))
+    second = sched.schedule()
+    assert second.num_scheduled_tokens["r"] == 12

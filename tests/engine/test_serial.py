@@ -180,3 +180,28 @@ def test_everything_the_engine_sends_decodes():
     back = MsgpackDecoder().decode(MsgpackEncoder().encode(params))
     assert isinstance(back.structured_outputs, StructuredOutputsParams)
     assert back.structured_outputs.regex == "[ab]+"
+
+
+def test_a_request_with_images_crosses_the_socket():
+    """An EngineCoreRequest's images (pixels out of band, hash, placeholders) decode whole."""
+    from xlm.engine.messages import EngineCoreRequest
+    from xlm.multimodal.inputs import MultiModalFeature
+    from xlm.sampling_params import SamplingParams
+
+    pixels = np.arange(3 * 8 * 8, dtype=np.float32).reshape(3, 8, 8)
+    request = EngineCoreRequest(
+        "r",
+        [1, 9, 9, 9, 2],
+        SamplingParams(max_tokens=3),
+        None,
+        0.0,
+        mm_features=[MultiModalFeature("image", "abc", 1, 3, pixels)],
+    )
+    frames = MsgpackEncoder().encode(request)
+    assert len(frames) > 1  # the pixels travel as their own frame
+    back = MsgpackDecoder().decode(frames)
+    assert isinstance(back, EngineCoreRequest)
+    feature = back.mm_features[0]
+    assert isinstance(feature, MultiModalFeature)
+    assert (feature.identifier, feature.offset, feature.length) == ("abc", 1, 3)
+    np.testing.assert_array_equal(feature.pixel_values, pixels)

@@ -69,6 +69,12 @@ class ModelConfig:
     # Sleep mode (LLM.sleep / wake_up, POST /sleep): the weights can leave the devices.
     enable_sleep_mode: bool = False
     # Set by the loader once the checkpoint's config has been read.
+    # Images in (a multimodal model): at most this many items per prompt by modality
+    # ({"image": 4}); where images may be read from; the pixel cap of one image.
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    max_image_pixels: int | None = None
     hf_config: Any = field(default=None, repr=False, compare=False)
     # The pooling a pooling runner applies when a request does not say (set with runner).
     default_pooling: Any = field(default=None, repr=False, compare=False)
@@ -91,6 +97,23 @@ class ModelConfig:
             f"one of {_LOAD_FORMATS}",
         )
         _positive_int(owner, "max_model_len", self.max_model_len, optional=True)
+        _positive_int(owner, "max_image_pixels", self.max_image_pixels, optional=True)
+        limits = self.limit_mm_per_prompt
+        _require(
+            limits is None
+            or (
+                isinstance(limits, dict)
+                and set(limits) <= {"image"}
+                and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                    for v in limits.values()
+                )
+            ),
+            owner,
+            "limit_mm_per_prompt",
+            limits,
+            'a dict like {"image": N} with N >= 0',
+        )
         _require(
             self.quantization is None or self.quantization in QUANTIZATION_METHODS,
             owner,

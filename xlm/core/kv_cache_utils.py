@@ -44,19 +44,37 @@ def hash_block_tokens(
     return h.digest()
 
 
-def block_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
+def block_extra_keys(
+    request: Request, block_index: int, block_size: int = 0
+) -> tuple[Any, ...] | None:
     """Extra keys of one block: the request's cache_salt and LoRA adapter, on the first
-    block only (two adapters never share K/V of the same tokens).
+    block only (two adapters never share K/V of the same tokens), and on every block that
+    holds image placeholder tokens, each such image's content hash with where the block
+    starts inside the image (the same placeholders of two images never share K/V).
 
-    They reach every later block through the parent-hash chain.
+    The first block's keys reach every later block through the parent-hash chain.
     """
+    images = _image_keys(request, block_index, block_size)
     if block_index != 0:
-        return None
+        return images
     keys: tuple[Any, ...] = ()
     if request.cache_salt is not None:
         keys = ("salt", request.cache_salt)
     if request.lora_request is not None:
         keys = (*keys, *request.lora_request.cache_key)
+    if images:
+        keys = (*keys, *images)
+    return keys or None
+
+
+def _image_keys(request: Request, block_index: int, block_size: int) -> tuple[Any, ...] | None:
+    features = request.mm_features
+    if not features or not block_size:
+        return None
+    start, stop = block_index * block_size, (block_index + 1) * block_size
+    keys = tuple(
+        ("image", f.identifier, start - f.offset) for f in features if f.overlaps(start, stop)
+    )
     return keys or None
 
 
@@ -71,7 +89,9 @@ def update_block_hashes(request: Request, block_size: int, num_blocks: int) -> l
     parent = hashes[-1] if hashes else None
     for i in range(start, num_blocks):
         parent = hash_block_tokens(
-            parent, tokens[i * block_size : (i + 1) * block_size], block_extra_keys(request, i)
+            parent,
+            tokens[i * block_size : (i + 1) * block_size],
+            block_extra_keys(request, i, block_size),
         )
         hashes.append(parent)
     return hashes

@@ -21,6 +21,8 @@ class NewRequestData:
     pooling_params: Any = None
     # Its LoRA adapter (xlm.lora.request.LoRARequest), or None: the base model.
     lora_request: Any = None
+    # Its images (xlm.multimodal.inputs.MultiModalFeature), or None.
+    mm_features: Any = None
 
 
 @dataclass(slots=True)

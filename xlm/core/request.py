@@ -70,6 +70,7 @@ class Request:
         "pooling_params",
         "spec_token_ids",
         "lora_request",
+        "mm_features",
     )
 
     def __init__(
@@ -83,6 +84,7 @@ class Request:
         cache_salt: str | None = None,
         pooling_params: Any = None,
         lora_request: Any = None,
+        mm_features: list[Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -129,6 +131,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         # The LoRA adapter (xlm.lora.request.LoRARequest); None: the base model.
         self.lora_request = lora_request
+        # Its images (xlm.multimodal.inputs.MultiModalFeature) in prompt order; None: none.
+        self.mm_features = mm_features or None
 
     @property
     def num_tokens(self) -> int:

@@ -84,6 +84,9 @@ class Scheduler:
                 pool_tokens,
             )
         self.requests: dict[str, Request] = {}
+        # A multimodal model: the most distinct images one step may cover, the encoder
+        # cache's slots (xlm.multimodal.budget); None: no cap (text only).
+        self.max_images_per_step: int | None = None
         self.waiting = create_request_queue(self.policy)
         # Scheduling order: admission order (fcfs) or (priority, arrival) (priority);
         # the last one is the one preempted.
@@ -201,6 +204,13 @@ class Scheduler:
                 num_new = threshold
             if num_new > token_budget:
                 num_new = token_budget
+            if request.mm_features:
+                num_new = step.fit_images(
+                    request, request.num_computed_tokens, num_new, self.max_images_per_step
+                )
+                if num_new == 0:  # its next image waits for the encoder cache
+                    i += 1
+                    continue
             assert num_new > 0, f"{request} is running with nothing to compute"
             spec = request.spec_token_ids
             if spec:
@@ -284,6 +294,10 @@ class Scheduler:
                 num_new = threshold
             if num_new > token_budget:
                 num_new = token_budget
+            if request.mm_features:
+                num_new = step.fit_images(request, num_hit, num_new, self.max_images_per_step)
+                if num_new == 0:
+                    break  # head of line waits for the encoder cache
             new_block_ids = allocate_slots(request, num_new, num_hit, hit_blocks)
             if new_block_ids is None:
                 break  # head of line waits for blocks
@@ -323,6 +337,7 @@ class Scheduler:
                     num_hit,
                     request.pooling_params,
                     request.lora_request,
+                    request.mm_features,
                 )
             )
         request.status = _RUNNING

@@ -20,6 +20,22 @@ class StepPlan:
     preempted_req_ids: set[str] = field(default_factory=set)
     scheduled: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Content hashes of the images whose placeholders the step covers (encoder budget).
+    images: set[str] = field(default_factory=set)
+
+    def fit_images(self, request: Request, start: int, num_new: int, cap: int | None) -> int:
+        """`num_new` tokens from `start`, cut before the first image that would make the
+        step cover more than `cap` distinct images (the encoder cache's slots; None: no
+        cap); the images kept are counted to the step."""
+        if cap is None:
+            return num_new
+        for feature in request.mm_features or ():
+            if not feature.overlaps(start, start + num_new) or feature.identifier in self.images:
+                continue
+            if len(self.images) >= cap:
+                return max(feature.offset - start, 0)
+            self.images.add(feature.identifier)
+        return num_new
 
     def add_cached(
         self, req_id: str, resumed: bool, block_ids: BlockIds, num_computed: int, tokens: list[int]

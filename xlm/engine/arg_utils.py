@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,13 @@ _HELP = {
     "(a GGUF file's own block quants kept: Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) "
     "(default: float weights, or a compressed-tensors checkpoint's own int8/w8a8/fp8)",
     "served_model_name": "model name in the API (default: the model argument)",
+    "limit_mm_per_prompt": "most multimodal items per prompt, as JSON: '{\"image\": 4}' "
+    "(default: 16 images)",
+    "allowed_local_media_path": "directory under which file:// image URLs may be read "
+    "(default: none; file:// URLs are refused)",
+    "allowed_media_domains": "comma-separated hosts whose http(s) image URLs the server "
+    "fetches (default: none; remote URLs are refused)",
+    "max_image_pixels": "most pixels (width x height) of one input image (default: 64 Mpx)",
     "generation_config": "'auto' (use generation_config.json defaults), 'xlm' or a directory",
     "runner": "generate (text), pooling (embeddings: one vector per input), or auto (pooling "
     "when the checkpoint is an embedder: sentence-transformers files or a *Model "
@@ -188,6 +196,10 @@ class EngineArgs:
     download_dir: str | None = None
     served_model_name: str | None = None
     generation_config: str = "auto"
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    max_image_pixels: int | None = None
     runner: str = "auto"
     convert: str = "auto"
     block_size: int = CacheConfig.block_size
@@ -267,7 +279,9 @@ class EngineArgs:
                 group.add_argument(
                     flag, default=default, help=help_text, action=argparse.BooleanOptionalAction
                 )
-            elif f.name in ("custom_ops",):
+            elif f.name == "limit_mm_per_prompt":
+                group.add_argument(flag, default=default, help=help_text, type=json.loads)
+            elif f.name in ("custom_ops", "allowed_media_domains"):
                 group.add_argument(
                     flag,
                     default=default,
@@ -290,6 +304,7 @@ class EngineArgs:
                     "max_cpu_loras",
                     "data_parallel_size_local",
                     "data_parallel_rpc_port",
+                    "max_image_pixels",
                 ):
                     kind = int
                 elif f.name == "process_id":
@@ -366,6 +381,10 @@ class EngineArgs:
             quantization=self.quantization,
             served_model_name=self.served_model_name or model,
             generation_config=self.generation_config,
+            limit_mm_per_prompt=self.limit_mm_per_prompt,
+            allowed_local_media_path=self.allowed_local_media_path,
+            allowed_media_domains=self.allowed_media_domains,
+            max_image_pixels=self.max_image_pixels,
         )
         model_config.hf_config = load_hf_config(model_path, self.load_format)
         # A compressed-tensors checkpoint runs in the scheme it is stored in.

@@ -18,6 +18,7 @@ from xlm.executor import executor_class_for
 from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
 from xlm.lora.request import LoRARequest
+from xlm.multimodal.budget import encoder_cache_slots
 from xlm.structured_output.manager import StructuredOutputManager
 from xlm.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -59,6 +60,11 @@ class EngineCore:
         # Async scheduling: steps dispatched and not yet collected, oldest first (at most
         # two: step N runs while step N+1 is scheduled and dispatched behind it).
         self.async_scheduling = config.scheduler_config.async_scheduling
+        slots = encoder_cache_slots(
+            config.model_config.hf_config, config.scheduler_config.max_num_batched_tokens
+        )
+        if slots:  # a step covers no more images than the runner's encoder cache holds
+            self.scheduler.max_images_per_step = slots
         self._in_flight: deque[SchedulerOutput] = deque()
         self._first_dispatch: float | None = None
         self._sleep_level: int | None = None  # asleep: the level (sleep mode)
@@ -83,6 +89,7 @@ class EngineCore:
                 cache_salt=request.cache_salt,
                 pooling_params=request.pooling_params,
                 lora_request=lora,
+                mm_features=request.mm_features,
             )
         )
 
@@ -272,6 +279,10 @@ class EngineCore:
                 f"{what}: {self.scheduler.get_num_unfinished_requests()} requests are "
                 "unfinished; call it when the engine is idle (wait for or abort them)"
             )
+
+    def get_encoder_cache_stats(self) -> dict[str, int]:
+        """Images found in the encoder cache (hits) and encoded (misses) so far."""
+        return self.executor.worker.model_runner.encoder_cache_stats()
 
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         """Wait for the background compilation; whether every step program is ready."""

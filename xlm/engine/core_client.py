@@ -23,6 +23,8 @@ class EngineCoreClient(Protocol):
 
     def get_num_compilations(self) -> int: ...
 
+    def get_encoder_cache_stats(self) -> dict[str, int]: ...
+
     def wait_for_programs(self, timeout: float | None = None) -> bool: ...
 
     def get_stats(self) -> SchedulerStats: ...
@@ -59,6 +61,9 @@ class InprocClient:
 
     def get_num_compilations(self) -> int:
         return self.engine_core.get_num_compilations()
+
+    def get_encoder_cache_stats(self) -> dict[str, int]:
+        return self.engine_core.get_encoder_cache_stats()
 
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         return self.engine_core.wait_for_programs(timeout)

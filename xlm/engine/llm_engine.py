@@ -107,6 +107,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
+    def encoder_cache_stats(self) -> dict[str, int]:
+        """Images the encoder cache served (hits) and the encoder encoded (misses)."""
+        return self.engine_core.get_encoder_cache_stats()
+
     @property
     def num_compilations(self) -> int:
         """Step programs the engine core compiled so far; flat after warm-up."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
 from xlm.lora.request import LoRARequest
+from xlm.multimodal.inputs import MultiModalFeature
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import SamplingParams
 
@@ -77,6 +78,8 @@ class EngineCoreRequest:
     pooling_params: PoolingParams | None = None
     # The LoRA adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # Its images: pixels, content hashes and placeholder positions (None: text only).
+    mm_features: list[MultiModalFeature] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for msgpack."""
@@ -91,6 +94,7 @@ class EngineCoreRequest:
             "prompt": self.prompt,
             "pooling_params": self.pooling_params,
             "lora_request": self.lora_request,
+            "mm_features": self.mm_features,
         }
 
     @classmethod

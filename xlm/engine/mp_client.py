@@ -350,6 +350,10 @@ class SyncMPClient(_MPClientBase):
         """Step programs the core compiled so far (flat after warm-up)."""
         return self.call_utility("get_num_compilations")
 
+    def get_encoder_cache_stats(self) -> dict[str, int]:
+        """The core's encoder cache hits and misses (images encoded)."""
+        return self.call_utility("get_encoder_cache_stats")
+
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         """Wait for the core's background compilation (its loop waits with it)."""
         return self.call_utility("wait_for_programs", timeout, timeout=None)

@@ -13,6 +13,8 @@ from xlm.engine.exceptions import RequestValidationError
 from xlm.engine.messages import EngineCoreRequest
 from xlm.lora.request import LoRARequest
 from xlm.models.pooling_config import label_names
+from xlm.multimodal.image import DEFAULT_MAX_IMAGE_PIXELS, MediaPolicy
+from xlm.multimodal.processing import MultiModalProcessor, get_mm_processor
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import MAX_DEVICE_LOGPROBS, RequestOutputKind, SamplingParams
 from xlm.structured_output.backend import validate as validate_structured_outputs
@@ -21,6 +23,8 @@ from xlm.tokenizer import get_eos_token_ids, get_tokenizer
 PromptType = str | list[int] | dict[str, Any]
 
 _CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
+# Images per prompt when --limit-mm-per-prompt does not say.
+DEFAULT_IMAGES_PER_PROMPT = 16
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,10 @@ class Processor:
         # Set for a pooling model (from_config): its pooling defaults and the step budget
         # a pooled prompt must fit in (it is prefilled in one step).
         self.pooling: PoolingModel | None = None
+        # Set for a multimodal model (from_config): its processor and items per prompt.
+        self.mm_processor: MultiModalProcessor | None = None
+        self.mm_limits: dict[str, int] = {"image": DEFAULT_IMAGES_PER_PROMPT}
+        self.media_policy = MediaPolicy()
 
     @classmethod
     def from_config(cls, config: XlmConfig) -> Processor:
@@ -81,6 +89,12 @@ class Processor:
             eos_token_id=sorted(eos_ids),
             generation_config=generation_config,
         )
+        processor.media_policy = media_policy(model_config)
+        processor.mm_processor = get_mm_processor(
+            model_config.hf_config, model_config.model, processor.media_policy
+        )
+        if model_config.limit_mm_per_prompt:
+            processor.mm_limits.update(model_config.limit_mm_per_prompt)
         if model_config.is_pooling:
             labels = label_names(model_config.hf_config) if model_config.is_classifier else None
             processor.pooling = PoolingModel(
@@ -111,6 +125,41 @@ class Processor:
             f"prompt of type {type(prompt).__name__} is invalid: expected str, list[int] or "
             "a dict with 'prompt' or 'prompt_token_ids'"
         )
+
+    def process_multimodal(
+        self, token_ids: list[int], mm_data: Any
+    ) -> tuple[list[int], list[Any] | None]:
+        """Images of a prompt ({"image": PIL image or list}) -> the prompt with each
+        placeholder expanded, and one feature per image (RequestValidationError, a 400,
+        for what the model or the limits refuse)."""
+        if not mm_data:
+            return token_ids, None
+        if not isinstance(mm_data, dict):
+            raise RequestValidationError(
+                f"multi_modal_data of type {type(mm_data).__name__} is invalid: expected a "
+                'dict like {"image": image or [images]}',
+                "multi_modal_data",
+            )
+        unknown = sorted(set(mm_data) - {"image"})
+        if unknown:
+            raise RequestValidationError(
+                f"multi_modal_data has modalities {unknown}: allowed 'image'",
+                "multi_modal_data",
+            )
+        if self.mm_processor is None:
+            raise RequestValidationError(
+                "This model takes text only: it does not accept images", "multi_modal_data"
+            )
+        images = mm_data["image"]
+        images = list(images) if isinstance(images, list | tuple) else [images]
+        limit = self.mm_limits.get("image", DEFAULT_IMAGES_PER_PROMPT)
+        if len(images) > limit:
+            raise RequestValidationError(
+                f"The prompt has {len(images)} images, more than the {limit} allowed per "
+                "prompt (--limit-mm-per-prompt)",
+                "multi_modal_data",
+            )
+        return self.mm_processor.process(token_ids, images)
 
     def check_pooling_request(
         self, token_ids: list[int], params: PoolingParams | None
@@ -266,6 +315,12 @@ class Processor:
                 f"lora_request={lora_request!r} is invalid: allowed a LoRARequest or None"
             )
         text, token_ids = self._tokenize(prompt)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        token_ids, mm_features = self.process_multimodal(token_ids, mm_data)
+        if mm_features and pooling:
+            raise RequestValidationError(
+                "Images are not supported for pooling requests", "multi_modal_data"
+            )
         if pooling:
             params, pooling_params = self.check_pooling_request(token_ids, pooling_params)
         else:
@@ -281,7 +336,17 @@ class Processor:
             prompt=text,
             pooling_params=pooling_params,
             lora_request=lora_request,
+            mm_features=mm_features,
         )
+
+
+def media_policy(model_config: ModelConfig) -> MediaPolicy:
+    """Where images may come from and their pixel cap, from the model's options."""
+    return MediaPolicy(
+        allowed_local_media_path=model_config.allowed_local_media_path,
+        allowed_media_domains=tuple(model_config.allowed_media_domains or ()),
+        max_image_pixels=model_config.max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS,
+    )
 
 
 def get_max_tokens(

@@ -51,6 +51,7 @@ WIRE_CLASSES: tuple[tuple[str, str], ...] = (
     ("xlm.pooling_params", "PoolingParams"),
     ("xlm.pooling_params", "PoolingType"),
     ("xlm.lora.request", "LoRARequest"),
+    ("xlm.multimodal.inputs", "MultiModalFeature"),
     ("xlm.structured_output.params", "StructuredOutputsParams"),
     ("xlm.core.outputs", "EngineCoreOutput"),
     ("xlm.core.outputs", "LogprobsLists"),

@@ -17,6 +17,7 @@ from xlm.engine.processor import check_pooling_task
 from xlm.entrypoints import score_utils
 from xlm.executor.multihost import follow_if_follower
 from xlm.lora.request import LoRARequest
+from xlm.multimodal.chat import extract_images, with_images
 from xlm.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import RequestOutputKind, SamplingParams
@@ -124,21 +125,26 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations, formatted with the model's chat template."""
+        """Generate replies to conversations, formatted with the model's chat template.
+
+        Content parts may carry images (a multimodal model): `image_url` (a data URL, or a
+        file:// URL under allowed_local_media_path) and `image_pil` (a PIL image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {
-                "prompt_token_ids": apply_chat_template(
-                    self.get_tokenizer(),
-                    conversation,
-                    chat_template=chat_template,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    tools=tools,
-                )
-            }
-            for conversation in conversations
-        ]
+        processor = self.llm_engine.processor
+        prompts = []
+        for conversation in conversations:
+            conversation, images = extract_images(
+                conversation, processor.media_policy, processor.mm_processor is not None
+            )
+            ids = apply_chat_template(
+                self.get_tokenizer(),
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+            )
+            prompts.append(with_images({"prompt_token_ids": ids}, images))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(

@@ -126,9 +126,15 @@ class LlamaModel(nnx.Module):
         self.kv_cache_index: tuple[int, ...] | None = None
 
     def __call__(
-        self, input_ids: jax.Array, kv_caches: list[jax.Array], metadata: AttentionMetadata
+        self,
+        input_ids: jax.Array,
+        kv_caches: list[jax.Array],
+        metadata: AttentionMetadata,
+        inputs_embeds: jax.Array | None = None,
     ) -> tuple[jax.Array, list[jax.Array]]:
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden_states, residual = inputs_embeds, None
         if self.kv_cache_index is not None:  # KV cache groups: layers share cache arrays
             caches = list(kv_caches)
             for layer, j in zip(self.layers, self.kv_cache_index, strict=True):
@@ -164,10 +170,15 @@ class LlamaForCausalLM(nnx.Module):
             )
 
     def __call__(
-        self, input_ids: jax.Array, kv_caches: list[jax.Array], metadata: AttentionMetadata
+        self,
+        input_ids: jax.Array,
+        kv_caches: list[jax.Array],
+        metadata: AttentionMetadata,
+        inputs_embeds: jax.Array | None = None,
     ) -> tuple[jax.Array, list[jax.Array]]:
-        """input_ids [T] -> (hidden_states [T, H], updated per-layer KV caches)."""
-        return self.model(input_ids, kv_caches, metadata)
+        """input_ids [T] (or their embeddings [T, H]: a multimodal step's) ->
+        (hidden_states [T, H], updated per-layer KV caches)."""
+        return self.model(input_ids, kv_caches, metadata, inputs_embeds)
 
     def compute_logits(self, hidden_states: jax.Array) -> jax.Array:
         """hidden_states [N, H] -> logits [N, V] in float32."""

@@ -14,6 +14,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Gemma3ForCausalLM": "xlm.models.gemma2:Gemma3ForCausalLM",
     "GPT2LMHeadModel": "xlm.models.gpt2:GPT2LMHeadModel",
     "LlamaForCausalLM": "xlm.models.llama:LlamaForCausalLM",
+    "LlavaForConditionalGeneration": "xlm.models.llava:LlavaForConditionalGeneration",
     "MistralForCausalLM": "xlm.models.mistral:MistralForCausalLM",
     "MixtralForCausalLM": "xlm.models.mixtral:MixtralForCausalLM",
     "OPTForCausalLM": "xlm.models.opt:OPTForCausalLM",

@@ -42,6 +42,7 @@ class ProgramKind(enum.Enum):
     SAMPLER = "sampler"  # one token (and logprobs) per row of logits
     PROMPT_LOGPROBS = "prompt_logprobs"  # logprobs of prompt tokens from hidden states
     POOLER = "pooler"  # one vector per request from the hidden states (pooling runner)
+    ENCODER = "encoder"  # images -> embeddings in the encoder cache's pool (by image count)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ class CachedRequestState:
     spec_acceptance: float = 0.6
     # Its LoRA adapter (xlm.lora.request.LoRARequest; None: the base model).
     lora_request: Any = None
+    # Its images (xlm.multimodal.inputs.MultiModalFeature), in prompt order; None: none.
+    mm_features: Any = None
 
 
 class InputBatch:
@@ -85,6 +87,7 @@ class InputBatch:
                 pooling_params=new.pooling_params,
                 may_speculate=new.pooling_params is None and may_speculate(new.sampling_params),
                 lora_request=new.lora_request,
+                mm_features=new.mm_features,
             )
             self.add(state, new.block_ids, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs

@@ -80,7 +80,7 @@ class StepPrograms:
         self.max_rows = buckets.sampler_buckets[-1]
         # Weakly bound, so that these jitted functions do not keep their runner alive.
         self.model_fn = jax.jit(
-            weakly_bound(self._model_step), static_argnums=(4,), donate_argnums=(1,)
+            weakly_bound(self._model_step), static_argnums=(5,), donate_argnums=(1,)
         )
         self.sample_fn = jax.jit(weakly_bound(self._sample_step), static_argnums=(2,))
         self.prompt_logprobs_fn = jax.jit(weakly_bound(self._prompt_logprobs_step))
@@ -93,19 +93,30 @@ class StepPrograms:
         kv_caches: list[jax.Array],
         packed: jax.Array,
         prev_sampled: jax.Array,
+        mm_pool: jax.Array | None,
         layout: Any,
     ) -> tuple[list[jax.Array], Any, jax.Array]:
         """Model forward over the ragged batch: caches, last-token logits, hidden states.
 
         Input tokens the host did not know when it built the step (async scheduling: the
         previous step sampled them) are read from that step's sampled tokens on device.
+        A multimodal model's image placeholder tokens take their encoder embeddings from
+        the encoder cache's pool (`mm_rows`: each token's pool row, 0 for none).
         """
         inputs = unpack(packed, layout)
         src = inputs["prev_src"]
         input_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], inputs["input_ids"])
         model = nnx.merge(self.graphdef, state)
+        embeds = None
+        if mm_pool is not None:
+            rows = inputs["mm_rows"]
+            embeds = model.embed_input_ids(input_ids)
+            embeds = jnp.where((rows > 0)[:, None], mm_pool[rows].astype(embeds.dtype), embeds)
         with token_slots(inputs.get("lora_slots")):
-            hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"])
+            if embeds is None:
+                hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"])
+            else:
+                hidden, kv_caches = model(input_ids, kv_caches, inputs["attn"], embeds)
         if self.pooling:
             head = getattr(model, "pooler_head", None)  # a classifier's label logits
             hidden = hidden if head is None else head(hidden)
@@ -161,10 +172,12 @@ class StepPrograms:
         return jax.lax.with_sharding_constraint(tree, replicated(self.mesh))
 
     # ---- specs (what compilation lowers) -------------------------------------------------
-    def model_spec(self, state: Any, packed: Any, prev_sampled: Any, layout: Any) -> ProgramSpec:
+    def model_spec(
+        self, state: Any, packed: Any, prev_sampled: Any, mm_pool: Any, layout: Any
+    ) -> ProgramSpec:
         logits = None if self.pooling else (0, 0)  # all rows, and the few-rows sampler's
         out_tree = jax.tree_util.tree_structure((list(self.kv_spec), logits, 0))
-        args = (state, self.kv_spec, packed, prev_sampled)
+        args = (state, self.kv_spec, packed, prev_sampled, mm_pool)
         return ProgramSpec(self.model_fn, args, layout, out_tree, self.mesh)
 
     def sampler_spec(self, logits: Any, packed: Any, layout: Any) -> ProgramSpec:

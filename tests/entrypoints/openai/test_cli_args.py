@@ -90,3 +90,29 @@ def test_responses_store_flags_default_and_bounds(capsys):
         with pytest.raises(SystemExit):
             _parse(["m", *bad])
         assert "--responses-store-max-age > 0" in capsys.readouterr().err
+
+
+def test_image_flags_use_vllms_names():
+    from xlm.engine.arg_utils import EngineArgs
+
+    args = _parse(
+        [
+            "m",
+            "--limit-mm-per-prompt",
+            '{"image": 3}',
+            "--allowed-local-media-path",
+            "/srv/media",
+            "--allowed-media-domains",
+            "upload.wikimedia.org,images.example",
+            "--max-image-pixels",
+            "1000000",
+        ]
+    )
+    engine = EngineArgs.from_cli_args(args)
+    assert engine.limit_mm_per_prompt == {"image": 3}
+    assert engine.allowed_local_media_path == "/srv/media"
+    assert engine.allowed_media_domains == ["upload.wikimedia.org", "images.example"]
+    assert engine.max_image_pixels == 1_000_000
+    defaults = EngineArgs.from_cli_args(_parse(["m"]))
+    assert defaults.allowed_media_domains in (None, [])  # no remote host by default
+    assert defaults.allowed_local_media_path is None

@@ -34,6 +34,7 @@ from xlm.entrypoints.openai.serving_engine import (
 )
 from xlm.entrypoints.openai.tool_parsers import get_tool_parser
 from xlm.logger import init_logger
+from xlm.multimodal.chat import extract_images
 from xlm.reasoning import get_reasoning_parser
 from xlm.tokenizer import apply_chat_template
 
@@ -55,7 +56,9 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 param="messages",
             )
         content = message.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and any(_is_image(p) for p in content):
+            content = _image_content(content, i)
+        elif isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text":
@@ -80,6 +83,29 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             normalized["tool_calls"] = _template_tool_calls(message["tool_calls"], i)
         out.append(normalized)
     return out
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
+def _image_content(content: list[Any], i: int) -> list[dict[str, Any]]:
+    """Text and image parts as the chat template reads them (images already extracted:
+    xlm.multimodal.chat)."""
+    parts = []
+    for j, part in enumerate(content):
+        if _is_image(part):
+            parts.append({"type": "image"})
+        elif isinstance(part, dict) and part.get("type") == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise OpenAIError(
+                f"messages[{i}].content[{j}] of type {kind!r} is not supported: text and "
+                "image_url parts",
+                param="messages",
+            )
+    return parts
 
 
 def _template_tool_calls(tool_calls: Any, i: int) -> list[Any]:
@@ -128,11 +154,16 @@ class OpenAIServingChat:
         tool_parser = self.tool_parser if self.enable_auto_tool_choice else None
         return make_chat_output_parser(request, self.reasoning_parser, tool_parser)
 
-    def render(self, request: ChatCompletionRequest) -> list[int]:
-        """Token ids of the templated conversation."""
-        messages = normalize_messages(request.messages)
+    def render(self, request: ChatCompletionRequest) -> tuple[list[int], list[Any]]:
+        """Token ids of the templated conversation, and its images (loaded here: a
+        blocking call, off the event loop)."""
+        processor = self.ctx.engine.processor
+        messages, images = extract_images(
+            request.messages, processor.media_policy, processor.mm_processor is not None
+        )
+        messages = normalize_messages(messages)
         try:
-            return apply_chat_template(
+            ids = apply_chat_template(
                 self.ctx.engine.get_tokenizer(),
                 messages,
                 chat_template=request.chat_template or self.chat_template,
@@ -145,6 +176,7 @@ class OpenAIServingChat:
             raise
         except Exception as e:  # template errors are the request's
             raise OpenAIError(f"Could not apply the chat template: {e}", param="messages") from e
+        return ids, images
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -165,7 +197,7 @@ class OpenAIServingChat:
                 "and --tool-call-parser",
                 param="tool_choice",
             )
-        prompt_ids = await ctx.run_blocking(self.render, request)
+        prompt_ids, images = await ctx.run_blocking(self.render, request)
         if not prompt_ids:
             raise OpenAIError("the rendered chat prompt is empty", param="messages")
         request_id = f"chatcmpl-{request.request_id or random_uuid()}"
@@ -173,6 +205,7 @@ class OpenAIServingChat:
             request_id,
             prompt_ids,
             request.to_sampling_params(),
+            images=images,
             priority=request.priority,
             cache_salt=request.cache_salt,
             lora_request=lora,
@@ -182,13 +215,13 @@ class OpenAIServingChat:
             logger.info(
                 "Received request %s: %d prompt tokens, %s",
                 request_id,
-                len(prompt_ids),
+                len(core_request.prompt_token_ids),
                 core_request.sampling_params,
             )
         generator = ctx.engine.generate(core_request, None, request_id)
-        run = _ChatRun(
-            ctx, request, request_id, len(prompt_ids), generator, ctx.response_model(lora)
-        )
+        # Usage counts the prompt as the model sees it: image placeholders expanded.
+        num_prompt = len(core_request.prompt_token_ids)
+        run = _ChatRun(ctx, request, request_id, num_prompt, generator, ctx.response_model(lora))
         run.parsers = [self.output_parser(request) for _ in range(request.n)]
         if request.stream:
             return run.stream()

@@ -23,6 +23,7 @@ from xlm.entrypoints.openai.protocol import (
 )
 from xlm.logger import init_logger
 from xlm.lora.request import LoRARequest
+from xlm.multimodal.chat import with_images
 from xlm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -236,6 +237,7 @@ class ServingContext:
         prompt_ids: list[int],
         params: SamplingParams | None,
         text: str | None = None,
+        images: list[Any] | None = None,
         **kwargs: Any,
     ) -> EngineCoreRequest:
         """The engine request of one prompt; 400 for a prompt or parameters the model cannot
@@ -253,7 +255,7 @@ class ServingContext:
                 param="prompt",
                 code="context_length_exceeded",
             )
-        prompt = engine_prompt(prompt_ids, text)
+        prompt = with_images(engine_prompt(prompt_ids, text), images or [])
         return self.engine.processor.process_inputs(request_id, prompt, params, **kwargs)
 
 

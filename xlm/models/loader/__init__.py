@@ -79,7 +79,24 @@ def load_hf_config(model: str, load_format: str = "auto") -> Any:
         raise FileNotFoundError(f"No config.json in model directory {model!r}")
     import transformers
 
-    return transformers.AutoConfig.from_pretrained(model)
+    return expose_text_config(transformers.AutoConfig.from_pretrained(model))
+
+
+def expose_text_config(config: Any) -> Any:
+    """A vision-language config (text_config + vision_config) answers its language
+    model's attributes (vocab_size, hidden_size, num_hidden_layers, ...) itself, so the
+    engine reads it as any decoder's; the model reads the parts."""
+    text = getattr(config, "text_config", None)
+    if text is None or getattr(config, "vision_config", None) is None:
+        return config
+    for key, value in text.to_dict().items():
+        if key.startswith("_") or key in ("architectures", "model_type"):
+            continue
+        try:
+            getattr(config, key)
+        except AttributeError:
+            setattr(config, key, value)
+    return config
 
 
 def resolve_dtype(dtype: str, hf_config: Any) -> Any:

@@ -1,0 +1,187 @@
+"""Each family's multimodal processor: images -> pixel arrays, and the prompt's image
+placeholder expanded to the tokens the encoder's embeddings replace.
+
+Preprocessing follows the checkpoint's own preprocessor_config.json with numpy and
+Pillow (no torch): resize the shortest edge, center crop, rescale, normalize. A family
+plugs in with a MultiModalProcessor subclass (how many tokens an image becomes, where its
+placeholders go) registered by the config's model_type in PROCESSORS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from xlm.engine.exceptions import RequestValidationError
+from xlm.multimodal.image import MediaPolicy, check_image
+from xlm.multimodal.inputs import MultiModalFeature
+
+_RESAMPLE_DEFAULT = 3  # PIL bicubic, CLIP's
+
+
+def _edge(size: Any, *keys: str) -> int | None:
+    if isinstance(size, int):
+        return size
+    for key in keys:
+        if isinstance(size, dict) and size.get(key):
+            return int(size[key])
+    return None
+
+
+class CLIPImagePreprocessor:
+    """CLIP-style preprocessing from a preprocessor_config.json dict."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.do_resize = config.get("do_resize", True)
+        size = config.get("size", {"shortest_edge": 224})
+        self.shortest_edge = _edge(size, "shortest_edge")
+        self.resize_hw = None
+        if self.shortest_edge is None:
+            self.resize_hw = (int(size["height"]), int(size["width"]))
+        self.resample = int(config.get("resample", _RESAMPLE_DEFAULT))
+        self.do_center_crop = config.get("do_center_crop", True)
+        crop = config.get("crop_size", {"height": 224, "width": 224})
+        crop_edge = _edge(crop, "height")
+        self.crop_hw = (crop_edge, _edge(crop, "width") or crop_edge)
+        self.do_rescale = config.get("do_rescale", True)
+        self.rescale_factor = float(config.get("rescale_factor", 1 / 255))
+        self.do_normalize = config.get("do_normalize", True)
+        self.mean = np.asarray(config.get("image_mean", [0.5, 0.5, 0.5]), np.float32)
+        self.std = np.asarray(config.get("image_std", [0.5, 0.5, 0.5]), np.float32)
+
+    def __call__(self, image: Any) -> np.ndarray:
+        """An RGB PIL image -> float32 pixels [3, H, W]."""
+        if self.do_resize:
+            width, height = image.size
+            if self.shortest_edge is not None:
+                short, long = min(width, height), max(width, height)
+                new_short, new_long = self.shortest_edge, int(self.shortest_edge * long / short)
+                new_h, new_w = (new_short, new_long) if height <= width else (new_long, new_short)
+            else:
+                new_h, new_w = self.resize_hw
+            image = image.resize((new_w, new_h), resample=self.resample)
+        pixels = np.asarray(image, dtype=np.float32)  # [H, W, 3]
+        if self.do_center_crop:
+            crop_h, crop_w = self.crop_hw
+            height, width = pixels.shape[:2]
+            if height < crop_h or width < crop_w:  # zeros around it, the odd one before
+                pad_h, pad_w = max(crop_h - height, 0), max(crop_w - width, 0)
+                pixels = np.pad(
+                    pixels,
+                    ((pad_h - pad_h // 2, pad_h // 2), (pad_w - pad_w // 2, pad_w // 2), (0, 0)),
+                )
+                height, width = pixels.shape[:2]
+            top, left = (height - crop_h) // 2, (width - crop_w) // 2
+            pixels = pixels[top : top + crop_h, left : left + crop_w]
+        if self.do_rescale:
+            pixels = pixels * np.float32(self.rescale_factor)
+        if self.do_normalize:
+            pixels = (pixels - self.mean) / self.std
+        return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
+
+
+def read_preprocessor_config(model_dir: str) -> dict[str, Any]:
+    """The checkpoint's preprocessor_config.json (an empty dict when it has none)."""
+    path = os.path.join(model_dir, "preprocessor_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def content_hash(modality: str, pixels: np.ndarray) -> str:
+    """The encoder cache's key: sha256 over the modality, shape, dtype and pixel bytes."""
+    h = hashlib.sha256(f"{modality}:{pixels.shape}:{pixels.dtype}:".encode())
+    h.update(np.ascontiguousarray(pixels).tobytes())
+    return h.hexdigest()
+
+
+class MultiModalProcessor:
+    """A family's processor: its placeholder token, tokens per image, and the pixels."""
+
+    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
+        self.hf_config = hf_config
+        self.policy = policy
+        self.placeholder_token_id = int(
+            getattr(hf_config, "image_token_index", None)
+            or getattr(hf_config, "image_token_id", None)
+        )
+
+    def pixels(self, image: Any) -> np.ndarray:
+        """An RGB PIL image -> the encoder's input pixels."""
+        raise NotImplementedError
+
+    def num_image_tokens(self, pixels: np.ndarray) -> int:
+        """How many placeholder tokens (and encoder embeddings) an image becomes."""
+        raise NotImplementedError
+
+    def process(
+        self, token_ids: list[int], images: list[Any]
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """Expand each image placeholder of the prompt into its image's tokens; one
+        feature per image, in prompt order. The prompt must hold one placeholder per image."""
+        marks = [i for i, t in enumerate(token_ids) if t == self.placeholder_token_id]
+        if len(marks) != len(images):
+            raise RequestValidationError(
+                f"The prompt has {len(marks)} image placeholders (token id "
+                f"{self.placeholder_token_id}) for {len(images)} images: give one placeholder "
+                "per image",
+                "multi_modal_data",
+            )
+        out: list[int] = []
+        features = []
+        prev = 0
+        for i, (mark, image) in enumerate(zip(marks, images, strict=True)):
+            pixels = self.pixels(check_image(image, self.policy, f"image[{i}]"))
+            n = self.num_image_tokens(pixels)
+            out.extend(token_ids[prev:mark])
+            features.append(
+                MultiModalFeature("image", content_hash("image", pixels), len(out), n, pixels)
+            )
+            out.extend([self.placeholder_token_id] * n)
+            prev = mark + 1
+        out.extend(token_ids[prev:])
+        return out, features
+
+
+class LlavaProcessor(MultiModalProcessor):
+    """LLaVA-1.5: CLIP preprocessing; (image_size / patch_size)^2 tokens an image (plus
+    the class token with vision_feature_select_strategy 'full')."""
+
+    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
+        super().__init__(hf_config, model_dir, policy)
+        self.preprocess = CLIPImagePreprocessor(read_preprocessor_config(model_dir))
+        vision = hf_config.vision_config
+        self.image_size, self.patch_size = vision.image_size, vision.patch_size
+        full = getattr(hf_config, "vision_feature_select_strategy", "default") == "full"
+        self.tokens = (self.image_size // self.patch_size) ** 2 + int(full)
+
+    def pixels(self, image: Any) -> np.ndarray:
+        pixels = self.preprocess(image)
+        if pixels.shape[1:] != (self.image_size, self.image_size):
+            raise ValueError(
+                f"preprocessor_config.json makes {pixels.shape[1:]} images, but the vision "
+                f"tower takes {self.image_size}x{self.image_size}"
+            )
+        return pixels
+
+    def num_image_tokens(self, pixels: np.ndarray) -> int:
+        return self.tokens
+
+
+# model_type -> processor class: a family's entry makes its checkpoints accept images.
+PROCESSORS: dict[str, type[MultiModalProcessor]] = {"llava": LlavaProcessor}
+
+
+def get_mm_processor(
+    hf_config: Any, model_dir: str, policy: MediaPolicy | None = None
+) -> MultiModalProcessor | None:
+    """The processor of a multimodal checkpoint; None for a text-only one."""
+    cls = PROCESSORS.get(getattr(hf_config, "model_type", None))
+    if cls is None:
+        return None
+    return cls(hf_config, model_dir, policy or MediaPolicy())
