@@ -133,9 +133,13 @@ class _EngineProcess:
         took over 5 s on a loaded 2-core machine and ended a clean stop with SIGTERM."""
         self.closing = True
         if self.proc.is_alive():
+            # Blocking for up to `timeout`: right after READY the engine's end of the input
+            # socket may still be connecting, and a non-blocking send found no peer, dropped
+            # SHUTDOWN and left the process running until SIGTERM (`grace` seconds later).
             try:
+                self.input_socket.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
                 self.input_socket.send_multipart(
-                    [RequestType.SHUTDOWN, *MsgpackEncoder().encode(None)], flags=zmq.NOBLOCK
+                    [RequestType.SHUTDOWN, *MsgpackEncoder().encode(None)]
                 )
             except zmq.ZMQError:
                 pass
