@@ -135,6 +135,30 @@ class KVCacheManager:
             return [], 0
         return tuple(found), k * bs
 
+    def find_host_blocks(self, request: Request, num_hit_tokens: int) -> list[int]:
+        """Host KV tier slots of the blocks right after a device hit of num_hit_tokens
+        (xlm.core.host_kv_tier); [] without a tier. Never the last token's block."""
+        tier = self.block_pool.host_tier
+        if tier is None or not self.enable_caching or request.skip_prefix_cache:
+            return []
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        start = num_hit_tokens // bs
+        if start >= max_blocks:
+            return []
+        return tier.find(update_block_hashes(request, bs, max_blocks), start, max_blocks)
+
+    def load_host_blocks(
+        self, request: Request, num_hit_tokens: int, slots: list[int], new_block_ids: BlockIds
+    ) -> None:
+        """Have this step copy the host hits into the first new blocks allocated for them
+        (allocate_slots counted them as new tokens; they are computed by the copy)."""
+        tier = self.block_pool.host_tier
+        start = num_hit_tokens // self.block_size
+        keys = request.block_hashes[start : start + len(slots)]
+        tier.load(keys, slots, list(new_block_ids[: len(slots)]))
+        tier.num_hit_tokens += len(slots) * self.block_size
+
     def allocate_slots(
         self,
         request: Request,
