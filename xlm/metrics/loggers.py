@@ -19,6 +19,18 @@ class StatLoggerBase:
     def record(self, scheduler_stats: Any | None, iteration_stats: IterationStats | None) -> None:
         """Account one step."""
 
+    def _record_host_kv(self, s: Any) -> None:
+        """The host KV tier's usage and cumulative hits and bytes (zeros without a tier)."""
+        self.host_kv_cache_usage.set(getattr(s, "host_kv_cache_usage", 0.0))
+        counters = (
+            self.host_kv_cache_hits,
+            self.host_kv_bytes_to_host,
+            self.host_kv_bytes_to_device,
+        )
+        names = ("host_kv_cache_hits", "host_kv_bytes_to_host", "host_kv_bytes_to_device")
+        for i, (c, name) in enumerate(zip(counters, names)):
+            self._last_host[i] = _inc(c, getattr(s, name, 0), self._last_host[i])
+
     def record_aborted(self, count: int = 1) -> None:
         """Account requests aborted by the front end (client gone, deadline)."""
 
@@ -153,6 +165,18 @@ class PrometheusStatLogger(StatLoggerBase):
             "xlm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self.num_preemptions = counter("xlm:num_preemptions", "Cumulative preemptions.")
+        self.host_kv_cache_usage = gauge(
+            "xlm:host_kv_cache_usage_perc", "Host KV tier usage (1 = every slot holds a block)."
+        )
+        self.host_kv_cache_hits = counter(
+            "xlm:host_kv_cache_hits", "Prompt tokens loaded from the host KV tier, not computed."
+        )
+        self.host_kv_bytes_to_host = counter(
+            "xlm:host_kv_bytes_to_host", "Bytes of KV blocks copied from the device to the host."
+        )
+        self.host_kv_bytes_to_device = counter(
+            "xlm:host_kv_bytes_to_device", "Bytes of KV blocks copied from the host to the device."
+        )
         self.spec_num_drafts = counter(
             "xlm:spec_decode_num_drafts", "Speculative decoding: requests' proposals verified."
         )
@@ -198,6 +222,7 @@ class PrometheusStatLogger(StatLoggerBase):
             "xlm:request_queue_time_seconds", "Time requests spent waiting.", _LATENCY_BUCKETS
         )
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_host = [0, 0, 0]
         self._last_spec = [0, 0, 0]
 
     def record(self, scheduler_stats: Any | None, iteration_stats: IterationStats | None) -> None:
@@ -216,6 +241,7 @@ class PrometheusStatLogger(StatLoggerBase):
             self._last_preemptions = _inc(
                 self.num_preemptions, s.num_preemptions, self._last_preemptions
             )
+            self._record_host_kv(s)
             if s.spec_num_drafts:
                 spec = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
                 counters = (
@@ -249,6 +275,18 @@ class PrometheusStatLogger(StatLoggerBase):
                 self.tpot.observe(fin.mean_time_per_output_token)
             if fin.queue_time is not None:
                 self.queue_time.observe(fin.queue_time)
+
+    def _record_host_kv(self, s: Any) -> None:
+        """The host KV tier's usage and cumulative hits and bytes (zeros without a tier)."""
+        self.host_kv_cache_usage.set(getattr(s, "host_kv_cache_usage", 0.0))
+        counters = (
+            self.host_kv_cache_hits,
+            self.host_kv_bytes_to_host,
+            self.host_kv_bytes_to_device,
+        )
+        names = ("host_kv_cache_hits", "host_kv_bytes_to_host", "host_kv_bytes_to_device")
+        for i, (c, name) in enumerate(zip(counters, names)):
+            self._last_host[i] = _inc(c, getattr(s, name, 0), self._last_host[i])
 
     def record_aborted(self, count: int = 1) -> None:
         """Count requests the front end aborted (disconnects, shutdown)."""
