@@ -32,8 +32,8 @@ def long_prefix_prompts() -> list[dict]:
 
 
 def run_two_passes(path: str, **engine) -> dict:
-    """Both passes' (the second in reverse order) tokens and logprobs, the second's cached tokens and scheduled tokens, and
-    the tier's counters (JSON-able: the TP run returns it from a subprocess)."""
+    """Both passes' (the second in reverse order) tokens, logprobs, cached and scheduled
+    tokens, and the tier's counters (JSON-able: the TP run returns it from a subprocess)."""
     import xlm
 
     llm = xlm.LLM(model=path, **dict(TINY_ENGINE, **engine))
