@@ -58,6 +58,18 @@ def test_a_slot_loaded_this_step_is_not_reused_by_its_saves():
     assert tier.find(["a"], 0, 1) == [0]
 
 
+def test_a_slot_found_this_step_is_not_reused_before_it_is_loaded():
+    """The allocation between find and load evicts device blocks: their saves must not
+    take the slots just found."""
+    tier = HostKVTier(num_slots=1, block_bytes=1)
+    tier.save("a", 1)
+    tier.take_transfers()
+    slots = tier.find(["a"], 0, 1)
+    tier.save("b", 3)
+    tier.load(["a"], slots, [2])
+    assert tier.take_transfers().save_slots == []
+
+
 def test_a_block_computed_this_step_is_not_saved():
     tier = HostKVTier(num_slots=2, block_bytes=1)
     tier.note_computed_this_step(7)
@@ -134,7 +146,7 @@ def test_random_mixes_with_a_host_tier_read_only_right_kv():
     rng = random.Random(3)
     shared = [rng.randrange(1000) for _ in range(24)]
     loaded = 0
-    for trial in range(4):
+    for trial in range(10):
         sched = make_sched(num_blocks=24, host_blocks=rng.choice([4, 16, 64]), budget=16)
         runner = FakeModelRunner(24, BS)
         prompts = []

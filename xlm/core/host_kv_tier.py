@@ -93,7 +93,11 @@ class HostKVTier:
         return None
 
     def find(self, keys: Sequence[Hashable], start: int, stop: int) -> list[int]:
-        """Slots of the run of loadable blocks keys[start:stop] from start (may be empty)."""
+        """Slots of the run of loadable blocks keys[start:stop] from start (may be empty).
+
+        They stay pinned for the rest of the step: the allocation that follows may evict
+        device blocks, whose saves must not take these slots before `load` reads them.
+        """
         slots = []
         get = self._slots.get
         for i in range(start, stop):
@@ -102,13 +106,13 @@ class HostKVTier:
             if slot is None or key in self._unready:
                 break
             slots.append(slot)
+        self._pinned.update(slots)
         return slots
 
     def load(self, keys: Sequence[Hashable], slots: list[int], block_ids: list[int]) -> None:
         """Copy host slots into newly allocated device blocks in this step (hits counted)."""
-        for key, slot in zip(keys, slots):
+        for key in keys:
             self._slots.move_to_end(key)
-            self._pinned.add(slot)
         self._step.load_slots.extend(slots)
         self._step.load_block_ids.extend(block_ids)
         self.num_loaded_blocks += len(slots)

@@ -8,9 +8,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
-from xlm.core.host_kv_tier import HostKVTier
 from xlm.core.kv_cache_manager import KVCacheManager
-from xlm.core.kv_events import KVCacheEvent, KVEventRecorder
+from xlm.core.kv_events import KVCacheEvent
 from xlm.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -72,17 +71,12 @@ class Scheduler:
             sliding_window=cache_config.sliding_window,
             kv_cache_groups=cache_config.kv_cache_groups,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            num_host_blocks=cache_config.num_host_blocks,
+            host_block_bytes=cache_config.host_block_bytes,
+            kv_events=kv_events,
         )
-        pool = self.kv_cache_manager.block_pool
-        # The host KV tier under the prefix cache (the worker sized it; one group only).
-        self.host_kv_tier: HostKVTier | None = None
-        if cache_config.num_host_blocks > 0:
-            self.host_kv_tier = HostKVTier(
-                cache_config.num_host_blocks, cache_config.host_block_bytes
-            )
-            pool.host_tier = self.host_kv_tier
-        if kv_events:
-            pool.kv_events = KVEventRecorder()
+        # The host KV tier under the prefix cache (None: off).
+        self.host_kv_tier = self.kv_cache_manager.block_pool.host_tier
         pool_tokens = self.kv_cache_manager.max_request_tokens
         # A request may grow only as long as the whole pool holds; past that it could only
         # preempt itself forever, so it is finished as length-capped there instead.
@@ -545,8 +539,7 @@ class Scheduler:
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The prefix cache's block events since the last call ([] when not recorded)."""
-        events = self.kv_cache_manager.block_pool.kv_events
-        return [] if events is None else events.take()
+        return self.kv_cache_manager.take_events()
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot for metrics."""
