@@ -215,6 +215,27 @@ def _sizes(worker: Worker) -> dict[str, int]:
     }
 
 
+def host_kv_tier_plan(worker: Worker, target: CompileTarget) -> dict[str, Any] | None:
+    """The host KV tier each host keeps (kv_offloading_size GiB of host memory, not HBM):
+    its hosts' shards of a block and how many blocks fit; None when off."""
+    config = worker.config
+    size = config.cache_config.kv_offloading_size
+    if size <= 0:
+        return None
+    block_size = config.cache_config.block_size
+    tp = config.parallel_config.tensor_parallel_size
+    full = kv_cache_bytes_per_block(worker.model, block_size, worker.kv_dtype)
+    # A host keeps one copy of each distinct shard its chips hold.
+    block_bytes = full * min(target.devices_per_host, tp) // tp
+    blocks = int(size * (1 << 30) // block_bytes)
+    return {
+        "size_gib": size,
+        "block_bytes_per_host": block_bytes,
+        "blocks": blocks,
+        "tokens": blocks * block_size,
+    }
+
+
 def _header(config: XlmConfig, target: CompileTarget) -> dict[str, Any]:
     """What was planned: the slice, its chip's figures and the engine's step shapes."""
     sched = config.scheduler_config
@@ -425,6 +446,7 @@ def _plan_one(
     report["dtype"] = jnp.dtype(worker.kv_dtype).name
     report["block_size"] = config.cache_config.block_size
     report["num_programs"] = len(worker.model_runner.program_specs())
+    report["host_kv_tier"] = host_kv_tier_plan(worker, target)
     if auto_kv:
         worker, programs, refused, grown = _compile_sized(config, worker, budget, every)
     else:

@@ -99,6 +99,8 @@ class FakeModelRunner:
         self.spec_k = spec_k
         self.rng = random.Random(seed)
         self.num_accepted = 0
+        # The host KV tier's memory: slot -> a block's K/V (xlm.core.host_kv_tier).
+        self.host: dict[int, list[object]] = {}
 
     def _groups(self, block_ids) -> list[list[int]]:
         """Block ids from the scheduler as one list per group."""
@@ -126,6 +128,16 @@ class FakeModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step."""
         bs = self.block_size
+        transfers = so.kv_transfers
+        if transfers is not None:
+            # As the worker does: saves read the blocks before this step writes them, then
+            # loads fill their blocks; every read below checks what a load brought in.
+            for block_id, slot in zip(transfers.save_block_ids, transfers.save_slots):
+                assert block_id != 0, "the null block is never saved"
+                self.host[slot] = list(self.kv[block_id])
+            for slot, block_id in zip(transfers.load_slots, transfers.load_block_ids):
+                assert block_id != 0, "nothing is loaded into the null block"
+                self.kv[block_id] = list(self.host[slot])
         for rid in so.finished_req_ids:
             self.reqs.pop(rid, None)
         for rid in so.preempted_req_ids:

@@ -376,3 +376,63 @@ def test_run_batch_with_adapters_over_two_processes_equals_tp1(pods, model, tmp_
     results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     for i in range(len(PROMPTS)):
         assert results[f"r{i}"]["response"]["body"]["choices"][0]["text"] == expected[i], i
+
+
+HOST_TIER_LEADER = """
+import json, sys, xlm
+model, coordinator, out = sys.argv[1:4]
+engine = json.loads(sys.argv[4])
+llm = xlm.LLM(model=model, tensor_parallel_size=4, distributed_executor_backend="multihost",
+              coordinator_address=coordinator, num_processes=2, process_id=0,
+              kv_offloading_size=0.001, **engine)
+params = xlm.SamplingParams(temperature=0.0, max_tokens=int(sys.argv[5]))
+passes = [[o.outputs[0].text for o in llm.generate(sys.argv[6:], params, use_tqdm=False)]
+          for _ in range(2)]
+stats = llm.get_stats()
+json.dump({"passes": passes, "host_hits": stats.host_kv_cache_hits,
+           "bytes_to_device": stats.host_kv_bytes_to_device}, open(out, "w"))
+"""
+
+
+@pytest.mark.slow
+def test_host_kv_tier_over_two_processes_equals_tp1(model, tmp_path):
+    """The host tier's copies ride in the broadcast step: both processes save and load
+    their own shards, and a second pass served from the host gives TP=1's text."""
+    engine = dict(ENGINE, num_gpu_blocks_override=17)  # one max_model_len request + null
+    # Four times each prompt: 16 tokens, three full blocks a hit can serve.
+    prompts = [" ".join([p] * 4) for p in PROMPTS]
+    params = xlm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    reference = xlm.LLM(model=model, **ENGINE).generate(prompts, params, use_tqdm=False)
+    want = [o.outputs[0].text for o in reference]
+    coordinator = f"127.0.0.1:{free_ports(3)}"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env.update(JAX_PLATFORMS="cpu", XLM_DISABLE_PROGRESS_BARS="1", XLM_LOGGING_LEVEL="INFO")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = tmp_path / "leader.json"
+    follower_cmd = [sys.executable, "-m", "xlm.entrypoints.cli", "generate", "--model", model]
+    follower_cmd += ["x", *cli_flags(engine), "--kv-offloading-size=0.001", "-tp=4"]
+    follower_cmd += ["--distributed-executor-backend=multihost", "--num-processes=2"]
+    follower_cmd += [f"--coordinator-address={coordinator}", "--process-id=1"]
+    leader_cmd = [sys.executable, "-c", HOST_TIER_LEADER, model, coordinator, str(out)]
+    leader_cmd += [json.dumps(engine), str(MAX_TOKENS), *prompts]
+    logs = [tmp_path / "leader.log", tmp_path / "follower.log"]
+    procs = []
+    try:
+        for cmd, log in zip((follower_cmd, leader_cmd), logs[::-1]):
+            procs.append(
+                subprocess.Popen(
+                    cmd, stderr=log.open("w"), stdout=subprocess.DEVNULL, env=env, cwd=ROOT
+                )
+            )
+        follower, leader = procs
+        assert leader.wait(900) == 0, logs[0].read_text()[-4000:]
+        assert follower.wait(60) == 0, logs[1].read_text()[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    run = json.loads(out.read_text())
+    assert run["passes"] == [want, want]
+    assert run["host_hits"] > 0 and run["bytes_to_device"] > 0
+    assert "Host KV tier" in logs[1].read_text()  # the follower sized its own

@@ -58,7 +58,17 @@ def llama_weight_bytes_per_chip(c: dict, tp: int) -> int:
 
 def test_tiny_llama_fits_v5e_2x2_at_tp4_field_by_field(tmp_path, capsys):
     model = config_dir(tmp_path, "llama", "LlamaForCausalLM")
-    code, r, _ = run_plan(capsys, model, "--target-topology", "v5e:2x2", "-tp", "4", *ENGINE)
+    code, r, _ = run_plan(
+        capsys,
+        model,
+        "--target-topology",
+        "v5e:2x2",
+        "-tp",
+        "4",
+        "--kv-offloading-size",
+        "1",
+        *ENGINE,
+    )
     assert code == 0 and r["fits"] is True
     assert (r["topology"], r["chips"], r["hosts"], r["chips_per_host"]) == ("v5e:2x2", 4, 1, 4)
     assert r["device_kind"] == "TPU v5 lite" and r["dtype"] == "bfloat16"
@@ -90,6 +100,11 @@ def test_tiny_llama_fits_v5e_2x2_at_tp4_field_by_field(tmp_path, capsys):
     # The roofline adds the KV the kernel reads: 16 requests at the longest context.
     assert est["batch_max"]["context_tokens"] == 512
     assert est["batch_max"]["kv_read_bytes"] == 16 * 512 * block_bytes // block
+    # The host KV tier: the one host keeps the four chips' shards of each block.
+    host = r["host_kv_tier"]
+    assert host["block_bytes_per_host"] == 4 * block_bytes
+    assert host["blocks"] == (1 << 30) // (4 * block_bytes)
+    assert host["tokens"] == host["blocks"] * block
 
 
 def test_tiny_qwen3_moe_on_v5e_2x2_has_the_kernel_in_its_programs(tmp_path, capsys):

@@ -42,6 +42,23 @@ def test_prometheus_logger_counts_deltas_and_histograms():
     assert 'xlm:request_queue_time_seconds_count{engine="0",model_name="m"} 2.0' in text
 
 
+def test_prometheus_logger_counts_the_host_kv_tier():
+    logger = PrometheusStatLogger("m")
+    stats = SchedulerStats(
+        host_kv_cache_usage=0.25,
+        host_kv_cache_hits=64,
+        host_kv_bytes_to_host=4096,
+        host_kv_bytes_to_device=1024,
+    )
+    logger.record(stats, None)
+    logger.record(SchedulerStats(host_kv_cache_hits=96, host_kv_bytes_to_host=4096), None)
+    text = generate_latest(logger.registry).decode()
+    assert 'xlm:host_kv_cache_usage_perc{model_name="m"} 0.0' in text
+    assert 'xlm:host_kv_cache_hits_total{model_name="m"} 96.0' in text
+    assert 'xlm:host_kv_bytes_to_host_total{model_name="m"} 4096.0' in text
+    assert 'xlm:host_kv_bytes_to_device_total{model_name="m"} 1024.0' in text
+
+
 def test_logging_stat_logger_logs_one_line(caplog):
     logger = LoggingStatLogger()
     tracker = RequestStatsTracker()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from xlm.config.checks import _positive_int, _require
+from xlm.config.kv_events import KVEventsConfig
 from xlm.config.speculative import SPECULATIVE_METHODS as SPECULATIVE_METHODS
 from xlm.config.speculative import SpeculativeConfig
 
@@ -178,9 +179,22 @@ class CacheConfig:
     # Set by the worker from the model when its layers use several windows: one KV cache
     # group (xlm.core.kv_cache_groups.KVCacheGroupSpec) per window, each its own block table.
     kv_cache_groups: list[Any] | None = None
+    # Host KV tier (vLLM's kv_offloading_size): GiB of host memory per process that keeps
+    # full blocks evicted from the device pool (xlm.core.host_kv_tier); 0: off.
+    kv_offloading_size: float = 0.0
+    # Set by the worker: the host tier's slots (blocks) and bytes per block (per process).
+    num_host_blocks: int = 0
+    host_block_bytes: int = 0
 
     def __post_init__(self) -> None:
         owner = "CacheConfig"
+        _require(
+            isinstance(self.kv_offloading_size, (int, float)) and self.kv_offloading_size >= 0,
+            owner,
+            "kv_offloading_size",
+            self.kv_offloading_size,
+            "a number of GiB >= 0 (0: no host KV tier)",
+        )
         _positive_int(owner, "block_size", self.block_size)
         _require(
             self.block_size & (self.block_size - 1) == 0,
@@ -500,6 +514,8 @@ class XlmConfig:
     speculative_config: SpeculativeConfig | None = None
     # None: LoRA adapters off (requests naming one are refused).
     lora_config: LoRAConfig | None = None
+    # None: no KV cache events published.
+    kv_events_config: KVEventsConfig | None = None
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """Fix the context length everywhere once the model's limit is known."""

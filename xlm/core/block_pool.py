@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from xlm.core.kv_cache_utils import BlockHash
+
+if TYPE_CHECKING:
+    from xlm.core.host_kv_tier import HostKVTier
+    from xlm.core.kv_events import KVEventRecorder
 
 
 @dataclass(slots=True, eq=False)
@@ -97,6 +102,10 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         # One block per hash: a second block computing the same content stays unregistered.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Optional listeners: the host KV tier saves what is evicted; the KV event
+        # recorder publishes what is stored and removed (both set by the scheduler).
+        self.host_tier: HostKVTier | None = None
+        self.kv_events: KVEventRecorder | None = None
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (cached or not): what an allocation may take."""
@@ -115,6 +124,7 @@ class BlockPool:
             )
         popleft = self.free_block_queue.popleft
         cached = self.cached_block_hash_to_block
+        host_tier, events = self.host_tier, self.kv_events
         out = []
         for _ in range(num_blocks):
             block = popleft()
@@ -122,6 +132,10 @@ class BlockPool:
                 # Lazy eviction: the content stays findable until the block is reused.
                 if cached.get(block.block_hash) is block:
                     del cached[block.block_hash]
+                    if host_tier is not None:
+                        host_tier.save(block.block_hash, block.block_id)
+                    if events is not None:
+                        events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -157,11 +171,16 @@ class BlockPool:
         block_hashes: list[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        request: Any = None,
+        block_size: int = 0,
     ) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] under their content hashes."""
+        """Register blocks[num_cached_blocks:num_full_blocks] under their content hashes
+        (`request`, `block_size`: for the KV events of the blocks stored)."""
         if not self.enable_caching:
             return
         cached = self.cached_block_hash_to_block
+        host_tier, events = self.host_tier, self.kv_events
+        stored = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None:
@@ -171,6 +190,12 @@ class BlockPool:
                 continue  # the same content computed twice; the first copy stays the one
             block.block_hash = block_hash
             cached[block_hash] = block
+            if host_tier is not None:
+                host_tier.note_computed_this_step(block.block_id)
+            if events is not None:
+                stored.append(i)
+        if stored and request is not None:
+            events.stored(block_hashes, stored, request, block_size)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
@@ -179,4 +204,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True

@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from xlm.core.block_pool import BlockPool, KVCacheBlock
+from xlm.core.host_kv_tier import HostKVTier
 from xlm.core.kv_cache_groups import KVCacheGroupSpec, blocks_for_request
 from xlm.core.kv_cache_utils import update_block_hashes
+from xlm.core.kv_events import KVCacheEvent, KVEventRecorder
 from xlm.core.request import Request
 from xlm.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, num_evictable
 
@@ -34,8 +36,13 @@ class KVCacheManager:
         sliding_window: int | None = None,
         kv_cache_groups: list[KVCacheGroupSpec] | None = None,
         max_num_batched_tokens: int | None = None,
+        num_host_blocks: int = 0,
+        host_block_bytes: int = 0,
+        kv_events: bool = False,
     ) -> None:
-        """`sliding_window`: every layer's window when kv_cache_groups is None (one group)."""
+        """`sliding_window`: every layer's window when kv_cache_groups is None (one group);
+        `num_host_blocks` of `host_block_bytes`: the host KV tier (0: off); `kv_events`:
+        record the block events (take_events)."""
         if not kv_cache_groups:
             kv_cache_groups = [KVCacheGroupSpec(sliding_window, ())]
         self.specs = list(kv_cache_groups)
@@ -45,6 +52,10 @@ class KVCacheManager:
         # The most tokens one step computes for a request (bounds a window's blocks).
         self.max_step_tokens = max_num_batched_tokens or max_model_len
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        if num_host_blocks > 0:
+            self.block_pool.host_tier = HostKVTier(num_host_blocks, host_block_bytes)
+        if kv_events:
+            self.block_pool.kv_events = KVEventRecorder()
         one = len(self.specs) == 1
         # One group's cached blocks are keyed by hash alone; several groups' by (group, hash).
         self.groups = [
@@ -135,6 +146,33 @@ class KVCacheManager:
             return [], 0
         return tuple(found), k * bs
 
+    def find_host_blocks(self, request: Request, num_hit_tokens: int) -> list[int]:
+        """Host KV tier slots of the blocks right after a device hit of num_hit_tokens
+        (xlm.core.host_kv_tier); [] without a tier. Never the last token's block; one KV
+        cache group only (the worker sizes no tier for several)."""
+        tier = self.block_pool.host_tier
+        if tier is None or not self.enable_caching or request.skip_prefix_cache:
+            return []
+        if len(self.groups) != 1:
+            return []
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        start = num_hit_tokens // bs
+        if start >= max_blocks:
+            return []
+        return tier.find(update_block_hashes(request, bs, max_blocks), start, max_blocks)
+
+    def load_host_blocks(
+        self, request: Request, num_hit_tokens: int, slots: list[int], new_block_ids: BlockIds
+    ) -> None:
+        """Have this step copy the host hits into the first new blocks allocated for them
+        (allocate_slots counted them as new tokens; they are computed by the copy)."""
+        tier = self.block_pool.host_tier
+        start = num_hit_tokens // self.block_size
+        keys = request.block_hashes[start : start + len(slots)]
+        tier.load(keys, slots, list(new_block_ids[: len(slots)]))
+        tier.num_hit_tokens += len(slots) * self.block_size
+
     def allocate_slots(
         self,
         request: Request,
@@ -208,6 +246,11 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> BlockIds:
         """The request's block table (one per group for several groups)."""
         return self._block_ids([g.get_block_ids(request_id) for g in self.groups])
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The block events recorded since the last call ([] when not recorded)."""
+        events = self.block_pool.kv_events
+        return [] if events is None else events.take()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash; False (nothing done) while any block is in use."""

@@ -69,6 +69,9 @@ class SchedulerOutput:
     # Speculative decoding: the proposed tokens scheduled after each request's last token
     # (counted in num_scheduled_tokens); requests without proposals are absent.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Host KV tier (xlm.core.host_kv_tier.HostKVTransfers): the block copies the workers do
+    # before this step's forward; None: none.
+    kv_transfers: Any = None
 
 
 @dataclass
@@ -154,6 +157,12 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Host KV tier (0 without one): fraction of its slots in use, prompt tokens loaded
+    # from it instead of computed, and bytes copied each way (cumulative).
+    host_kv_cache_usage: float = 0.0
+    host_kv_cache_hits: int = 0
+    host_kv_bytes_to_host: int = 0
+    host_kv_bytes_to_device: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -9,6 +9,7 @@ from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
 from xlm.core.kv_cache_manager import KVCacheManager
+from xlm.core.kv_events import KVCacheEvent
 from xlm.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -45,9 +46,11 @@ class Scheduler:
         num_blocks: int,
         structured_output_manager: Any = None,
         max_loras: int | None = None,
+        kv_events: bool = False,
     ) -> None:
         """`max_loras`: LoRA on, at most this many adapters among running requests (the
-        device's slots); None: LoRA off."""
+        device's slots); None: LoRA off. `kv_events`: record the prefix cache's block
+        events (take_kv_events)."""
         self.scheduler_config = scheduler_config
         self.max_loras = max_loras
         self.cache_config = cache_config
@@ -68,7 +71,12 @@ class Scheduler:
             sliding_window=cache_config.sliding_window,
             kv_cache_groups=cache_config.kv_cache_groups,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            num_host_blocks=cache_config.num_host_blocks,
+            host_block_bytes=cache_config.host_block_bytes,
+            kv_events=kv_events,
         )
+        # The host KV tier under the prefix cache (None: off).
+        self.host_kv_tier = self.kv_cache_manager.block_pool.host_tier
         pool_tokens = self.kv_cache_manager.max_request_tokens
         # A request may grow only as long as the whole pool holds; past that it could only
         # preempt itself forever, so it is finished as length-capped there instead.
@@ -285,7 +293,10 @@ class Scheduler:
                 self._fail_request(request, constraint.error)
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
+            # Blocks past the device hit found in the host tier: copied in, not computed.
+            host_slots = kv.find_host_blocks(request, num_hit)
+            num_loaded = len(host_slots) * self.block_size
+            num_new = request.num_tokens - num_hit - num_loaded
             # A pooling request is pooled from one step's hidden states: never chunked.
             whole = not chunked or request.pooling_params is not None
             if whole and num_new > token_budget:
@@ -295,14 +306,17 @@ class Scheduler:
             if num_new > token_budget:
                 num_new = token_budget
             if request.mm_features:
-                num_new = step.fit_images(request, num_hit, num_new, self.max_images_per_step)
+                start = num_hit + num_loaded
+                num_new = step.fit_images(request, start, num_new, self.max_images_per_step)
                 if num_new == 0:
                     break  # head of line waits for the encoder cache
-            new_block_ids = allocate_slots(request, num_new, num_hit, hit_blocks)
+            new_block_ids = allocate_slots(request, num_loaded + num_new, num_hit, hit_blocks)
             if new_block_ids is None:
                 break  # head of line waits for blocks
+            if host_slots:
+                kv.load_host_blocks(request, num_hit, host_slots, new_block_ids)
             waiting.pop_request()
-            self._admit(step, request, num_hit)
+            self._admit(step, request, num_hit + num_loaded)
             if lora is not None:
                 adapters.add(lora.lora_int_id)
             num_scheduled_tokens[request.request_id] = num_new
@@ -389,6 +403,7 @@ class Scheduler:
             structured_output_request_ids=[r.request_id for r in constrained],
             grammar_bitmask=grammar_bitmask,
             scheduled_spec_decode_tokens=step.spec_tokens,
+            kv_transfers=None if self.host_kv_tier is None else self.host_kv_tier.take_transfers(),
         )
 
     def _on_sampling_scheduled(self, request: Request) -> None:
@@ -538,9 +553,14 @@ class Scheduler:
         """Forget the prefix cache; False while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's block events since the last call ([] when not recorded)."""
+        return self.kv_cache_manager.take_events()
+
     def make_stats(self) -> SchedulerStats:
         """A snapshot for metrics."""
         kv = self.kv_cache_manager
+        host = self.host_kv_tier
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -554,4 +574,8 @@ class Scheduler:
             spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            host_kv_cache_usage=0.0 if host is None else host.usage,
+            host_kv_cache_hits=0 if host is None else host.num_hit_tokens,
+            host_kv_bytes_to_host=0 if host is None else host.bytes_to_host,
+            host_kv_bytes_to_device=0 if host is None else host.bytes_to_device,
         )

@@ -153,7 +153,9 @@ class SingleTypeKVCacheManager:
             num_cached = self.num_cached_block[request_id]
             if num_full > num_cached:
                 hashes = update_block_hashes(request, bs, num_full)
-                pool.cache_full_blocks(req_blocks, self._keys(hashes), num_cached, num_full)
+                pool.cache_full_blocks(
+                    req_blocks, self._keys(hashes), num_cached, num_full, request, bs
+                )
                 self.num_cached_block[request_id] = num_full
         return new_ids
 

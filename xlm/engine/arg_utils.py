@@ -17,6 +17,7 @@ from xlm.config import (
     STARTUP_PROGRAMS,
     CacheConfig,
     CompilationConfig,
+    KVEventsConfig,
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
@@ -72,6 +73,12 @@ _HELP = {
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "KV cache size in GiB on CPU (default: XLM_CPU_KVCACHE_SPACE or 1)",
     "memory_utilization": "fraction of accelerator memory xlm may use",
+    "kv_offloading_size": "host KV tier in GiB of host memory per process: full blocks "
+    "evicted from the device KV cache are kept there by block hash and copied back on a "
+    "prefix hit instead of recomputed (0: off)",
+    "kv_events_config": "publish prefix cache block events (BlockStored, BlockRemoved, "
+    "AllBlocksCleared) for a router, a JSON object: enable_kv_cache_events, publisher (zmq), "
+    "endpoint (tcp://...), topic",
     "kv_cache_dtype": "KV cache element type: auto (the model's dtype), float32, bfloat16, "
     "float16, fp8 (= fp8_e4m3), fp8_e5m2 or int8; fp8 halves bfloat16's cache bytes (more KV "
     "tokens in the same memory), values saturating at the type's largest; int8 stores each "
@@ -208,6 +215,9 @@ class EngineArgs:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    kv_offloading_size: float = 0.0
+    # A dict (or its JSON text) of KVEventsConfig's fields; None: no events.
+    kv_events_config: dict[str, Any] | str | None = None
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     enable_chunked_prefill: bool = True
@@ -432,6 +442,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_blocks=self.num_gpu_blocks_override,
                 cache_dtype=self.kv_cache_dtype,
+                kv_offloading_size=self.kv_offloading_size,
             ),
             scheduler_config=self._scheduler_config(
                 max_model_len, self._async_scheduling(model_config, speculative)
@@ -455,6 +466,7 @@ class EngineArgs:
             )
             if self.enable_lora
             else None,
+            kv_events_config=KVEventsConfig.from_dict(self.kv_events_config),
         )
         draft = speculative.draft_model_config if speculative is not None else None
         if draft is not None and config.parallel_config.is_multihost:

@@ -13,6 +13,7 @@ from xlm.core.outputs import SchedulerOutput, SchedulerStats
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
 from xlm.engine.exceptions import EngineBusyError
+from xlm.engine.kv_events_publisher import make_kv_event_publisher
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from xlm.executor import executor_class_for
 from xlm.executor.abstract import Executor
@@ -51,7 +52,9 @@ class EngineCore:
             self.executor.num_blocks,
             self.structured_output_manager,
             max_loras=None if config.lora_config is None else config.lora_config.max_loras,
+            kv_events=config.kv_events_config is not None and config.kv_events_config.publishes,
         )
+        self.kv_event_publisher = make_kv_event_publisher(config.kv_events_config)
         # Long-lived objects (the block pool: ~65k blocks at 1024 requests) leave the GC's
         # view, so full collections stop rescanning them mid-serving (p99 4x lower).
         gc.collect()
@@ -161,6 +164,8 @@ class EngineCore:
 
     def _schedule(self, idle_ok: bool = False) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.scheduler.take_kv_events())
         if (
             not scheduler_output.num_scheduled_tokens
             and not idle_ok
@@ -214,7 +219,10 @@ class EngineCore:
         }
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        done = self.scheduler.reset_prefix_cache()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.scheduler.take_kv_events())
+        return done
 
     def get_num_compilations(self) -> int:
         """Step programs compiled or loaded so far (flat once all are ready)."""
@@ -291,6 +299,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
 
 def make_structured_output_manager(config: XlmConfig) -> StructuredOutputManager:

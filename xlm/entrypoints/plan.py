@@ -132,6 +132,13 @@ def format_report(r: dict[str, Any]) -> str:
         f"(budget {_gb(pc['budget_bytes'])} at memory_utilization={r['memory_utilization']})",
         f"  fits               {'yes' if r['fits'] else 'NO: ' + str(r['reason'])}",
     ]
+    host = r.get("host_kv_tier")
+    if host:
+        lines.append(
+            f"host KV tier: {host['size_gib']} GiB of host memory per host, "
+            f"{host['blocks']} blocks ({host['tokens']} tokens, "
+            f"{host['block_bytes_per_host']} bytes a block)"
+        )
     if r["programs"]:
         lines += [
             "",

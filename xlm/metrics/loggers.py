@@ -175,6 +175,10 @@ _GAUGES = {
         "Step programs compiled and ready (the rest compile in the background).",
     ),
     "programs_total": ("xlm:programs_total", "Step programs the engine may run."),
+    "host_kv_cache_usage": (
+        "xlm:host_kv_cache_usage_perc",
+        "Host KV tier usage (1 = every slot holds a block).",
+    ),
     "spec_acceptance_rate": (
         "xlm:spec_decode_acceptance_rate",
         "Accepted of proposed tokens, cumulative.",
@@ -191,6 +195,18 @@ _COUNTERS = {
     ),
     "prefix_cache_hits": ("xlm:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("xlm:num_preemptions", "Cumulative preemptions."),
+    "host_kv_cache_hits": (
+        "xlm:host_kv_cache_hits",
+        "Prompt tokens loaded from the host KV tier, not computed.",
+    ),
+    "host_kv_bytes_to_host": (
+        "xlm:host_kv_bytes_to_host",
+        "Bytes of KV blocks copied from the device to the host.",
+    ),
+    "host_kv_bytes_to_device": (
+        "xlm:host_kv_bytes_to_device",
+        "Bytes of KV blocks copied from the host to the device.",
+    ),
     "spec_num_drafts": (
         "xlm:spec_decode_num_drafts",
         "Speculative decoding: requests' proposals verified.",
@@ -255,6 +271,7 @@ class _EngineMetrics:
             for reason in _FINISH_REASONS
         }
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_host = [0, 0, 0]
         self._last_spec = [0, 0, 0]
 
     def record(self, s: Any | None, it: IterationStats | None) -> None:
@@ -272,6 +289,7 @@ class _EngineMetrics:
             self._last_preemptions = _inc(
                 self.num_preemptions, s.num_preemptions, self._last_preemptions
             )
+            self._record_host_kv(s)
             if s.spec_num_drafts:
                 spec = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
                 counters = (
@@ -306,6 +324,18 @@ class _EngineMetrics:
                 self.tpot.observe(fin.mean_time_per_output_token)
             if fin.queue_time is not None:
                 self.queue_time.observe(fin.queue_time)
+
+    def _record_host_kv(self, s: Any) -> None:
+        """The host KV tier's usage and cumulative hits and bytes (zeros without a tier)."""
+        self.host_kv_cache_usage.set(getattr(s, "host_kv_cache_usage", 0.0))
+        counters = (
+            self.host_kv_cache_hits,
+            self.host_kv_bytes_to_host,
+            self.host_kv_bytes_to_device,
+        )
+        names = ("host_kv_cache_hits", "host_kv_bytes_to_host", "host_kv_bytes_to_device")
+        for i, (c, name) in enumerate(zip(counters, names)):
+            self._last_host[i] = _inc(c, getattr(s, name, 0), self._last_host[i])
 
 
 def _inc(counter: Any, total: int, last: int) -> int:

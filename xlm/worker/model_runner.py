@@ -42,6 +42,7 @@ from xlm.worker.compilation import (
 )
 from xlm.worker.encoder_cache import EncoderRunner
 from xlm.worker.executable_cache import ExecutableCache
+from xlm.worker.host_kv_cache import HostKVCache
 from xlm.worker.input_batch import InputBatch
 from xlm.worker.kv_allocation import KVCacheAllocation
 from xlm.worker.packing import pack
@@ -107,6 +108,10 @@ class ModelRunner:
         )
         self._kv_cache = KVCacheAllocation(self._kv_spec, allocate=not abstract)
         self._sleep: SleepRecord | None = None  # asleep: what wake_up needs
+        # Host KV tier on: the host memory of evicted blocks and each step's copies.
+        self.host_kv: HostKVCache | None = None
+        if cache.num_host_blocks and not abstract:
+            self.host_kv = HostKVCache(self._kv_spec, cache.num_host_blocks, num_blocks, mesh)
         # LoRA on: each step's tokens carry their adapter's device slot; the slots are
         # filled from the host cache (xlm.lora.slots) before a step that needs them.
         lora = config.lora_config
@@ -192,7 +197,8 @@ class ModelRunner:
     def num_compilations(self) -> int:
         """Programs compiled or loaded so far (a draft model's included); after warm-up it
         must not move."""
-        return sum(s.num_compilations for s in self._program_stores())
+        host = 0 if self.host_kv is None else self.host_kv.num_compilations
+        return host + sum(s.num_compilations for s in self._program_stores())
 
     def _program_stores(self) -> list[ProgramStore]:
         draft = getattr(self.proposer, "runner", None)
@@ -208,9 +214,11 @@ class ModelRunner:
         return all([s.wait(timeout) for s in self._program_stores()])
 
     def shutdown(self) -> None:
-        """Stop background compilation (a draft model's too)."""
+        """Stop background compilation (a draft model's too) and the host tier's writer."""
         for store in self._program_stores():
             store.shutdown()
+        if self.host_kv is not None:
+            self.host_kv.shutdown()
 
     # ---- sleep mode and weight updates (xlm.worker.sleep_mode) -----------------------
     @property
@@ -375,6 +383,11 @@ class ModelRunner:
         the device where its scheduler counted a token in flight.
         """
         started = time.perf_counter()
+        transfers = scheduler_output.kv_transfers
+        if transfers is not None and self.host_kv is not None:
+            # Before the forward: saves read blocks this step may overwrite, loads fill
+            # blocks it reads.
+            self.kv_caches = self.host_kv.apply(self.kv_caches, transfers)
         batch = self.input_batch
         if self.lora is not None:
             self.lora.track(scheduler_output, self._adapter_of)
@@ -509,5 +522,7 @@ class ModelRunner:
         draft = getattr(self.proposer, "runner", None)
         if draft is not None:
             draft.warmup(startup_programs)
+        if self.host_kv is not None:
+            self.host_kv.compile()
         self.readiness.warmup(self.program_specs(), startup_programs)
         startup.note("programs", self.program_store.summary())

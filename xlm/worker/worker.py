@@ -22,6 +22,7 @@ from xlm.metrics import startup
 from xlm.models.loader import get_model, load_hf_config, resolve_dtype
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
 from xlm.platforms.target import CompileTarget, compile_target
+from xlm.worker.host_kv_cache import host_block_bytes
 from xlm.worker.model_runner import ModelRunner
 from xlm.worker.pooling_model_runner import PoolingModelRunner
 from xlm.worker.spec_decode import DraftModelProposer
@@ -135,6 +136,9 @@ class Worker:
         # The config the weights are read from again (sleep level 2): update_weights
         # points it at the new checkpoint.
         self._weights_config = config
+        num_host, host_bytes = self._determine_host_blocks()
+        config.cache_config.num_host_blocks = num_host
+        config.cache_config.host_block_bytes = host_bytes
         runner_cls = PoolingModelRunner if config.model_config.is_pooling else ModelRunner
         with startup.phase("KV cache"):
             self.model_runner = runner_cls(
@@ -254,6 +258,38 @@ class Worker:
             jnp.dtype(self.kv_dtype),
         )
         return num_blocks
+
+    def _determine_host_blocks(self) -> tuple[int, int]:
+        """The host KV tier's (blocks, bytes per block) in this process; (0, 0): off."""
+        cache = self.config.cache_config
+        if cache.kv_offloading_size <= 0 or self.target is not None:
+            return 0, 0
+        if not cache.enable_prefix_caching or cache.kv_cache_groups:
+            logger.warning(
+                "kv_offloading_size=%s ignored: the host KV tier needs prefix caching and "
+                "one KV cache group (this model's layers use several attention windows).",
+                cache.kv_offloading_size,
+            )
+            return 0, 0
+        spec = self.model.make_kv_caches(
+            1, cache.block_size, self.kv_dtype, mesh=self.mesh, abstract=True
+        )
+        block_bytes = host_block_bytes(spec)
+        num_host = agree_min("num_host_blocks", int(cache.kv_offloading_size * GiB // block_bytes))
+        if num_host == 0:
+            logger.warning(
+                "kv_offloading_size=%s GiB holds no block of %d bytes: no host KV tier.",
+                cache.kv_offloading_size,
+                block_bytes,
+            )
+            return 0, 0
+        logger.info(
+            "Host KV tier: %d blocks of %d tokens (%.2f GiB of host memory).",
+            num_host,
+            cache.block_size,
+            num_host * block_bytes / GiB,
+        )
+        return num_host, block_bytes
 
     def warmup(self) -> None:
         mode = self.config.compilation_config.startup_programs
