@@ -105,7 +105,14 @@ def test_scheme_equals_quantized_reference(arch, scheme, tiny_checkpoint):
 def test_int8_stores_embeddings_and_head_in_8_bits(arch, tiny_checkpoint):
     base = tiny_checkpoint(arch)
     floats = stored_params(xlm.LLM(model=base, **TINY_ENGINE))
-    params = stored_params(xlm.LLM(model=base, quantization="int8", **TINY_ENGINE))
+    llm = xlm.LLM(model=base, quantization="int8", **TINY_ENGINE)
+    params = stored_params(llm)
+    # Prompt logprobs run the head on float hidden states (not the int8 table's dtype).
+    prompt = list(range(6, 26))
+    scored = xlm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], scored, use_tqdm=False)
+    lps = [entry[t].logprob for t, entry in zip(prompt[1:], out.prompt_logprobs[1:])]
+    assert len(lps) == len(prompt) - 1 and np.isfinite(lps).all() and max(lps) < 0
     scales = sum(v.nbytes for p, v in params.items() if p.endswith(".weight_scale"))
     expected = sum(v.size if v.ndim == 2 else v.nbytes for v in floats.values()) + scales
     assert sum(v.nbytes for v in params.values()) == expected

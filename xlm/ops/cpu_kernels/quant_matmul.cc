@@ -13,6 +13,12 @@
 // them as it stores the group's first block (sums over x computed once per call): adding
 // them in XLA cost more than the kernel itself at one row.
 //
+// The q8 variant (XlmQ8Matmul, w8a8) takes x already quantized: int8 codes xq [m, k] with a
+// float32 scale per row and group of w, xscale [m, G] (G groups of 32: llama.cpp's Q8_0 x
+// Q8_0; G = 1: per token). Each group's products are summed exactly in int32 (AVX2:
+// maddubs + madd on four rows of w interleaved in registers; a portable loop otherwise or
+// when asked, `scalar`), then scaled by xscale * scale into y.
+//
 // XLA converts the whole int8 matrix to float before its dot, which at decode (m of 1 to
 // 8) costs several times the float32 dot itself. Here the int8 bytes are read once and
 // widened in registers (AVX2 + FMA; a portable loop elsewhere):
