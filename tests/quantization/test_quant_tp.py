@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tests.conftest import write_tiny_checkpoint
 from tests.distributed.test_tensor_parallel import assert_equal_to_tp1, run_checks
-from tests.test_quantization import WIDE
+from tests.test_quantization import ATOL, WIDE
 
 
 def test_quantized_tp_equals_tp1(tmp_path, tiny_checkpoint):
@@ -22,7 +22,9 @@ def test_quantized_tp_equals_tp1(tmp_path, tiny_checkpoint):
     )
     for name in ("int8", "w8a8", "int4"):
         runs = results[name]
-        assert_equal_to_tp1(name, runs)
+        # w8a8: a float32 ulp of a device's partial sum can move one activation by an int8
+        # step at TP > 1 (the tokens stay equal): the quantization tests' logprob tolerance.
+        assert_equal_to_tp1(name, runs, atol=ATOL["w8a8"] if name == "w8a8" else 1e-4)
         for tp in [t for t in runs if t != "1"]:
             leaves = ["q_kernel", "q_weight_scale"]
             if name == "int4":

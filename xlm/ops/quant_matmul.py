@@ -7,9 +7,9 @@
 ``[G, out]``: W = kernel * scale + min per group of in / G inputs (xlm.quantization).
 The native path is the definition in jnp: weight-only schemes convert the kernel
 inside the dot (XLA fuses the convert); ``w8a8`` quantizes each token's activations to
-int8 in blocks that follow the weight's groups (one per token for per-channel weights:
-an int8 x int8 -> int32 dot, then scaled by both; per group of 32 from float weights:
-the rounded activations through the grouped dot). Platform paths take the same arguments.
+int8 in blocks that follow the weight's groups (one per token for per-channel weights,
+per group of 32 from float weights) and sums each block's int8 x int8 products exactly in
+int32, then scales by both. Platform paths take the same arguments.
 
 On CPU, XLA widens the whole int8 matrix before its dot, which made a one-row (decode)
 int8 projection slower than the float32 one it replaces; ``forward_cpu`` runs int8
@@ -112,7 +112,16 @@ class QuantMatmul(CustomOp):
                 )
                 y = acc.astype(jnp.float32) * xs * scale
                 return y.astype(x.dtype).reshape(*lead, out)
-            x2 = dequantize_activations(xq, xs)
+            # Each block's int8 x int8 sum exact in int32 (the CPU kernel's), then scaled.
+            g = k // groups
+            acc = jnp.einsum(
+                "mgi,gio->mgo",
+                xq.reshape(-1, groups, g),
+                kernel.reshape(groups, g, out),
+                preferred_element_type=jnp.int32,
+            )
+            y = jnp.sum(acc.astype(jnp.float32) * (xs[:, :, None] * scale), axis=1)
+            return y.astype(x.dtype).reshape(*lead, out)
         if groups == 1:
             y = jnp.dot(x2, kernel.astype(x2.dtype), preferred_element_type=jnp.float32) * scale
         else:
