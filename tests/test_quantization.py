@@ -2,7 +2,7 @@
 transformers on the same weights with the same quantization applied in numpy: greedy
 tokens equal and logprobs close, for every tiny family (int4: Llama and Phi-3, wider so
 that projections have several groups); kernels stored in 8 bits (int4: 4) with float32
-scales; no step recompiles."""
+scales, int8 and w8a8 embedding tables and LM heads too; no step recompiles."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import xlm
 from tests.conftest import TINY_CONFIGS, VOCAB_SIZE, write_tiny_checkpoint
 from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf
 from tests.quantization.reference import quantize_hf_model
+from xlm.quantization import get_scheme, weight_groups
 
 NEW_TOKENS = 16
-# logprob tolerance. w8a8 rounds every projection's input to int8 per token: a float32
+# logprob tolerance. w8a8 rounds every projection's input to int8 per block: a float32
 # difference of one ulp between the engine and the reference (XLA's int32 dot against
 # torch's float sums) can flip one element to the next int8 step, a jump of max|x| / 127
 # that the following layers carry; the weight-only schemes have no such step.
@@ -70,8 +71,10 @@ def check_against_reference(base: str, scheme: str) -> xlm.LLM:
             assert kernel.dtype == np.uint8 and kernel.nbytes == in_features * scale.shape[1] // 2
             assert scale.shape == (in_features // 128, kernel.shape[1]), path
             assert params[path.removesuffix("weight_scale") + "weight_min"].shape == scale.shape
-        else:
-            assert scale.shape == (1, kernel.shape[1]), path
+        else:  # per output channel; w8a8 per 32 inputs of each (Q8_0's blocks)
+            groups = weight_groups(kernel.shape[0], get_scheme(scheme))
+            assert scale.shape == (groups, kernel.shape[1]), path
+            assert groups == (kernel.shape[0] // 32 if scheme == "w8a8" else 1), path
     return llm
 
 
@@ -93,6 +96,30 @@ def test_int8_equals_quantized_reference(arch, tiny_checkpoint):
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt2"])
 def test_scheme_equals_quantized_reference(arch, scheme, tiny_checkpoint):
     check_against_reference(tiny_checkpoint(arch), scheme)
+
+
+# An untied head (Llama) and a tied one (Llama 3 config): every 2-D float32 weight of the
+# float model, the embedding table and the LM head included, takes 1 byte per element in
+# int8 (plus its float32 scales); the tied table is stored once.
+@pytest.mark.parametrize("arch", ["llama", "llama3"])
+def test_int8_stores_embeddings_and_head_in_8_bits(arch, tiny_checkpoint):
+    base = tiny_checkpoint(arch)
+    floats = stored_params(xlm.LLM(model=base, **TINY_ENGINE))
+    llm = xlm.LLM(model=base, quantization="int8", **TINY_ENGINE)
+    params = stored_params(llm)
+    # Prompt logprobs run the head on float hidden states (not the int8 table's dtype).
+    prompt = list(range(6, 26))
+    scored = xlm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], scored, use_tqdm=False)
+    lps = [entry[t].logprob for t, entry in zip(prompt[1:], out.prompt_logprobs[1:])]
+    assert len(lps) == len(prompt) - 1 and np.isfinite(lps).all() and max(lps) < 0
+    scales = sum(v.nbytes for p, v in params.items() if p.endswith(".weight_scale"))
+    expected = sum(v.size if v.ndim == 2 else v.nbytes for v in floats.values()) + scales
+    assert sum(v.nbytes for v in params.values()) == expected
+    assert params["model.embed_tokens.kernel"].dtype == np.int8
+    assert ("lm_head.kernel" in params) == (arch == "llama")
+    # Scales per vocabulary row: of the head's output channels.
+    assert params["model.embed_tokens.weight_scale"].shape == (1, VOCAB_SIZE)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,18 @@ input dimension (G == 1: one scale per output channel). The real weight is
 ``kernel[i, j] * weight_scale[i // (in // G), j]``. Schemes (``--quantization``):
 
 - ``int8``: int8 weights, symmetric per output channel, float activations (W8A16).
-- ``w8a8``: the same weights; activations quantized to int8 per token at run time, the
-  product an int8 x int8 -> int32 dot (W8A8, vLLM's and tpu-inference's dynamic int8).
+- ``w8a8``: int8 weights with a scale per 32 inputs of each output channel (llama.cpp's
+  Q8_0 blocks; per output channel where 32 does not divide the input), and activations
+  quantized to int8 at run time with a scale per token and block of the same 32 inputs;
+  each block's product an exact int8 x int8 -> int32 sum, scaled by both. A
+  compressed-tensors checkpoint's w8a8 (per-channel weights, dynamic per-token
+  activations: vLLM's and tpu-inference's) keeps its per-channel scales, and its
+  activations are quantized per token: the activation blocks follow the weight's groups.
+
+``int8`` and ``w8a8`` also store the embedding table and the LM head (a tied one once) as
+int8 with a scale per vocabulary row (w8a8: per block of 32 of the row), the head a
+quantized projection (xlm.models.layers.VocabEmbedding); a checkpoint that keeps them
+float (compressed-tensors) keeps them float.
 - ``fp8``: float8 e4m3 weights per output channel (scale = max |w| / 448), float
   activations (W8A16 in fp8): the kernel is widened to the activations' dtype in the dot
   on every platform, so it saves memory and bandwidth, not dot throughput.
@@ -51,21 +61,35 @@ class QuantScheme:
     name: str
     weight_dtype: Any  # numpy dtype of the stored kernel
     qmax: float  # the largest magnitude the element type represents (the scale's unit)
-    activations: str | None = None  # "int8": per-token dynamic activation quantization
+    activations: str | None = None  # "int8": dynamic int8 activations (per weight group)
     packed: bool = False  # two 4-bit codes per byte (int4): kernel [in / 2, out]
+    # Embedding tables and LM heads are stored in this scheme too (xlm.models.layers.
+    # VocabEmbedding); else they stay float.
+    embeddings: bool = False
+    # Inputs per weight scale when quantized from float weights (None: per output channel).
+    group_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantLayout:
-    """Grouped scales (``gguf``): `group_size` inputs per scale, and a per-group minimum."""
+    """Grouped scales: `group_size` inputs per scale (None: one per output channel), and a
+    per-group minimum. A ``gguf`` file's own layout; a compressed-tensors checkpoint's
+    (``PER_CHANNEL``)."""
 
-    group_size: int
+    group_size: int | None
     has_minimum: bool
 
 
+# A checkpoint whose kernels carry one scale per output channel (compressed-tensors): its
+# w8a8 activations are quantized per token, as the checkpoint was made for.
+PER_CHANNEL = QuantLayout(None, False)
+
+
 SCHEMES = {
-    "int8": QuantScheme("int8", np.dtype(np.int8), 127.0),
-    "w8a8": QuantScheme("w8a8", np.dtype(np.int8), 127.0, activations="int8"),
+    "int8": QuantScheme("int8", np.dtype(np.int8), 127.0, embeddings=True),
+    "w8a8": QuantScheme(
+        "w8a8", np.dtype(np.int8), 127.0, activations="int8", embeddings=True, group_size=32
+    ),
     "fp8": QuantScheme("fp8", np.dtype(ml_dtypes.float8_e4m3fn), 448.0),
     "gguf": QuantScheme("gguf", np.dtype(np.int8), 127.0),
     "int4": QuantScheme("int4", np.dtype(np.uint8), 15.0, packed=True),
@@ -92,6 +116,23 @@ def int4_group_size(in_features: int, shards: int = 1) -> int:
         if (in_features // shards) % size == 0:
             return size
     return in_features
+
+
+def weight_groups(
+    in_features: int, scheme: QuantScheme, layout: QuantLayout | None = None, shards: int = 1
+) -> int:
+    """How many scales along the input a kernel of `in_features` inputs has (G of its
+    [G, out] scales): int4's groups; a checkpoint's own `layout`; else the scheme's
+    `group_size` where it divides the input of each of `shards` (a row-parallel
+    projection's devices), else one per output channel."""
+    if scheme.packed:
+        return in_features // int4_group_size(in_features, shards)
+    if layout is not None:
+        return 1 if layout.group_size is None else in_features // layout.group_size
+    size = scheme.group_size
+    if size is not None and in_features % (size * shards) == 0:
+        return in_features // size
+    return 1
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:
@@ -179,9 +220,13 @@ def dequantize_weight(
     return w.reshape(q.shape)
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(int8 x, scale [rows, 1]) per token (row), symmetric: the w8a8 run-time step."""
+def quantize_activations(x: np.ndarray, groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 x, scale [rows, groups]) symmetric per token (row) and group of `groups` equal
+    runs of its inputs: the w8a8 run-time step (groups > 1: Q8_0's blocks of 32)."""
     x = np.asarray(x, np.float32)
-    amax = np.abs(x).max(axis=-1, keepdims=True)
+    rows, k = x.shape
+    blocks = x.reshape(rows, groups, k // groups)
+    amax = np.abs(blocks).max(axis=-1)
     scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
-    return np.clip(np.rint(x / scale), -127, 127).astype(np.int8), scale
+    q = np.clip(np.rint(blocks / scale[:, :, None]), -127, 127).astype(np.int8)
+    return q.reshape(rows, k), scale

@@ -354,3 +354,66 @@ def test_int4_rejects_odd_groups() -> None:
     x, packed, scale, minimum = make_int4(1, 96, 8, 1)
     with pytest.raises(ValueError, match="even groups"):
         cpu_kernels.int4_matmul(x, packed, scale[:1].repeat(32, 0), minimum[:1].repeat(32, 0))
+
+
+# int8 x int8 (w8a8): x's codes with a scale per row and group of w.
+def q8_reference(xq, xscale, w, scale) -> np.ndarray:
+    groups = scale.shape[0]
+    k, n = w.shape
+    xg = xq.astype(np.int64).reshape(xq.shape[0], groups, k // groups)
+    sums = np.einsum("mgi,gin->mgn", xg, w.astype(np.int64).reshape(groups, k // groups, n))
+    return np.einsum("mgn,mg,gn->mn", sums.astype(np.float64), xscale, scale.astype(np.float64))
+
+
+def make_q8(m: int, k: int, n: int, groups: int) -> tuple[np.ndarray, ...]:
+    xq = rng.integers(-127, 128, (m, k), dtype=np.int8)
+    xscale = rng.uniform(0.001, 0.02, (m, groups)).astype(np.float32)
+    _, w, scale = make(m, k, n, groups)  # w's -128 included
+    return xq, xscale, w, scale
+
+
+# Groups of 32 (w8a8 from float weights) and per channel (per-token checkpoints), column
+# tails (n % 16), groups of 25 rows (not a multiple of 4: the portable loops), page chunks.
+Q8_CASES = [
+    (1, 576, 1536, 18),
+    (3, 576, 1536, 1),
+    (4, 64, 50, 2),
+    (5, 100, 37, 4),
+    (16, 96, 200, 3),
+    (2, 1024, 4100, 32),
+]
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("m,k,n,groups", Q8_CASES)
+def test_q8_matches_reference_under_jit(m, k, n, groups, scalar) -> None:
+    xq, xscale, w, scale = make_q8(m, k, n, groups)
+    want = q8_reference(xq, xscale, w, scale)
+    kernel = jax.jit(lambda *a: cpu_kernels.q8_matmul(*a, scalar=scalar))
+    got = np.asarray(kernel(xq, xscale, w, scale), np.float64)
+    # Each group's sum is exact (int32): only the float32 scaling and group sums round.
+    magnitude = q8_reference(np.abs(xq), xscale, np.abs(w.astype(np.int32)), scale)
+    assert np.all(np.abs(got - want) <= 1e-6 * magnitude + 1e-30)
+    jnp_ref = np.asarray(cpu_kernels.q8_matmul_reference(xq, xscale, w, scale), np.float64)
+    assert np.all(np.abs(jnp_ref - want) <= 1e-6 * magnitude + 1e-30)
+
+
+@pytest.mark.parametrize("max_workers", [1, 2])
+def test_q8_avx2_and_portable_paths_agree_exactly(max_workers: int) -> None:
+    """The AVX2 path's int32 sums and float steps are the portable loops' own."""
+    xq, xscale, w, scale = make_q8(3, 576, 1600, 18)
+
+    def run(scalar: bool) -> np.ndarray:
+        return np.asarray(
+            cpu_kernels.q8_matmul(xq, xscale, w, scale, scalar=scalar, max_workers=max_workers)
+        )
+
+    np.testing.assert_array_equal(run(False), run(True))
+
+
+def test_q8_rejects_scales_that_do_not_match() -> None:
+    xq, xscale, w, scale = make_q8(2, 64, 16, 2)
+    with pytest.raises(ValueError, match=r"xscale \[\.\.\., G\] with G=2"):
+        cpu_kernels.q8_matmul(xq, xscale[:, :1], w, scale)
+    with pytest.raises(ValueError, match="xq must be int8"):
+        cpu_kernels.q8_matmul(xq.astype(np.float32), xscale, w, scale)

@@ -36,9 +36,11 @@ def reference_matmul(
     (packed for int4)."""
     w = dequantize(q, scale, minimum, scheme).astype(np.float64)
     x = np.asarray(x, np.float32)
-    if scheme.activations == "int8":
-        xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
-        x = (xq.astype(np.float64) * xs).reshape(x.shape)
+    if scheme.activations == "int8":  # per token and group of the weight's scales
+        groups = scale.shape[0]
+        xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]), groups)
+        blocks = xq.astype(np.float64).reshape(-1, groups, x.shape[-1] // groups)
+        x = (blocks * xs[:, :, None]).reshape(x.shape)
     return np.asarray(x, np.float64) @ w
 
 
@@ -79,6 +81,24 @@ def test_activation_quantization_per_token():
     assert (np.abs(q * s - x) <= s / 2 * (1 + 1e-5)).all()
 
 
+def test_activation_quantization_per_block():
+    """w8a8 from float weights: a scale per token and block of 32 inputs (Q8_0's)."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    x[:, 32:64] *= 100.0  # one loud block leaves the others their own resolution
+    q, s = quantize_activations(x, 3)
+    assert q.dtype == np.int8 and s.shape == (3, 3)
+    blocks = x.reshape(3, 3, 32)
+    np.testing.assert_allclose(s, np.abs(blocks).max(-1) / 127, rtol=1e-6)
+    err = np.abs(q.reshape(3, 3, 32) * s[:, :, None] - blocks)
+    assert (err <= s[:, :, None] / 2 * 1.00001).all()
+    from xlm.ops.quant_matmul import quantize_activations as jnp_quantize
+
+    jq, js = jnp_quantize(x, 3)
+    np.testing.assert_array_equal(np.asarray(jq), q)
+    np.testing.assert_allclose(np.asarray(js), s, rtol=1e-6)
+
+
 @pytest.mark.parametrize("groups", [1, 4])
 @pytest.mark.parametrize("name", UNPACKED)
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -117,9 +137,10 @@ def test_native_path_with_group_minimums(rows):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("name", ["int8", "w8a8", "gguf"])
-def test_cpu_path_equals_definition(name, rows):
+def test_cpu_path_equals_definition(name, rows, groups):
     """forward_cpu (the FFI int8 kernel where it is faster, else the native path) equals
     the float64 definition, grouped scales and minimums included."""
     from xlm.ops import cpu_kernels
@@ -134,8 +155,9 @@ def test_cpu_path_equals_definition(name, rows):
         codes = rng.integers(0, 16, size=(k, n)).astype(np.int8)
         scale = rng.uniform(0.01, 0.1, size=(k // 32, n)).astype(np.float32)
         minimum = rng.uniform(-0.5, 0.0, size=(k // 32, n)).astype(np.float32)
-    else:
-        codes, scale = quantize_weight(rng.standard_normal((k, n)).astype(np.float32), scheme)
+    else:  # groups of 32 inputs: w8a8 from float weights (Q8_0's blocks)
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        codes, scale = quantize_weight(w, scheme, k // groups)
     op = QuantMatmul(scheme.activations)
     got = np.asarray(jax.jit(op.forward_cpu)(x, codes, scale, minimum))
     want = reference_matmul(x, codes, scale, scheme, minimum)

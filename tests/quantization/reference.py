@@ -10,13 +10,12 @@ import numpy as np
 from xlm.quantization import (
     dequantize,
     get_scheme,
-    int4_group_size,
     quantize,
     quantize_activations,
+    weight_groups,
 )
 
-# The HF modules xlm builds as `Linear` projections (MoE routers and experts, embeddings
-# and the LM head stay in float).
+# The HF modules xlm builds as `Linear` projections (MoE routers and experts stay in float).
 PROJECTIONS = (
     "q_proj",
     "k_proj",
@@ -37,7 +36,9 @@ PROJECTIONS = (
 
 
 def quantize_hf_model(model, scheme_name: str) -> int:
-    """Apply `scheme_name` to `model`'s projections in place; returns how many."""
+    """Apply `scheme_name` to `model`'s projections in place (and, for schemes that store
+    them in 8 bits, its embedding table and LM head: per vocabulary row, tied ones once);
+    returns how many."""
     import torch
 
     scheme = get_scheme(scheme_name)
@@ -49,19 +50,41 @@ def quantize_hf_model(model, scheme_name: str) -> int:
         # nn.Linear holds [out, in]; GPT-2's Conv1D already [in, out] like xlm's kernel.
         conv1d = type(module).__name__ == "Conv1D"
         kernel = w if conv1d else w.T
-        group = int4_group_size(kernel.shape[0]) if scheme.packed else None
-        deq = dequantize(*quantize(kernel, scheme, group), scheme)
+        groups = weight_groups(kernel.shape[0], scheme)
+        deq = _round_trip(kernel, scheme, groups)
         with torch.no_grad():
             module.weight.copy_(torch.from_numpy(deq if conv1d else deq.T.copy()))
-        if scheme.activations == "int8":
-            module.register_forward_pre_hook(_fake_quantize_input)
+        quantize_inputs(module, scheme, groups)
         count += 1
+    if scheme.embeddings:
+        tables = [model.get_input_embeddings(), model.get_output_embeddings()]
+        for table in {id(t): t for t in tables if t is not None}.values():
+            w = table.weight.detach().numpy()  # [vocab, hidden]: a kernel [hidden, vocab]
+            groups = weight_groups(w.shape[1], scheme)
+            with torch.no_grad():
+                table.weight.copy_(torch.from_numpy(_round_trip(w.T, scheme, groups).T.copy()))
+            count += 1
+        if model.get_output_embeddings() is not None:
+            quantize_inputs(model.get_output_embeddings(), scheme, groups)
     return count
 
 
-def _fake_quantize_input(module, args):
-    import torch
+def _round_trip(kernel: np.ndarray, scheme, groups: int) -> np.ndarray:
+    group = kernel.shape[0] // groups
+    return dequantize(*quantize(kernel, scheme, group), scheme)
 
-    (x,) = args
-    q, s = quantize_activations(x.detach().reshape(-1, x.shape[-1]).numpy())
-    return (torch.from_numpy((q.astype(np.float32) * s).reshape(x.shape)),)
+
+def quantize_inputs(module, scheme, groups: int) -> None:
+    """w8a8: the module's input rounded to int8 first, a scale per token and weight group."""
+    if scheme.activations != "int8":
+        return
+
+    def hook(module, args):
+        import torch
+
+        (x,) = args
+        q, s = quantize_activations(x.detach().reshape(-1, x.shape[-1]).numpy(), groups)
+        deq = q.astype(np.float32).reshape(q.shape[0], groups, -1) * s[:, :, None]
+        return (torch.from_numpy(deq.reshape(x.shape)),)
+
+    module.register_forward_pre_hook(hook)

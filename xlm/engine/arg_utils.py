@@ -377,7 +377,11 @@ class EngineArgs:
     ) -> ModelConfig:
         """A model's config: its path or name resolved, its HF config read, its runner."""
         from xlm.models.loader import load_hf_config
-        from xlm.models.loader.compressed_tensors import resolve_quantization
+        from xlm.models.loader.compressed_tensors import (
+            quantization_config,
+            resolve_quantization,
+        )
+        from xlm.quantization import PER_CHANNEL
 
         hub = dict(revision=self.revision, download_dir=self.download_dir)
         model_path = resolve_model_name(model, load_format=self.load_format, **hub)
@@ -401,6 +405,8 @@ class EngineArgs:
         model_config.quantization = resolve_quantization(self.quantization, model_config.hf_config)
         if self.quantization == "gguf":
             model_config.quant_layout = _gguf_quant_layout(model_path, self.load_format)
+        elif quantization_config(model_config.hf_config) is not None:
+            model_config.quant_layout = PER_CHANNEL  # the checkpoint's scales, as stored
         architectures = getattr(model_config.hf_config, "architectures", None)
         model_config.runner = resolve_runner(runner, model_path, architectures, convert)
         model_config.convert = resolve_convert(convert, model_config.runner, architectures)

@@ -127,5 +127,6 @@ class GPT2LMHeadModel(LlamaForCausalLM):
         )
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and f"{module}.kernel" in param_shapes:
-            return [WeightTarget(f"{module}.kernel")]  # Conv1D: already [in, out]
+            # Conv1D: already [in, out]; the quantized token table is stored [hidden, vocab].
+            return [WeightTarget(f"{module}.kernel", transpose=module.endswith(".wte"))]
         return [WeightTarget(name)] if name in param_shapes else []

@@ -27,7 +27,7 @@ from xlm.ops import (
     get_act_and_mul_fn,
 )
 from xlm.ops.lora import current_token_slots
-from xlm.quantization import get_scheme, int4_group_size
+from xlm.quantization import get_scheme, weight_groups
 
 Parallel = Literal["column", "row"] | None
 
@@ -93,12 +93,11 @@ class Linear(nnx.Module):
         else:
             scheme = get_scheme(quantization)
             has_minimum = quant_layout is not None and quant_layout.has_minimum
-            groups = 1 if quant_layout is None else in_features // quant_layout.group_size
+            # A row-parallel kernel's groups must not straddle two devices' rows.
+            shards = tp_size() if parallel == "row" else 1
+            groups = weight_groups(in_features, scheme, quant_layout, shards)
             rows = in_features
             if scheme.packed:  # int4: two codes per byte along the input
-                # A row-parallel kernel's groups must not straddle two devices' rows.
-                shards = tp_size() if parallel == "row" else 1
-                groups = in_features // int4_group_size(in_features, shards)
                 has_minimum, rows = True, in_features // 2
             kernel = unloaded((rows, out_features), scheme.weight_dtype)
             self.kernel = param(kernel, _KERNEL_SHARDING[parallel], quantized=scheme.name, **layout)
@@ -174,20 +173,65 @@ class Linear(nnx.Module):
 
 
 class VocabEmbedding(nnx.Module):
-    """Token embedding table [vocab, hidden], sharded over the vocabulary."""
+    """Token embedding table [vocab, hidden], sharded over the vocabulary.
+
+    Under a scheme that quantizes embeddings (``int8``, ``w8a8``) the table is stored once
+    as a quantized kernel [hidden, vocab] with scales [G, vocab] (one per vocabulary row,
+    or per group of its inputs): a lookup dequantizes the gathered columns, and the LM
+    head (`attend`, tied or not) is that kernel's quantized projection, so the table's
+    bytes are read once per step in 8 bits. `quantize=False` keeps it float.
+    """
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, dtype: Any = jnp.float32, rngs: nnx.Rngs
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+        quantize: bool = True,
     ) -> None:
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        table = unloaded((num_embeddings, embedding_dim), dtype)
-        self.weight = param(table, (TP_AXIS, None))
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        quantization, quant_layout = get_current_quantization() if quantize else (None, None)
+        scheme = None if quantization is None else get_scheme(quantization)
+        weight = kernel = weight_scale = quant = None
+        if scheme is None or not scheme.embeddings:
+            weight = param(unloaded((num_embeddings, embedding_dim), dtype), (TP_AXIS, None))
+        else:
+            groups = weight_groups(embedding_dim, scheme, quant_layout)
+            codes = unloaded((embedding_dim, num_embeddings), scheme.weight_dtype)
+            kernel = param(codes, (None, TP_AXIS), quantized=scheme.name)
+            weight_scale = WeightScale(
+                unloaded((groups, num_embeddings), jnp.float32),
+                out_sharding=(None, TP_AXIS),
+                eager_sharding=False,
+            )
+            quant = QuantMatmul(scheme.activations)
+        self.weight, self.kernel = weight, kernel
+        self.weight_scale, self.quant = weight_scale, quant
+
+    def keep_float(self, dtype: Any) -> None:
+        """A float table (abstract model only): the checkpoint left it unquantized."""
+        if self.quant is None:
+            return
+        value = jax.ShapeDtypeStruct((self.num_embeddings, self.embedding_dim), dtype)
+        self.weight = nnx.data(nnx.Param(value, out_sharding=(TP_AXIS, None), eager_sharding=False))
+        self.kernel = self.weight_scale = self.quant = None
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], input_ids, axis=0)
+        if self.quant is None:
+            return jnp.take(self.weight[...], input_ids, axis=0)
+        columns = jnp.take(self.kernel[...], input_ids, axis=1)  # [hidden, N]
+        scales = jnp.take(self.weight_scale[...], input_ids, axis=1)  # [G, N]
+        groups, n = scales.shape
+        rows = columns.reshape(groups, -1, n).astype(jnp.float32) * scales[:, None, :]
+        return rows.reshape(self.embedding_dim, n).T.astype(self.dtype)
 
     def attend(self, hidden_states: jax.Array) -> jax.Array:
         """Logits against the table (tied LM head), in float32."""
+        if self.quant is not None:
+            x = hidden_states.astype(jnp.float32)
+            return self.quant(x, self.kernel[...], self.weight_scale[...])
         return jnp.einsum(
             "nh,vh->nv", hidden_states, self.weight[...], preferred_element_type=jnp.float32
         )

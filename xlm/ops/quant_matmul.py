@@ -6,20 +6,23 @@
 ``weight_scale`` ``[G, out]`` float32 and, for GGUF types with one, ``weight_min``
 ``[G, out]``: W = kernel * scale + min per group of in / G inputs (xlm.quantization).
 The native path is the definition in jnp: weight-only schemes convert the kernel
-inside the dot (XLA fuses the convert), ``w8a8`` quantizes each token's activations to
-int8 and runs an int8 x int8 -> int32 dot, then scales by both. Platform paths take the
-same arguments.
+inside the dot (XLA fuses the convert); ``w8a8`` quantizes each token's activations to
+int8 in blocks that follow the weight's groups (one per token for per-channel weights,
+per group of 32 from float weights) and sums each block's int8 x int8 products exactly in
+int32, then scales by both. Platform paths take the same arguments.
 
 On CPU, XLA widens the whole int8 matrix before its dot, which made a one-row (decode)
 int8 projection slower than the float32 one it replaces; ``forward_cpu`` runs int8
 kernels through xlm.ops.cpu_kernels (an FFI kernel that streams the int8 bytes once, on
-XLA's own threads) for every row count of the weight-only schemes, and for w8a8 up to
-``W8A8_KERNEL_MAX_ROWS`` rows (beyond, XLA's int8 x int8 dot is faster: benchmarks/
-quant_matmul.py). fp8 kernels, and any step under a tensor-parallel mesh (the FFI call
-has no partitioning rule), take the native path. int4 kernels run through the kernel's
-int4 variant, which reads each packed byte once, unpacks it in registers and adds the
-minimums' term itself, at every row count (faster than the native unpack + dot at 1 to 64
-rows: benchmarks/quant_matmul.py).
+XLA's own threads) for every row count of the weight-only schemes. w8a8 up to
+``W8A8_KERNEL_MAX_ROWS`` rows runs its int8 x int8 variant (AVX2 maddubs/madd, exact int32
+sums per group, as llama.cpp's Q8_0 x Q8_0); beyond, per-token w8a8 takes XLA's int8 x
+int8 dot (faster there: benchmarks/quant_matmul.py) and grouped w8a8 the weight-only
+kernel's GEMM on the rounded activations. fp8 kernels, and any step under a
+tensor-parallel mesh (the FFI call has no partitioning rule), take the native path. int4
+kernels run through the kernel's int4 variant, which reads each packed byte once, unpacks
+it in registers and adds the minimums' term itself, at every row count (faster than the
+native unpack + dot at 1 to 64 rows: benchmarks/quant_matmul.py).
 """
 
 from __future__ import annotations
@@ -31,17 +34,27 @@ import jax.numpy as jnp
 
 from xlm.distributed.mesh import tp_mesh
 from xlm.ops.cpu_kernels import available as cpu_kernels_available
-from xlm.ops.cpu_kernels import int4_matmul, int8_matmul
+from xlm.ops.cpu_kernels import int4_matmul, int8_matmul, q8_matmul
 from xlm.ops.cpu_kernels import start_build as start_cpu_kernels_build
 from xlm.ops.custom_op import CustomOp
 
 
-def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(int8 x, float32 scale [..., 1]) per token, symmetric (xlm.quantization's rule)."""
-    x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+def quantize_activations(x: jax.Array, groups: int = 1) -> tuple[jax.Array, jax.Array]:
+    """(int8 x [m, k], float32 scale [m, groups]) per token and each of `groups` equal runs
+    of its inputs, symmetric (xlm.quantization's rule)."""
+    m, k = x.shape
+    blocks = x.astype(jnp.float32).reshape(m, groups, k // groups)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
     scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+    q = jnp.clip(jnp.round(blocks / scale[:, :, None]), -127, 127).astype(jnp.int8)
+    return q.reshape(m, k), scale
+
+
+def dequantize_activations(xq: jax.Array, scale: jax.Array) -> jax.Array:
+    """The float32 activations [m, k] int8 ones and their [m, G] scales stand for."""
+    m, k = xq.shape
+    blocks = xq.astype(jnp.float32).reshape(m, scale.shape[1], -1) * scale[:, :, None]
+    return blocks.reshape(m, k)
 
 
 def _plus_minimums(y: jax.Array, x2: jax.Array, minimum: jax.Array | None) -> jax.Array:
@@ -91,15 +104,24 @@ class QuantMatmul(CustomOp):
         groups, out = scale.shape
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        if self.activations == "int8":
-            xq, xs = quantize_activations(x2)
+        if self.activations == "int8":  # blocks of the weight's groups
+            xq, xs = quantize_activations(x2, groups)
             if groups == 1:
                 acc = jax.lax.dot_general(
                     xq, kernel, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
                 )
                 y = acc.astype(jnp.float32) * xs * scale
                 return y.astype(x.dtype).reshape(*lead, out)
-            x2 = xq.astype(jnp.float32) * xs
+            # Each block's int8 x int8 sum exact in int32 (the CPU kernel's), then scaled.
+            g = k // groups
+            acc = jnp.einsum(
+                "mgi,gio->mgo",
+                xq.reshape(-1, groups, g),
+                kernel.reshape(groups, g, out),
+                preferred_element_type=jnp.int32,
+            )
+            y = jnp.sum(acc.astype(jnp.float32) * (xs[:, :, None] * scale), axis=1)
+            return y.astype(x.dtype).reshape(*lead, out)
         if groups == 1:
             y = jnp.dot(x2, kernel.astype(x2.dtype), preferred_element_type=jnp.float32) * scale
         else:
@@ -121,19 +143,24 @@ class QuantMatmul(CustomOp):
         minimum: jax.Array | None = None,
     ) -> jax.Array:
         lead, k = x.shape[:-1], x.shape[-1]
-        rows = math.prod(lead)
+        rows, groups = math.prod(lead), scale.shape[0]
         w8a8 = self.activations == "int8"
         if (
             kernel.dtype not in (jnp.int8, jnp.uint8)
-            or (w8a8 and rows > W8A8_KERNEL_MAX_ROWS)
+            # Per token, many rows: XLA's int8 x int8 dot.
+            or (w8a8 and groups == 1 and rows > W8A8_KERNEL_MAX_ROWS)
             or tp_mesh() is not None  # no partitioning rule: XLA would gather the kernel
             or not cpu_kernels_available()
         ):
             return self.forward_native(x, kernel, scale, minimum)
         x2 = x.reshape(-1, k).astype(jnp.float32)
-        if w8a8:  # the same rounded activations; the kernel's float sums are exact here
-            xq, xs = quantize_activations(x2)
-            x2 = xq.astype(jnp.float32) * xs
+        if w8a8:
+            xq, xs = quantize_activations(x2, groups)
+            if rows <= W8A8_KERNEL_MAX_ROWS:  # int8 x int8, exact int32 sums per group
+                return q8_matmul(xq, xs, kernel, scale).astype(x.dtype).reshape(*lead, -1)
+            # More rows in groups: the same rounded activations through the weight-only
+            # kernel's GEMM, whose float sums of these products are the same sums.
+            x2 = dequantize_activations(xq, xs)
         if kernel.dtype == jnp.uint8:  # int4: the kernel adds the minimums' term itself
             y = int4_matmul(x2, kernel, scale, minimum)
         else:

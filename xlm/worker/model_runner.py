@@ -27,6 +27,7 @@ from xlm.distributed.mesh import put_replicated, replicated, to_host
 from xlm.lora.adapter import LoRASpec
 from xlm.lora.slots import LoRASlots
 from xlm.metrics import startup
+from xlm.models.loader import resolve_dtype
 from xlm.multimodal.budget import encoder_cache_slots, tokens_per_image
 from xlm.worker import prompt_logprobs
 from xlm.worker.buckets import Buckets
@@ -501,7 +502,10 @@ class ModelRunner:
 
     def _other_specs(self) -> dict[ProgramKey, ProgramSpec]:
         """The prompt-logprobs program (and a multimodal model's encoder programs)."""
-        dtype = jax.tree_util.tree_leaves(self.state)[0].dtype
+        # The hidden states' dtype: the model's (not its first leaf's, which may be an int8
+        # embedding table under quantization).
+        model_config = self.config.model_config
+        dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
         hidden = self._replicated_shape((PROMPT_LOGPROB_ROWS, self.hidden_size), dtype)
         ids = self._replicated_shape((PROMPT_LOGPROB_ROWS,), jnp.int32)
         key = self._key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS)

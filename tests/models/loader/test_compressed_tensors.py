@@ -27,7 +27,7 @@ import pytest
 import xlm
 from tests.conftest import VOCAB_SIZE
 from tests.engine.reference import TINY_ENGINE, hf_greedy
-from tests.quantization.reference import PROJECTIONS, _fake_quantize_input
+from tests.quantization.reference import PROJECTIONS, quantize_inputs
 from tests.test_quantization import ATOL, NEW_TOKENS, greedy, log_softmax
 from tests.test_quantization import stored_params as stored
 from xlm.quantization import get_scheme, quantize_weight
@@ -149,7 +149,7 @@ def reference_model(path: str, scheme: str):
         assert module.weight.dtype == torch.float32, name  # decompressed
         module.quantization_enabled = False  # the package's activation step
         if scheme == "w8a8":
-            module.register_forward_pre_hook(_fake_quantize_input)
+            quantize_inputs(module, get_scheme(scheme), 1)  # per token, as the checkpoint
     return model
 
 

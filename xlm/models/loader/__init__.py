@@ -45,7 +45,7 @@ from xlm.models.loader.safetensors_format import (
 )
 from xlm.models.registry import ModelRegistry, base_model_lm
 from xlm.plugins import load_general_plugins
-from xlm.quantization import dequantize_weight, get_scheme, quantize
+from xlm.quantization import PER_CHANNEL, dequantize_weight, get_scheme, quantize
 
 logger = init_logger(__name__)
 
@@ -517,6 +517,9 @@ def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx
     # A compressed-tensors checkpoint's scheme (EngineArgs resolves it too; a ModelConfig
     # made directly must not dequantize the checkpoint into float projections).
     model_config.quantization = resolve_quantization(model_config.quantization, hf_config)
+    compressed = quantization_config(hf_config) is not None
+    if compressed:  # per-channel scales as stored (w8a8: per-token activations)
+        model_config.quant_layout = PER_CHANNEL
     dtype = resolve_dtype(model_config.dtype, hf_config)
     logger.info(
         "Loading %s (%s) as %s, dtype %s%s.",
@@ -529,7 +532,6 @@ def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx
     with set_current_xlm_config(xlm_config):
         model = build_abstract_model(model_cls, hf_config, dtype, model_config.seed)
     headless = base_model_lm(arch) is not None
-    compressed = quantization_config(hf_config) is not None
     if compressed and load_format == "safetensors":
         dtypes = safetensors_dtypes(model_config.model)
         if headless:

@@ -249,13 +249,14 @@ def checkpoint_layers(dtypes: dict[str, str]) -> tuple[list[str], list[str]]:
 
 
 def keep_float_projections(model: Any, dtypes: dict[str, str], dtype: Any) -> list[str]:
-    """Turn the quantized projections of an abstract `model` that the checkpoint left in
-    float (``ignore``d or untargeted layers) back to float kernels in `dtype`; returns
-    their kernel paths. A fused projection must be all quantized or all float."""
+    """Turn the quantized projections (and embedding tables) of an abstract `model` that the
+    checkpoint left in float (``ignore``d or untargeted layers; its embeddings and LM head,
+    which compressed-tensors never quantizes) back to float in `dtype`; returns their
+    kernel paths. A fused projection must be all quantized or all float."""
     from flax import nnx
 
     from xlm.distributed.tensor_parallel import logical_shape
-    from xlm.models.layers import Linear
+    from xlm.models.layers import Linear, VocabEmbedding
 
     flat = nnx.to_flat_state(nnx.state(model))
     variables = {".".join(map(str, path)): var for path, var in flat}
@@ -280,6 +281,7 @@ def keep_float_projections(model: Any, dtypes: dict[str, str], dtype: Any) -> li
             f"{quantized_kernels[path]} (quantized) and {float_kernels[path]} (float)"
         )
     for path, module in nnx.iter_modules(model):
-        if isinstance(module, Linear) and ".".join(map(str, (*path, "kernel"))) in float_kernels:
+        quantizable = isinstance(module, (Linear, VocabEmbedding))
+        if quantizable and ".".join(map(str, (*path, "kernel"))) in float_kernels:
             module.keep_float(dtype)
     return sorted(float_kernels)

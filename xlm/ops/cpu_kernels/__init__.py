@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import math
 import platform
 import shlex
 import shutil
@@ -48,6 +49,7 @@ _HERE = Path(__file__).parent
 _KERNELS = {
     "int8": ("quant_matmul.cc", "XlmInt8Matmul"),
     "int4": ("quant_matmul.cc", "XlmInt4Matmul"),
+    "q8": ("quant_matmul.cc", "XlmQ8Matmul"),
     "paged_attention": ("paged_attention.cc", "XlmPagedAttention"),
 }
 _LIBRARY = "xlm_cpu_kernels.so"
@@ -312,6 +314,68 @@ def int4_matmul(
     minimum = jnp.zeros(scale.shape, jnp.float32) if minimum is None else minimum
     weights = (w, scale.astype(jnp.float32), minimum.astype(jnp.float32))
     return _call("int4", x, 2 * w.shape[0], weights, max_workers)
+
+
+def _check_q8_matmul(xq: jax.Array, xscale: jax.Array, w: jax.Array, scale: jax.Array) -> None:
+    _check_int8_matmul(xq, w, scale)
+    groups = scale.shape[0]
+    if xq.dtype != jnp.int8 or xscale.shape != (*xq.shape[:-1], groups):
+        raise ValueError(
+            f"xq must be int8 [..., k] and xscale [..., G] with G={groups} (scale's); got "
+            f"{xq.dtype} {list(xq.shape)} and {list(xscale.shape)}"
+        )
+
+
+def q8_matmul_reference(
+    xq: jax.Array, xscale: jax.Array, w: jax.Array, scale: jax.Array
+) -> jax.Array:
+    """The plain-jnp int8 x int8 matmul: each group's int32 sums times both its scales."""
+    _check_q8_matmul(xq, xscale, w, scale)
+    groups, n = scale.shape
+    k = w.shape[0]
+    xg = xq.reshape(*xq.shape[:-1], groups, k // groups)
+    sums = jnp.einsum(
+        "...gi,gin->...gn", xg, w.reshape(groups, k // groups, n), preferred_element_type=jnp.int32
+    )
+    return jnp.sum(sums.astype(jnp.float32) * xscale[..., None] * scale, axis=-2)
+
+
+def q8_matmul(
+    xq: jax.Array,
+    xscale: jax.Array,
+    w: jax.Array,
+    scale: jax.Array,
+    *,
+    max_workers: int = 0,
+    scalar: bool = False,
+) -> jax.Array:
+    """y[..., j] = sum_g xscale[..., g] * scale[g, j] * sum_{i in group g} xq[..., i] * w[i, j]
+    in float32: int8 activations [..., k] with a scale per row and group (Q8_0's blocks),
+    int8 w [k, n], scale [G, n]; each group's products summed exactly in int32 (AVX2
+    maddubs/madd where the library was built with AVX2 and each group's rows are a multiple
+    of 4; `scalar`: the portable loops, as without AVX2). The jnp reference when the kernel
+    is unavailable."""
+    _check_q8_matmul(xq, xscale, w, scale)
+    if max_workers < 0:
+        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    if not available():
+        return q8_matmul_reference(xq, xscale, w, scale)
+    k, n = w.shape
+    lead = xq.shape[:-1]
+    call = jax.ffi.ffi_call(
+        _targets["q8"],
+        jax.ShapeDtypeStruct((math.prod(lead), n), jnp.float32),
+        vmap_method="sequential",
+    )
+    y = call(
+        xq.reshape(-1, k),
+        xscale.reshape(-1, scale.shape[0]).astype(jnp.float32),
+        w,
+        scale.astype(jnp.float32),
+        max_workers=np.int64(max_workers),
+        scalar=np.int64(scalar),
+    )
+    return y.reshape(*lead, n)
 
 
 # Cache element types the attention kernel reads.

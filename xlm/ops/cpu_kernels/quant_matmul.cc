@@ -13,6 +13,12 @@
 // them as it stores the group's first block (sums over x computed once per call): adding
 // them in XLA cost more than the kernel itself at one row.
 //
+// The q8 variant (XlmQ8Matmul, w8a8) takes x already quantized: int8 codes xq [m, k] with a
+// float32 scale per row and group of w, xscale [m, G] (G groups of 32: llama.cpp's Q8_0 x
+// Q8_0; G = 1: per token). Each group's products are summed exactly in int32 (AVX2:
+// maddubs + madd on four rows of w interleaved in registers; a portable loop otherwise or
+// when asked, `scalar`), then scaled by xscale * scale into y.
+//
 // XLA converts the whole int8 matrix to float before its dot, which at decode (m of 1 to
 // 8) costs several times the float32 dot itself. Here the int8 bytes are read once and
 // widened in registers (AVX2 + FMA; a portable loop elsewhere):
@@ -74,6 +80,9 @@ struct Problem {
   int64_t m, k, n, groups, group_size;
   const float* minimum = nullptr;  // int4: [G, n]
   const float* xsum = nullptr;     // int4: [m, G], each row's sum over each group of x
+  const int8_t* xq = nullptr;      // q8: x's int8 codes [m, k] (x is null)
+  const float* xscale = nullptr;   // q8: x's scales [m, G], one per row and group of w
+  bool scalar = false;             // q8: the portable loops even where AVX2 is built
 };
 
 constexpr int64_t kTileCols = 64;         // columns of one decode tile (a cache line of w)
@@ -421,7 +430,115 @@ void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
   }
 }
 
+// q8 (int8 x int8, Q8_0-style): y[r, j] = sum_g xscale[r, g] * scale[g, j] *
+// sum_{i in group g} xq[r, i] * w[i, j], each group's sum exact in int32.
+void q8_columns_scalar(const Problem& p, int64_t c0, int64_t c1) {
+  const int64_t width = c1 - c0, gs = p.group_size;
+  std::unique_ptr<int32_t[]> acc(new int32_t[width]);
+  for (int64_t r = 0; r < p.m; ++r) {
+    float* yr = p.y + r * p.n + c0;
+    std::fill(yr, yr + width, 0.0f);
+    for (int64_t g = 0; g < p.groups; ++g) {
+      std::fill(acc.get(), acc.get() + width, 0);
+      for (int64_t i = g * gs; i < (g + 1) * gs; ++i) {
+        const int32_t xi = p.xq[r * p.k + i];
+        const int8_t* wr = p.w + i * p.n + c0;
+        for (int64_t j = 0; j < width; ++j) acc[j] += xi * static_cast<int32_t>(wr[j]);
+      }
+      const float xs = p.xscale[r * p.groups + g];
+      const float* s = p.scale + g * p.n + c0;
+      for (int64_t j = 0; j < width; ++j) yr[j] += static_cast<float>(acc[j]) * (s[j] * xs);
+    }
+  }
+}
+
+#if XLM_HAVE_AVX2
+
+constexpr int64_t kQ8Cols = 16;  // columns of one q8 tile: two vectors of 8 int32 sums
+
+// y[r0 : r0 + MR, j0 : j0 + 16] (+)= one group's int32 sums times its two scales. Four rows
+// of w at a time are interleaved into [column][4 rows] bytes, so that maddubs + madd sum
+// 4 products per column into its int32 lane; maddubs multiplies unsigned by signed bytes,
+// so it gets |w| and x with w's sign (w = -128 reads as 128: still exact).
+template <int MR>
+void q8_tile(const Problem& p, int64_t r0, int64_t g, int64_t j0, bool first) {
+  const int64_t k = p.k, n = p.n, gs = p.group_size;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[MR][2];
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const int8_t* wr = p.w + g * gs * n + j0;
+  const int8_t* xr = p.xq + r0 * k + g * gs;
+  for (int64_t i = 0; i < gs; i += 4, wr += 4 * n) {
+    _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchBytes), _MM_HINT_T0);
+    const __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr));
+    const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + n));
+    const __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 2 * n));
+    const __m128i a3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 3 * n));
+    const __m128i lo01 = _mm_unpacklo_epi8(a0, a1), hi01 = _mm_unpackhi_epi8(a0, a1);
+    const __m128i lo23 = _mm_unpacklo_epi8(a2, a3), hi23 = _mm_unpackhi_epi8(a2, a3);
+    const __m256i w0 = _mm256_set_m128i(_mm_unpackhi_epi16(lo01, lo23),
+                                        _mm_unpacklo_epi16(lo01, lo23));  // columns 0-7
+    const __m256i w1 = _mm256_set_m128i(_mm_unpackhi_epi16(hi01, hi23),
+                                        _mm_unpacklo_epi16(hi01, hi23));  // columns 8-15
+    const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, xr + r * k + i, 4);
+      const __m256i xv = _mm256_set1_epi32(four);
+      const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(xv, w0));
+      const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(xv, w1));
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
+    }
+  }
+  const float* s = p.scale + g * n + j0;
+  const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r) {
+    const __m256 xs = _mm256_broadcast_ss(p.xscale + (r0 + r) * p.groups + g);
+    float* yp = p.y + (r0 + r) * n + j0;
+    __m256 y0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(yp);
+    __m256 y1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(yp + 8);
+    y0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(s0, xs), y0);
+    y1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(s1, xs), y1);
+    _mm256_storeu_ps(yp, y0);
+    _mm256_storeu_ps(yp + 8, y1);
+  }
+}
+
+// Groups outside (w read as group_size sequential streams, as decode_columns), 16-column
+// tiles of up to 4 rows of x inside; columns past the last whole tile take the portable
+// loops.
+void q8_columns_avx2(const Problem& p, int64_t c0, int64_t c1) {
+  const int64_t whole = c0 + (c1 - c0) / kQ8Cols * kQ8Cols;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    for (int64_t j = c0; j < whole; j += kQ8Cols) {
+      for (int64_t r = 0; r < p.m; r += 4) {
+        switch (std::min<int64_t>(4, p.m - r)) {
+          case 1: q8_tile<1>(p, r, g, j, g == 0); break;
+          case 2: q8_tile<2>(p, r, g, j, g == 0); break;
+          case 3: q8_tile<3>(p, r, g, j, g == 0); break;
+          default: q8_tile<4>(p, r, g, j, g == 0); break;
+        }
+      }
+    }
+  }
+  if (whole < c1) q8_columns_scalar(p, whole, c1);
+}
+
+#endif  // XLM_HAVE_AVX2
+
+void q8_columns(const Problem& p, int64_t c0, int64_t c1) {
+#if XLM_HAVE_AVX2
+  if (!p.scalar && p.group_size % 4 == 0) return q8_columns_avx2(p, c0, c1);
+#endif
+  q8_columns_scalar(p, c0, c1);
+}
+
 void compute_columns(const Problem& p, int64_t c0, int64_t c1) {
+  if (p.xq != nullptr) return q8_columns(p, c0, c1);
 #if XLM_HAVE_AVX2
   if (p.m >= kPackedMinRows) {
     packed_columns(p, c0, c1);
@@ -556,6 +673,35 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return RunMatmul(pool, p, max_workers);
 }
 
+ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
+                        ffi::Buffer<ffi::F32> xscale, ffi::Buffer<ffi::S8> w,
+                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
+                        int64_t max_workers, int64_t scalar) {
+  const auto xd = xq.dimensions(), xsd = xscale.dimensions(), wd = w.dimensions();
+  const auto sd = scale.dimensions(), yd = y->dimensions();
+  const std::string shapes = "xq " + shape_str(xd) + ", xscale " + shape_str(xsd) + ", w " +
+                             shape_str(wd) + ", scale " + shape_str(sd) + ", y " +
+                             shape_str(yd);
+  if (xd.size() != 2 || xsd.size() != 2 || wd.size() != 2 || sd.size() != 2 ||
+      yd.size() != 2) {
+    return ffi::Error::InvalidArgument("xlm_q8_matmul: every operand must be 2-D; got " +
+                                       shapes);
+  }
+  const int64_t m = xd[0], k = xd[1], n = wd[1], groups = sd[0];
+  if (wd[0] != k || sd[1] != n || groups < 1 || k % groups != 0 || xsd[0] != m ||
+      xsd[1] != groups || yd[0] != m || yd[1] != n) {
+    return ffi::Error::InvalidArgument(
+        "xlm_q8_matmul: want xq [m, k], xscale [m, G], w [k, n], scale [G, n] (G dividing "
+        "k), y [m, n]; got " + shapes);
+  }
+  Problem p{nullptr, w.typed_data(), nullptr, scale.typed_data(), y->typed_data(),
+            m,       k,            n,       groups,             k / groups};
+  p.xq = xq.typed_data();
+  p.xscale = xscale.typed_data();
+  p.scalar = scalar != 0;
+  return RunMatmul(pool, p, max_workers);
+}
+
 ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_workers) {
   const int64_t m = p.m, k = p.k, n = p.n;
   if (m == 0 || n == 0) return ffi::Error::Success();
@@ -635,4 +781,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmInt4Matmul, Int4MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // minimum [G, n]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
                                   .Attr<int64_t>("max_workers")  // threads to use; 0: all
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmQ8Matmul, Q8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // xq [m, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // xscale [m, G]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [k, n]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
+                                  .Attr<int64_t>("max_workers")  // threads to use; 0: all
+                                  .Attr<int64_t>("scalar")       // 1: the portable loops
 );
