@@ -53,10 +53,10 @@ def test_prometheus_logger_counts_the_host_kv_tier():
     logger.record(stats, None)
     logger.record(SchedulerStats(host_kv_cache_hits=96, host_kv_bytes_to_host=4096), None)
     text = generate_latest(logger.registry).decode()
-    assert 'xlm:host_kv_cache_usage_perc{model_name="m"} 0.0' in text
-    assert 'xlm:host_kv_cache_hits_total{model_name="m"} 96.0' in text
-    assert 'xlm:host_kv_bytes_to_host_total{model_name="m"} 4096.0' in text
-    assert 'xlm:host_kv_bytes_to_device_total{model_name="m"} 1024.0' in text
+    assert 'xlm:host_kv_cache_usage_perc{engine="0",model_name="m"} 0.0' in text
+    assert 'xlm:host_kv_cache_hits_total{engine="0",model_name="m"} 96.0' in text
+    assert 'xlm:host_kv_bytes_to_host_total{engine="0",model_name="m"} 4096.0' in text
+    assert 'xlm:host_kv_bytes_to_device_total{engine="0",model_name="m"} 1024.0' in text
 
 
 def test_logging_stat_logger_logs_one_line(caplog):

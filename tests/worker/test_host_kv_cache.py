@@ -103,7 +103,11 @@ def llama(tiny_checkpoint) -> str:
 def test_second_pass_hits_the_host_tier_and_matches_a_tierless_engine(llama):
     run = run_two_passes(llama, kv_offloading_size=0.01)
     check_run(run, 0.01, all_held=True)
-    assert run["host_hits"] == NUM_PROMPTS * FULL
+    # Every full block came from a cache (check_run); the second pass starts with the
+    # prompts pass 1 ended with, whose blocks the device pool may still hold: the host
+    # served the rest.
+    device_pool = TINY_ENGINE["num_gpu_blocks_override"] * TINY_ENGINE["block_size"]
+    assert NUM_PROMPTS * FULL - device_pool <= run["host_hits"] <= NUM_PROMPTS * FULL
     import xlm
 
     sp = xlm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
