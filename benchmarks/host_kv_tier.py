@@ -5,7 +5,8 @@ fewer than the workload's prefixes need), one with `kv_offloading_size=--host-gi
 turns. A round sends `--num-prefixes` requests, each a long prefix of `--prefix-len` tokens
 plus a fresh short suffix, so the device pool cannot keep them from one round to the next:
 without the tier every round prefills every prefix again, with it the prefixes come back
-from host memory. Round 0 fills the tier and is reported but left out of the medians.
+from host memory. Prompts are real text (peers_prompts.txt). Round 0 fills the tier and is
+reported but left out of the medians.
 
 Per engine and round: TTFT (median and p90 of first_token_time - arrival_time over the
 batch), the batch's output tok/s, prompt tokens served from the host tier, and bytes moved
@@ -107,14 +108,23 @@ def main() -> None:
         "tier": xlm.LLM(model=args.model, kv_offloading_size=args.host_gib, **engine),
         "no_tier": xlm.LLM(model=args.model, **engine),
     }
-    vocab = engines["tier"].llm_engine.config.model_config.hf_config.vocab_size
+    # Real text: the peers benchmark's passages, tokenized once and read as one stream; each
+    # prefix starts at its own place in it, each round's suffixes at fresh places.
+    tokenizer = engines["tier"].get_tokenizer()
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "peers_prompts.txt")) as f:
+        text = " ".join(line.strip() for line in f if line.strip() and not line.startswith("#"))
+    stream = tokenizer.encode(text, add_special_tokens=False)
     rng = np.random.default_rng(0)
-    prefixes = [
-        rng.integers(100, vocab, args.prefix_len).tolist() for _ in range(args.num_prefixes)
-    ]
+
+    def span(n: int) -> list[int]:
+        start = int(rng.integers(0, len(stream) - n))
+        return stream[start : start + n]
+
+    prefixes = [span(args.prefix_len) for _ in range(args.num_prefixes)]
     rows = []
     for r in range(args.rounds):
-        prompts = [p + rng.integers(100, vocab, args.suffix_len).tolist() for p in prefixes]
+        prompts = [p + span(args.suffix_len) for p in prefixes]
         tokens = {}
         for name, llm in engines.items():
             row = run_round(llm, prompts, args.max_tokens, xlm)
