@@ -178,6 +178,8 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, list[jax.Array]]:
         """input_ids [T] (or their embeddings [T, H]: a multimodal step's) ->
         (hidden_states [T, H], updated per-layer KV caches)."""
+        if inputs_embeds is None:  # text models whose model takes no embeddings (Gemma 2/3)
+            return self.model(input_ids, kv_caches, metadata)
         return self.model(input_ids, kv_caches, metadata, inputs_embeds)
 
     def compute_logits(self, hidden_states: jax.Array) -> jax.Array:

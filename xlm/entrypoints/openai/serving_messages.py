@@ -206,5 +206,5 @@ class AnthropicServingMessages:
         """The prompt's token count, rendered through the chat template as a request would be."""
         ctx = self.chat.ctx
         ctx.check_model(request.model)
-        prompt_ids = await ctx.run_blocking(self.chat.render, chat_request(request))
+        prompt_ids, _ = await ctx.run_blocking(self.chat.render, chat_request(request))
         return CountTokensResponse(input_tokens=len(prompt_ids))
