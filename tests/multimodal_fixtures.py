@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.conftest import _BASE, VOCAB_SIZE
+
 IMAGE_SIZE = 28
 PATCH_SIZE = 7
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2  # 16: the class token is dropped
-VOCAB_SIZE = 256
 IMAGE_TOKEN = "<image>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} "
@@ -62,18 +63,8 @@ def write_tiny_llava(path: str, seed: int = 0) -> str:
         patch_size=PATCH_SIZE,
         projection_dim=32,
     )
-    text = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    # The text model is the suite's tiny Llama, with room for a prompt of several images.
+    text = LlamaConfig(**dict(_BASE, max_position_embeddings=512))
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB_SIZE - 1)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
