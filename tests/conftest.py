@@ -17,11 +17,33 @@ os.environ.setdefault("XLM_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite's caches (dequantized GGUF weights, converted tokenizers, compiled programs)
 # live in a fresh temporary root, set at import, before anything reads it, so engines in
-# subprocesses inherit it and nothing reads or writes the user's ~/.cache/xlm.
-TEST_CACHE_ROOT = tempfile.mkdtemp(prefix="xlm-test-cache-")
+# subprocesses inherit it and nothing reads or writes the user's ~/.cache/xlm. The process
+# that imports this first (pytest-xdist's controller, or the only process under -n 0) makes
+# the root and removes it at exit; xdist's workers and the tests' subprocesses inherit it
+# through XLM_TEST_CACHE_ROOT, so a program or a dequantized checkpoint one worker built is
+# loaded by the other (the cache writes atomically, concurrent writers included).
+if "XLM_TEST_CACHE_ROOT" not in os.environ:
+    os.environ["XLM_TEST_CACHE_ROOT"] = tempfile.mkdtemp(prefix="xlm-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["XLM_TEST_CACHE_ROOT"], ignore_errors=True)
+TEST_CACHE_ROOT = os.environ["XLM_TEST_CACHE_ROOT"]
 os.environ["XLM_CACHE_ROOT"] = TEST_CACHE_ROOT
 os.environ["XLM_COMPILATION_CACHE_DIR"] = os.path.join(TEST_CACHE_ROOT, "compiled_programs")
-atexit.register(shutil.rmtree, TEST_CACHE_ROOT, ignore_errors=True)
+# Compiling dominates the suite's time (tiny models run in milliseconds) and LLVM's
+# optimisation passes are most of a CPU compile: the suite compiles without them. The
+# programs are the same HLO (the same fusions, dots and kernels); only the machine code of
+# the fusions is less optimised, which changes no result the tests compare. Benchmarks and
+# users compile with XLA's default. Subprocesses that set their own device count keep it
+# through fake_devices_env().
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def fake_devices_env(count: int, **extra: str) -> dict[str, str]:
+    """This process's environment for a subprocess with `count` fake CPU devices."""
+    flags = f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={count}"
+    return dict(os.environ, XLA_FLAGS=flags, **extra)
+
 
 VOCAB_SIZE = 256
 _BASE = dict(
