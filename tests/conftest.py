@@ -39,6 +39,17 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Longest test files first (tests/ci/file_seconds.json, refreshed by
+    tests/ci/file_seconds.py), each file's tests in their own order."""
+    import json
+
+    table = os.path.join(os.path.dirname(__file__), "ci", "file_seconds.json")
+    with open(table) as f:
+        seconds = json.load(f)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0))
+
+
 def fake_devices_env(count: int, **extra: str) -> dict[str, str]:
     """This process's environment for a subprocess with `count` fake CPU devices."""
     flags = f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={count}"
