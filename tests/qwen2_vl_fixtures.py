@@ -103,7 +103,6 @@ def write_tiny_qwen_vl(path: str, v25: bool, seed: int = 0) -> str:
     from transformers import (
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
     )
 
     config = _configs(v25)

@@ -13,7 +13,6 @@ xlm.worker.pooling_model_runner's subclass.
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from collections import deque
 from typing import Any
