@@ -170,3 +170,18 @@ def test_tensor_parallel(tiny_qwen_vl, tmp_path):
     want = [transformers_greedy(tiny_qwen_vl, ids, [im], 6) for im in images]
     assert result["tokens"] == want
     assert result["compiled_after_warmup"] == 0
+
+
+def test_outer_config_ties_the_embeddings():
+    from flax import nnx
+
+    from tests.qwen2_vl_fixtures import _configs
+    from xlm.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+    config = _configs(False)
+    config.tie_word_embeddings = True
+    config.text_config.tie_word_embeddings = False
+    model = Qwen2VLForConditionalGeneration(config, rngs=nnx.Rngs(0))
+    assert model.lm_head is None
+    # A checkpoint's lm_head copy (if any) is skipped, not loaded.
+    assert model.hf_weight_targets("lm_head.weight", {})[0].param == ""

@@ -182,6 +182,10 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def __init__(self, hf_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         super().__init__(hf_config.text_config, dtype=dtype, rngs=rngs)
+        # transformers 5 reads tying from the outer config (Qwen2-VL-2B ties).
+        if getattr(hf_config, "tie_word_embeddings", False) and self.lm_head is not None:
+            self.lm_head = None
+            self.tie_word_embeddings = True
         self.visual = Qwen2VisionTransformer(
             hf_config.vision_config, self.is_v25, dtype=dtype, rngs=rngs
         )
