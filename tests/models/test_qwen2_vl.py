@@ -1,5 +1,6 @@
 """Qwen2-VL and Qwen2.5-VL through LLM.generate and LLM.chat: greedy tokens equal
-transformers' (one image, two images of different sizes, an image shared by requests),
+transformers' (one image, two images of different sizes, an image shared by requests, an
+image cut by chunked prefill),
 usage counting the image tokens, no compile after warm-up, and TP=2 on fake devices."""
 
 from __future__ import annotations
@@ -87,6 +88,20 @@ def test_shared_image_is_encoded_once(qwen_vl_llm, tiny_qwen_vl):
         assert list(out.outputs[0].token_ids) == _reference(
             qwen_vl_llm, tiny_qwen_vl, prompt, [image]
         )
+
+
+def test_image_cut_by_chunked_prefill(qwen_vl_llm, tiny_qwen_vl):
+    # 50 words first: the step budget (64 tokens) ends inside the image's placeholders,
+    # so the second chunk's M-RoPE positions start mid-image.
+    words = " ".join(f"w{i}" for i in range(30, 80))
+    prompt = _prompt(words, IMAGE_PART, "w90 w91")
+    image = make_image(5, *SIZES[3])
+    before = qwen_vl_llm.llm_engine.encoder_cache_stats()
+    out = _run(qwen_vl_llm, prompt, [image])
+    after = qwen_vl_llm.llm_engine.encoder_cache_stats()
+    assert list(out.outputs[0].token_ids) == _reference(qwen_vl_llm, tiny_qwen_vl, prompt, [image])
+    assert after["misses"] - before["misses"] == 1
+    assert after["hits"] - before["hits"] == 1
 
 
 def test_chat_equals_transformers(qwen_vl_llm, tiny_qwen_vl):
