@@ -330,3 +330,12 @@ def on_platform(monkeypatch):
 
     yield use
     platforms._reset_current_platform()
+
+
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
+def tiny_qwen_vl(request, tmp_path_factory) -> str:
+    """Directory of a tiny random Qwen2-VL / Qwen2.5-VL checkpoint (tests.qwen2_vl_fixtures)."""
+    from tests.qwen2_vl_fixtures import write_tiny_qwen_vl
+
+    path = tmp_path_factory.mktemp(request.param) / request.param
+    return write_tiny_qwen_vl(str(path), v25=request.param == "qwen2_5_vl")
