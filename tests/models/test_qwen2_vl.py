@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import xlm
+from tests.conftest import fake_devices_env
 from tests.engine.reference import TINY_ENGINE
 from tests.multimodal_fixtures import make_image
 from tests.qwen2_vl_fixtures import IMAGE_PART, MERGE_SIZE, transformers_greedy
@@ -164,7 +165,7 @@ def test_tensor_parallel(tiny_qwen_vl, tmp_path):
     if "qwen2_5_vl" not in tiny_qwen_vl:
         pytest.skip("one family under TP is enough (Qwen2.5-VL: windows and full layers)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = fake_devices_env(8)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     prompt = _prompt(IMAGE_PART, "w5 w9 w13")
