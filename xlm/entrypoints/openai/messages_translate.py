@@ -39,18 +39,22 @@ def _image_part(block: ImageBlockParam, where: str) -> dict[str, Any]:
         media_type, data = source.get("media_type"), source.get("data")
         if not isinstance(media_type, str) or not media_type.startswith("image/"):
             raise OpenAIError(
-                f"{where}.source.media_type={media_type!r} is invalid: an image/* type "
+                f"{where}: the image block's source.media_type={media_type!r} is invalid: "
+                "an image/* type "
                 "(image/jpeg, image/png, image/gif, image/webp)",
                 param="messages",
             )
         if not isinstance(data, str):
-            raise OpenAIError(f"{where}.source.data must be a base64 string", param="messages")
+            raise OpenAIError(
+                f"{where}: the image block's source.data must be a base64 string",
+                param="messages",
+            )
         return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
     if kind == "url" and isinstance(source.get("url"), str):
         return {"type": "image_url", "image_url": {"url": source["url"]}}
     raise OpenAIError(
-        f"{where}.source of type {kind!r} is invalid: allowed 'base64' (with media_type and "
-        "data) and 'url' (with url)",
+        f"{where}: the image block's source of type {kind!r} is invalid: allowed 'base64' "
+        "(with media_type and data) and 'url' (with url)",
         param="messages",
     )
 
