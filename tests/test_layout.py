@@ -43,7 +43,6 @@ NOT_YET_MIRRORED = {
     "xlm/entrypoints/serve.py",
     "xlm/executor/multihost.py",
     "xlm/executor/uniproc.py",
-    "xlm/ray/processor.py",
     "xlm/ray/replica.py",
     "xlm/worker/compilation.py",
     "xlm/worker/model_runner.py",

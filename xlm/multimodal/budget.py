@@ -64,3 +64,13 @@ def encoder_cache_slots(hf_config: Any, max_num_batched_tokens: int, model_dir: 
     if per_image is None:
         return 0
     return max(MIN_ENCODER_SLOTS, -(-max_num_batched_tokens // per_image) + 2)
+
+
+def encoder_pool_bytes(hf_config: Any, max_num_batched_tokens: int, itemsize: int) -> int:
+    """Bytes of the encoder cache's device pool on each device (it is replicated): one
+    scratch row and each slot's image tokens, of the model's hidden width (0: no images)."""
+    slots = encoder_cache_slots(hf_config, max_num_batched_tokens)
+    if not slots:
+        return 0
+    rows = 1 + slots * tokens_per_image(hf_config)
+    return rows * hf_config.hidden_size * itemsize
