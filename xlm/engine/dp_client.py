@@ -26,9 +26,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
 from xlm.engine.core_proc import EngineCoreProc
+from xlm.engine.dp_remote import RankRegistry, RemoteEngine
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
@@ -139,13 +141,35 @@ def _start_engines(
 
     parallel = xlm_config.parallel_config
     dp, tp = parallel.data_parallel_size, parallel.tensor_parallel_size
+    start_rank, local = parallel.data_parallel_start_rank, parallel.data_parallel_local_size
+    # Ranks on other hosts register with us over TCP (xlm serve --headless there).
+    remote = {
+        rank: RemoteEngine(rank, parallel.data_parallel_address or "127.0.0.1")
+        for rank in range(dp)
+        if not start_rank <= rank < start_rank + local
+    }
+    registry = (
+        RankRegistry(
+            parallel.data_parallel_address or "", parallel.data_parallel_rpc_port or 0, remote
+        )
+        if remote
+        else None
+    )
 
     def start(rank: int) -> Any:
+        if rank in remote:
+            remote[rank].wait_until_ready(envs.XLM_ENGINE_READY_TIMEOUT_S or 600.0)
+            place: dict[str, Any] = {"engine": remote[rank]}
+        else:
+            index = rank - start_rank
+            place = {
+                "rank_env": current_platform.data_parallel_env(index, tp),
+                "rank_cpus": current_platform.data_parallel_cpus(index, local),
+            }
         return client_class(
             rank_config(xlm_config, rank),
             engine_index=rank,
-            rank_env=current_platform.data_parallel_env(rank, tp),
-            rank_cpus=current_platform.data_parallel_cpus(rank, dp),
+            **place,
             **kwargs,
             **(rank_kwargs(rank) if rank_kwargs else {}),
         )
@@ -158,7 +182,11 @@ def _start_engines(
                 engines.append(future.result())
             except BaseException as e:  # the others started: stop them, report the first
                 error = error or e
+    if registry is not None:
+        registry.close()
     if error is not None:
+        for engine in remote.values():
+            engine.close()
         for engine in engines:
             engine.shutdown()
         raise error
