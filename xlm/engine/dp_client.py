@@ -17,7 +17,6 @@ fails only its own requests (finish reason "error"); the others keep serving.
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import queue
 import time
@@ -30,7 +29,7 @@ from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
 from xlm.engine.core_proc import EngineCoreProc
-from xlm.engine.dp_remote import RankRegistry, RemoteEngine
+from xlm.engine.dp_remote import RankRegistry, RemoteEngine, rank_config
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
@@ -118,15 +117,6 @@ class DataParallelRouter:
         for key in [k for k, r in self.prefix_rank.items() if r == rank]:
             del self.prefix_rank[key]
         return lost
-
-
-def rank_config(xlm_config: XlmConfig, rank: int) -> XlmConfig:
-    """The config of one rank's engine: the same, with its data_parallel_rank."""
-    config = copy.copy(xlm_config)
-    config.parallel_config = dataclasses.replace(
-        xlm_config.parallel_config, data_parallel_rank=rank
-    )
-    return config
 
 
 def _start_engines(

@@ -16,6 +16,8 @@ that vanished).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import ipaddress
 import json
 import multiprocessing
@@ -233,6 +235,15 @@ class RankRegistry:
         self.ctx.destroy(linger=1000)
 
 
+def rank_config(xlm_config: XlmConfig, rank: int) -> XlmConfig:
+    """The config of one rank's engine: the same, with its data_parallel_rank."""
+    config = copy.copy(xlm_config)
+    config.parallel_config = dataclasses.replace(
+        xlm_config.parallel_config, data_parallel_rank=rank
+    )
+    return config
+
+
 def register_rank(config: XlmConfig, rank: int, timeout: float) -> dict[str, str]:
     """Register `rank` with the front end; its input and output addresses."""
     parallel = config.parallel_config
@@ -262,7 +273,6 @@ def run_headless(
 ) -> int:
     """`xlm serve --headless`: run this host's ranks for an API server elsewhere, until
     they exit (the server stops them, or SIGTERM here); the exit code is the worst one."""
-    from xlm.engine.dp_client import rank_config
     from xlm.platforms import current_platform
 
     parallel = config.parallel_config
