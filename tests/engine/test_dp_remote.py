@@ -141,3 +141,11 @@ def test_the_registry_refuses_ranks_it_does_not_wait_for():
         registry.close()
         engine.close()
     assert bind_host("10.0.0.2") == "10.0.0.2" and bind_host("xlm-0.xlm") == "*"
+
+
+def test_a_local_rank_that_fails_to_start_stops_the_wait_for_remote_ones(monkeypatch):
+    # Without the cancel, the remote rank (never started here) would be awaited for
+    # XLM_ENGINE_READY_TIMEOUT_S (above the test's timeout).
+    monkeypatch.setenv("XLM_ENGINE_READY_TIMEOUT_S", "600")
+    with pytest.raises(RuntimeError, match="boom at start"):
+        DPSyncMPClient(_config(free_ports(1), 0, fail_start=True), True, FakeEngineCoreProc)

@@ -22,7 +22,7 @@ import queue
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 from xlm import envs
@@ -166,6 +166,9 @@ def _start_engines(
 
     with ThreadPoolExecutor(max_workers=dp, thread_name_prefix="xlm-dp-start") as pool:
         futures = [pool.submit(start, rank) for rank in range(dp)]
+        if any(f.exception() for f in wait(futures, return_when=FIRST_EXCEPTION).done):
+            for engine in remote.values():  # no use waiting for the others to register
+                engine.cancelled.set()
         engines, error = [], None
         for future in futures:
             try:

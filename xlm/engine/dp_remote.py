@@ -86,6 +86,8 @@ class RemoteEngine:
         local = "127.0.0.1" if host == "*" else host
         self.output_address = f"tcp://{local}:{out_port}"
         self.registered = threading.Event()
+        # Set when another rank failed to start: stop waiting for this one.
+        self.cancelled = threading.Event()
         self.peer: str | None = None
         self.closing = False
         self.dead_message: str | None = None
@@ -99,7 +101,9 @@ class RemoteEngine:
     def wait_until_ready(self, timeout: float) -> None:
         """Wait for the rank's registration, then its READY; then watch its connection."""
         deadline = time.monotonic() + timeout
-        if not self.registered.wait(timeout):
+        while not self.registered.wait(0.2) and time.monotonic() < deadline:
+            self._check_cancelled()
+        if not self.registered.is_set():
             raise RuntimeError(
                 f"data-parallel rank {self.rank} did not register within {timeout:.0f} s: "
                 "start it with xlm serve MODEL --headless --data-parallel-start-rank ... on "
@@ -107,6 +111,7 @@ class RemoteEngine:
             )
 
         def check_alive() -> None:
+            self._check_cancelled()
             if self._poll_monitor(0):
                 raise RuntimeError(
                     f"data-parallel rank {self.rank} on {self.peer} disconnected before it "
@@ -120,6 +125,10 @@ class RemoteEngine:
             target=self._watch, daemon=True, name=f"xlm-dp-rank{self.rank}"
         )
         self._watcher.start()
+
+    def _check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise RuntimeError(f"data-parallel rank {self.rank}: start cancelled")
 
     def _poll_monitor(self, timeout_ms: int) -> bool:
         """Read connection events; True once the rank's connection dropped after READY."""
@@ -141,7 +150,8 @@ class RemoteEngine:
                 if self.closing:
                     return
                 message = f"data-parallel rank {self.rank} on {self.peer} disconnected"
-                self.dead_message = message
+                if self.dead_message is None:  # else it said why before it went
+                    self.dead_message = message
                 logger.error("%s", message)
                 push_engine_dead(self.ctx, self.output_address, message)
                 return
