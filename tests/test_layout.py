@@ -40,7 +40,6 @@ NOT_YET_MIRRORED = {
     "xlm/entrypoints/openai/serving_embedding.py",
     "xlm/entrypoints/openai/serving_engine.py",
     "xlm/entrypoints/run_batch.py",
-    "xlm/entrypoints/serve.py",
     "xlm/executor/multihost.py",
     "xlm/executor/uniproc.py",
     "xlm/ray/replica.py",
