@@ -49,15 +49,7 @@ from xlm.worker.kv_allocation import KVCacheAllocation
 from xlm.worker.packing import pack
 from xlm.worker.programs import StepPrograms
 from xlm.worker.prompt_logprobs import PROMPT_LOGPROB_ROWS
-from xlm.worker.sleep_mode import (
-    SleepRecord,
-    check_weights,
-    device_bytes,
-    drop_weights,
-    flat_variables,
-    restore_weights,
-    swap_weights,
-)
+from xlm.worker.sleep_mode import RunnerSleep
 from xlm.worker.spec_decode import Proposer, Speculator
 from xlm.worker.step_inputs import StepInputs, prepare_inputs
 from xlm.worker.step_outputs import StepInFlight, read_sampled
@@ -108,7 +100,8 @@ class ModelRunner:
             num_blocks, self.block_size, kv_dtype, mesh=mesh, abstract=True
         )
         self._kv_cache = KVCacheAllocation(self._kv_spec, allocate=not abstract)
-        self._sleep: SleepRecord | None = None  # asleep: what wake_up needs
+        # Sleep mode and weight updates (xlm.worker.sleep_mode).
+        self.sleep_mode = RunnerSleep(self.state, self._kv_cache)
         # Host KV tier on: the host memory of evicted blocks and each step's copies.
         self.host_kv: HostKVCache | None = None
         if cache.num_host_blocks and not abstract:
@@ -220,43 +213,6 @@ class ModelRunner:
             store.shutdown()
         if self.host_kv is not None:
             self.host_kv.shutdown()
-
-    # ---- sleep mode and weight updates (xlm.worker.sleep_mode) -----------------------
-    @property
-    def sleep_level(self) -> int | None:
-        """The level this runner sleeps at, or None when awake."""
-        return None if self._sleep is None else self._sleep.level
-
-    def device_bytes(self) -> tuple[int, int]:
-        """(weights, KV cache) bytes this runner holds on this process's devices now."""
-        arrays = {id(v.get_value()): v.get_value() for v in flat_variables(self.state).values()}
-        weights = sum(device_bytes(a) for a in arrays.values())  # a shared array once
-        kv = 0 if self._sleep is not None else sum(device_bytes(a) for a in self.kv_caches)
-        return weights, kv
-
-    def sleep(self, level: int) -> SleepRecord:
-        """Free the weights (level 1: kept in host memory) and the KV cache."""
-        host, freed_weights = drop_weights(self.state, level)
-        caches = self.kv_caches
-        freed_kv = sum(device_bytes(a) for a in caches)
-        for array in caches:
-            array.delete()
-        self._kv_cache.arrays = []
-        self._sleep = SleepRecord(level, host, freed_weights, freed_kv)
-        return self._sleep
-
-    def wake_up(self, fresh: nnx.State | None = None) -> None:
-        """Put the weights back (level 2: `fresh`, the checkpoint read again) and a zeroed
-        KV cache, each as it was placed: the compiled programs take them."""
-        record, self._sleep = self._sleep, None
-        restore_weights(self.state, record.host, fresh)
-        self._kv_cache = KVCacheAllocation(self._kv_spec)
-
-    def update_weights(self, fresh: nnx.State, source: str) -> None:
-        """Take `fresh`'s tensors as the weights; ValueError (nothing changed) when a
-        tensor's shape or dtype differs."""
-        check_weights(self.state, fresh, source)
-        swap_weights(self.state, fresh)
 
     @property
     def kv_caches(self) -> list[Any]:
