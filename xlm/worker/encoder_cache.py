@@ -19,8 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlm.distributed.mesh import put_replicated, replicated
+from xlm.config import XlmConfig
+from xlm.distributed.mesh import put_replicated, replicated, replicated_shape
+from xlm.multimodal.budget import encoder_cache_slots, tokens_per_image
 from xlm.multimodal.inputs import features_in_range
+from xlm.worker.compilation import ProgramKey, ProgramKind, ProgramSpec, ProgramStore
 
 
 def image_count_buckets(slots: int) -> tuple[int, ...]:
@@ -69,7 +72,29 @@ class EncoderCache:
 
 
 class EncoderRunner:
-    """Encodes a step's images into the pool and maps its tokens to pool rows."""
+    """Encodes a step's images into the pool and maps its tokens to pool rows.
+
+    The runner's model program reads `pool`; `plan_step` maps a step's tokens to pool rows
+    and notes its images not yet encoded, which `encode_pending` encodes before the step.
+    """
+
+    @classmethod
+    def of(
+        cls, config: XlmConfig, graphdef: Any, state: Any, mesh: Any, abstract: bool
+    ) -> EncoderRunner | None:
+        """A multimodal model's encoder runner with its pool placed (its shape only on a
+        compile target's runner), or None for a text model."""
+        hf_config = config.model_config.hf_config
+        slots = encoder_cache_slots(hf_config, config.scheduler_config.max_num_batched_tokens)
+        if not slots:
+            return None
+        hidden = hf_config.hidden_size
+        encoder = cls(graphdef, state, slots, tokens_per_image(hf_config), hidden, mesh)
+        vision = hf_config.vision_config
+        encoder.pixel_shape = (vision.num_channels, vision.image_size, vision.image_size)
+        pool = replicated_shape(encoder.pool_shape(), encoder.dtype, mesh)
+        encoder.pool = pool if abstract else put_replicated(np.zeros(pool.shape, pool.dtype), mesh)
+        return encoder
 
     def __init__(
         self,
@@ -89,6 +114,9 @@ class EncoderRunner:
         self.mesh = mesh
         self.dtype = jax.tree_util.tree_leaves(state)[0].dtype
         self.encode_fn = jax.jit(self._encode_step, donate_argnums=(1,))
+        self.pixel_shape: tuple[int, ...] = ()
+        self.pool: Any = None
+        self.to_encode: list[Any] = []  # the planned step's images not in the cache
 
     def _encode_step(
         self, state: nnx.State, pool: jax.Array, pixels: jax.Array, rows: jax.Array
@@ -162,9 +190,45 @@ class EncoderRunner:
             i += bucket
         return pool
 
-    def spec_args(self, bucket: int, pixel_shape: tuple[int, ...], shape_of: Any) -> tuple:
-        """Example arguments of the encoder program for `bucket` images (for lowering)."""
-        return (
-            shape_of((bucket, *pixel_shape), jnp.float32),
-            shape_of((bucket, self.cache.tokens_per_image), jnp.int32),
+    def stats(self) -> dict[str, int]:
+        """Images found in the encoder cache (hits) and encoded (misses) so far."""
+        return {"hits": self.cache.hits, "misses": self.cache.misses}
+
+    def plan_step(
+        self, batch: Any, req_ids: list[str], num_scheduled: list[int], num_tokens_padded: int
+    ) -> np.ndarray:
+        """The step's `mm_rows` (step_rows over the InputBatch's requests); its images
+        not yet encoded wait for encode_pending."""
+        features = [batch.requests[r].mm_features for r in req_ids]
+        starts = batch.num_computed_tokens[batch.slots(req_ids)] if req_ids else []
+        mm_rows, self.to_encode = self.step_rows(
+            features, np.asarray(starts), np.asarray(num_scheduled), num_tokens_padded
         )
+        return mm_rows
+
+    def encode_pending(self, store: ProgramStore, state: Any, mesh_spec: Any) -> Any:
+        """Encode the planned step's images not in the cache (first, before the step's
+        model program reads the pool); the pool."""
+        if self.to_encode:
+
+            def program_for(bucket: int) -> Any:
+                key = ProgramKey(ProgramKind.ENCODER, bucket, mesh_spec)
+                return store.get(key, lambda: self.spec(state, bucket))
+
+            self.pool = self.encode(program_for, state, self.pool, self.to_encode)
+            self.to_encode = []
+        return self.pool
+
+    def spec(self, state: Any, bucket: int) -> ProgramSpec:
+        """The encoder program for `bucket` images (example arguments to lower with)."""
+        pool = replicated_shape(self.pool_shape(), self.dtype, self.mesh)
+        pixels = replicated_shape((bucket, *self.pixel_shape), jnp.float32, self.mesh)
+        rows = replicated_shape((bucket, self.cache.tokens_per_image), jnp.int32, self.mesh)
+        out_tree = jax.tree_util.tree_structure(0)
+        return ProgramSpec(self.encode_fn, (state, pool, pixels, rows), None, out_tree, self.mesh)
+
+    def specs(self, state: Any, mesh_spec: Any) -> dict[ProgramKey, ProgramSpec]:
+        """The encoder programs, one per image-count bucket."""
+        return {
+            ProgramKey(ProgramKind.ENCODER, b, mesh_spec): self.spec(state, b) for b in self.buckets
+        }

@@ -23,12 +23,11 @@ from flax import nnx
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from xlm.distributed.mesh import put_replicated, replicated, to_host
+from xlm.distributed.mesh import put_replicated, replicated_shape, to_host
 from xlm.lora.adapter import LoRASpec
 from xlm.lora.slots import LoRASlots
 from xlm.metrics import startup
 from xlm.models.loader import resolve_dtype
-from xlm.multimodal.budget import encoder_cache_slots, tokens_per_image
 from xlm.worker import prompt_logprobs
 from xlm.worker.buckets import Buckets
 from xlm.worker.compilation import (
@@ -116,7 +115,8 @@ class ModelRunner:
         self.sampling_key = config.model_config.seed << SAMPLING_KEY_SEED_SHIFT
         pooling = config.model_config.is_pooling
         self.programs = StepPrograms(self.graphdef, self.buckets, self._kv_spec, mesh, pooling)
-        self._init_encoder(config)
+        # A multimodal model's encoder cache and its programs (xlm.worker.encoder_cache).
+        self.encoder = EncoderRunner.of(config, self.graphdef, self.state, mesh, abstract)
         # Steps dispatched and not yet collected, oldest first (async scheduling keeps one
         # in flight while the next is scheduled; execute_model collects at once).
         self._in_flight: deque[StepInFlight | None] = deque()
@@ -141,43 +141,9 @@ class ModelRunner:
         keys = {b: self._bucket_keys(b) for b in self.buckets.token_buckets}
         self.readiness = BucketReadiness(self.program_store, self.buckets, keys)
 
-    def _init_encoder(self, config: XlmConfig) -> None:
-        """A multimodal model's encoder cache (xlm.worker.encoder_cache) and its pool."""
-        hf_config = config.model_config.hf_config
-        slots = encoder_cache_slots(hf_config, config.scheduler_config.max_num_batched_tokens)
-        self.encoder: EncoderRunner | None = None
-        self.mm_pool: Any = None
-        self._to_encode: list[Any] = []
-        if not slots:
-            return
-        self.encoder = EncoderRunner(
-            self.graphdef,
-            self.state,
-            slots,
-            tokens_per_image(hf_config),
-            self.hidden_size,
-            self.device_mesh,
-        )
-        vision = hf_config.vision_config
-        self._pixel_shape = (vision.num_channels, vision.image_size, vision.image_size)
-        self.mm_pool = self._device_zeros(self.encoder.pool_shape(), self.encoder.dtype)
-
     def encoder_cache_stats(self) -> dict[str, int]:
         """Images found in the encoder cache (hits) and encoded (misses) so far."""
-        if self.encoder is None:
-            return {"hits": 0, "misses": 0}
-        return {"hits": self.encoder.cache.hits, "misses": self.encoder.cache.misses}
-
-    def _encoder_spec(self, bucket: int) -> ProgramSpec:
-        pool = self._replicated_shape(self.encoder.pool_shape(), self.encoder.dtype)
-        pixels, rows = self.encoder.spec_args(bucket, self._pixel_shape, self._replicated_shape)
-        out_tree = jax.tree_util.tree_structure(0)
-        args = (self.state, pool, pixels, rows)
-        return ProgramSpec(self.encoder.encode_fn, args, None, out_tree, self.device_mesh)
-
-    def _encoder_program(self, bucket: int) -> Any:
-        key = self._key(ProgramKind.ENCODER, bucket)
-        return self.program_store.get(key, lambda: self._encoder_spec(bucket))
+        return {"hits": 0, "misses": 0} if self.encoder is None else self.encoder.stats()
 
     @property
     def proposer(self) -> Proposer | None:
@@ -229,8 +195,7 @@ class ModelRunner:
 
     def _replicated_shape(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
         """An array's shape, dtype and sharding (replicated), for specs to lower with."""
-        sharding = None if self.device_mesh is None else replicated(self.device_mesh)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return replicated_shape(shape, dtype, self.device_mesh)
 
     def _device_zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """Zeros on the device(s), or their shape on a compile target's runner."""
@@ -272,30 +237,18 @@ class ModelRunner:
         )
         self.sampling_key += 1
         if self.encoder is not None:
-            batch = self.input_batch
-            features = [batch.requests[r].mm_features for r in req_ids]
-            starts = batch.num_computed_tokens[batch.slots(req_ids)] if req_ids else []
-            mm_rows, self._to_encode = self.encoder.step_rows(
-                features, np.asarray(starts), np.asarray(num_scheduled), num_tokens_padded
+            out.arrays["mm_rows"] = self.encoder.plan_step(
+                self.input_batch, req_ids, num_scheduled, num_tokens_padded
             )
-            out.arrays["mm_rows"] = mm_rows
         return out
 
     def _run_model(self, num_tokens_padded: int, arrays: dict[str, Any]) -> tuple[Any, Any]:
         """Launch the step's model program; its logits (None when pooling) and hidden."""
         packed, layout = pack(arrays)
-        if self._to_encode:  # the step's images not in the encoder cache, first
-            self.mm_pool = self.encoder.encode(
-                self._encoder_program, self.state, self.mm_pool, self._to_encode
-            )
-            self._to_encode = []
-        model_args = (
-            self.state,
-            self.kv_caches,
-            self._put(packed),
-            self._prev_sampled,
-            self.mm_pool,
-        )
+        mm_pool = None
+        if self.encoder is not None:  # the step's images not in the encoder cache, first
+            mm_pool = self.encoder.encode_pending(self.program_store, self.state, self.mesh)
+        model_args = (self.state, self.kv_caches, self._put(packed), self._prev_sampled, mm_pool)
         program = self.program_store.get(
             self._key(ProgramKind.MODEL, num_tokens_padded),
             lambda: self.programs.model_spec(self.state, *model_args[2:], layout),
@@ -432,9 +385,7 @@ class ModelRunner:
             packed, layout = pack(arrays)
             packed = self._replicated_shape(packed.shape, packed.dtype)
             prev_sampled = self._replicated_shape((self._max_rows,), jnp.int32)
-            pool = None
-            if self.encoder is not None:
-                pool = self._replicated_shape(self.encoder.pool_shape(), self.encoder.dtype)
+            pool = None if self.encoder is None else self.encoder.pool
             model_spec = self.programs.model_spec(self.state, packed, prev_sampled, pool, layout)
             specs[self._key(ProgramKind.MODEL, bucket)] = model_spec
             specs.update(self._bucket_specs(bucket, arrays, model_spec))
@@ -467,8 +418,7 @@ class ModelRunner:
         key = self._key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS)
         specs = {key: self.programs.prompt_logprobs_spec(self.state, hidden, ids)}
         if self.encoder is not None:  # the encoder, by image count
-            for bucket in self.encoder.buckets:
-                specs[self._key(ProgramKind.ENCODER, bucket)] = self._encoder_spec(bucket)
+            specs.update(self.encoder.specs(self.state, self.mesh))
         return specs
 
     def _bucket_keys(self, bucket: int) -> list[ProgramKey]:
