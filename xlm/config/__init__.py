@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from xlm.config.checks import _positive_int, _require
+from xlm.config.compilation import STARTUP_PROGRAMS as STARTUP_PROGRAMS
+from xlm.config.compilation import CompilationConfig
 from xlm.config.kv_events import KVEventsConfig
+from xlm.config.parallel import ParallelConfig
 from xlm.config.speculative import SPECULATIVE_METHODS as SPECULATIVE_METHODS
 from xlm.config.speculative import SpeculativeConfig
 
@@ -289,163 +292,6 @@ class SchedulerConfig:
                 self.max_num_batched_tokens,
                 f">= max_model_len ({self.max_model_len}) when chunked prefill is off",
             )
-
-
-@dataclass
-class ParallelConfig:
-    """Device mesh and hosts: tensor and data parallel sizes, multi-host set-up."""
-
-    # Devices one engine shards the model over (its `model` mesh axis).
-    tensor_parallel_size: int = 1
-    # Engine cores behind one front end (data parallelism at the client level): each rank
-    # is its own process on its own group of tensor_parallel_size devices; the client
-    # routes each request to one rank (xlm/engine/dp_client.py).
-    data_parallel_size: int = 1
-    # This engine's rank among them (the data-parallel client sets it per engine).
-    data_parallel_rank: int = 0
-    # "uni": one process drives all local devices; "multihost": jax.distributed, one
-    # process per host, process 0 schedules and the others follow.
-    executor_backend: Literal["uni", "multihost"] = "uni"
-    # multihost only; None lets JAX detect them (TPU pods, SLURM, ...).
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    # A TPU slice to compile for instead of the local devices ("v5e:2x2"): weights and KV
-    # cache become sharded ShapeDtypeStructs and nothing runs (`xlm plan` only).
-    target_topology: str | None = None
-
-    def __post_init__(self) -> None:
-        owner = "ParallelConfig"
-        _positive_int(owner, "tensor_parallel_size", self.tensor_parallel_size)
-        _positive_int(owner, "data_parallel_size", self.data_parallel_size)
-        _require(
-            isinstance(self.data_parallel_rank, int)
-            and 0 <= self.data_parallel_rank < self.data_parallel_size,
-            owner,
-            "data_parallel_rank",
-            self.data_parallel_rank,
-            f"an integer in [0, {self.data_parallel_size})",
-        )
-        _require(
-            self.executor_backend in ("uni", "multihost"),
-            owner,
-            "executor_backend",
-            self.executor_backend,
-            "'uni' or 'multihost'",
-        )
-        _positive_int(owner, "num_processes", self.num_processes, optional=True)
-        if self.process_id is not None:
-            limit = self.num_processes
-            _require(
-                isinstance(self.process_id, int)
-                and self.process_id >= 0
-                and (limit is None or self.process_id < limit),
-                owner,
-                "process_id",
-                self.process_id,
-                f"an integer in [0, {limit})" if limit else "an integer >= 0",
-            )
-        if self.coordinator_address is not None:
-            host, _, port = self.coordinator_address.rpartition(":")
-            _require(
-                bool(host) and port.isdigit() and 0 < int(port) < 65536,
-                owner,
-                "coordinator_address",
-                self.coordinator_address,
-                "'host:port'",
-            )
-        _require(
-            self.data_parallel_size == 1 or self.executor_backend == "uni",
-            owner,
-            "data_parallel_size",
-            self.data_parallel_size,
-            "1 with executor_backend='multihost' (data-parallel ranks are 'uni' engines)",
-        )
-        if self.executor_backend == "uni":
-            _require(
-                self.num_processes in (None, 1),
-                owner,
-                "num_processes",
-                self.num_processes,
-                "1 with executor_backend='uni' (use 'multihost' for several processes)",
-            )
-
-    @property
-    def world_size(self) -> int:
-        """Devices one engine spans (each data-parallel rank is an engine of its own)."""
-        return self.tensor_parallel_size
-
-    @property
-    def is_multihost(self) -> bool:
-        return self.executor_backend == "multihost"
-
-
-STARTUP_PROGRAMS = ("all", "largest", "first-use", "used")
-
-
-@dataclass
-class CompilationConfig:
-    """Which ops use their platform kernels, the shape buckets, and the compile cache."""
-
-    # [] keeps each op's default; else "all" / "none" followed by "+name" / "-name".
-    custom_ops: list[str] = field(default_factory=list)
-    # Padded token counts per step (None: powers of two up to max_num_batched_tokens, with
-    # their 1.5x midpoints from 16 up).
-    token_buckets: list[int] | None = None
-    # Which programs are ready before the engine serves: "all"; "largest" (the largest
-    # token bucket's, which holds any step, the rest compiled in the background);
-    # "first-use" (none: the first step's bucket is compiled then, the rest in the
-    # background); "used" (each bucket when a step first needs it, nothing in the
-    # background: one-shot commands that exit after their prompt). Multi-host engines
-    # always compile all first (every process must run the same buckets).
-    startup_programs: str = "largest"
-    # Save compiled programs for the next start (directory: XLM_COMPILATION_CACHE_DIR).
-    enable_compilation_cache: bool = True
-
-    def __post_init__(self) -> None:
-        owner = "CompilationConfig"
-        _require(
-            isinstance(self.custom_ops, list | tuple),
-            owner,
-            "custom_ops",
-            self.custom_ops,
-            "a list of 'all', 'none', '+name', '-name'",
-        )
-        self.custom_ops = list(self.custom_ops)
-        for entry in self.custom_ops:
-            _require(
-                isinstance(entry, str)
-                and (entry in ("all", "none") or (len(entry) > 1 and entry[0] in "+-")),
-                owner,
-                "custom_ops",
-                entry,
-                "entries 'all', 'none', '+name' or '-name'",
-            )
-        _require(
-            not ("all" in self.custom_ops and "none" in self.custom_ops),
-            owner,
-            "custom_ops",
-            self.custom_ops,
-            "'all' or 'none', not both",
-        )
-        _require(
-            self.startup_programs in STARTUP_PROGRAMS,
-            owner,
-            "startup_programs",
-            self.startup_programs,
-            " or ".join(repr(m) for m in STARTUP_PROGRAMS),
-        )
-        for name in ("token_buckets",):
-            buckets = getattr(self, name)
-            if buckets is not None:
-                _require(
-                    len(buckets) > 0 and all(isinstance(b, int) and b > 0 for b in buckets),
-                    owner,
-                    name,
-                    buckets,
-                    "a non-empty list of positive integers",
-                )
-                setattr(self, name, sorted(set(buckets)))
 
 
 @dataclass
