@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from functools import partial
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ from flax import nnx
 
 from xlm.config import XlmConfig
 from xlm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from xlm.distributed.mesh import put_replicated, replicated_shape, to_host
+from xlm.distributed.mesh import put_replicated, to_host
 from xlm.lora.adapter import LoRASpec
 from xlm.lora.slots import LoRASlots
 from xlm.metrics import startup
@@ -193,18 +194,14 @@ class ModelRunner:
         """Host array -> device(s): replicated over the mesh when there is one."""
         return put_replicated(value, self.device_mesh)
 
-    def _replicated_shape(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-        """An array's shape, dtype and sharding (replicated), for specs to lower with."""
-        return replicated_shape(shape, dtype, self.device_mesh)
-
     def _device_zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """Zeros on the device(s), or their shape on a compile target's runner."""
         if self.abstract:
-            return self._replicated_shape(shape, dtype)
+            return self.programs.shape(shape, dtype)
         return self._put(np.zeros(shape, dtype))
 
     def _key(self, kind: ProgramKind, size: int) -> ProgramKey:
-        return ProgramKey(kind, size, self.mesh)
+        return self.programs.key(kind, size)
 
     # ---- host side -------------------------------------------------------------------
     def _prepare_inputs(
@@ -377,16 +374,14 @@ class ModelRunner:
 
     # ---- programs --------------------------------------------------------------------
     def program_specs(self) -> dict[ProgramKey, ProgramSpec]:
-        """Every program serving may need: one model program per token bucket with the
-        programs that read its outputs (_bucket_specs), and the others (_other_specs)."""
+        """Every program serving may need (xlm.worker.programs): one model program per
+        token bucket with the programs that read its outputs (_bucket_specs), and the
+        others (_other_specs)."""
         specs: dict[ProgramKey, ProgramSpec] = {}
+        pool = None if self.encoder is None else self.encoder.pool
         for bucket in self.buckets.token_buckets:
             arrays = self._prepare_inputs([], [], bucket).arrays
-            packed, layout = pack(arrays)
-            packed = self._replicated_shape(packed.shape, packed.dtype)
-            prev_sampled = self._replicated_shape((self._max_rows,), jnp.int32)
-            pool = None if self.encoder is None else self.encoder.pool
-            model_spec = self.programs.model_spec(self.state, packed, prev_sampled, pool, layout)
+            model_spec = self.programs.model_spec_of(self.state, arrays, pool)
             specs[self._key(ProgramKind.MODEL, bucket)] = model_spec
             specs.update(self._bucket_specs(bucket, arrays, model_spec))
         specs.update(self._other_specs())
@@ -395,17 +390,9 @@ class ModelRunner:
     def _bucket_specs(
         self, bucket: int, arrays: dict[str, Any], model_spec: ProgramSpec
     ) -> dict[ProgramKey, ProgramSpec]:
-        """The samplers a step of this token bucket may run (its rows follow the bucket)."""
-        specs = {}
-        for rows in self.buckets.sampler_buckets_for_tokens(bucket):
-            sampling = self.input_batch.sampling_metadata(np.zeros(0, np.intp), rows, 0)
-            packed, layout = pack(sampling)
-            packed = self._replicated_shape(packed.shape, packed.dtype)
-            logits = self._replicated_shape((rows, self.vocab_size), jnp.float32)
-            specs[self._key(ProgramKind.SAMPLER, rows)] = self.programs.sampler_spec(
-                logits, packed, layout
-            )
-        return specs
+        """The samplers a step of this token bucket may run."""
+        sampling_of = partial(self.input_batch.sampling_metadata, np.zeros(0, np.intp), step_seed=0)
+        return self.programs.sampler_specs(bucket, sampling_of, self.vocab_size)
 
     def _other_specs(self) -> dict[ProgramKey, ProgramSpec]:
         """The prompt-logprobs program (and a multimodal model's encoder programs)."""
@@ -413,10 +400,7 @@ class ModelRunner:
         # embedding table under quantization).
         model_config = self.config.model_config
         dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
-        hidden = self._replicated_shape((PROMPT_LOGPROB_ROWS, self.hidden_size), dtype)
-        ids = self._replicated_shape((PROMPT_LOGPROB_ROWS,), jnp.int32)
-        key = self._key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS)
-        specs = {key: self.programs.prompt_logprobs_spec(self.state, hidden, ids)}
+        specs = self.programs.prompt_logprobs_specs(self.state, self.hidden_size, dtype)
         if self.encoder is not None:  # the encoder, by image count
             specs.update(self.encoder.specs(self.state, self.mesh))
         return specs
