@@ -1,12 +1,12 @@
 """The model runner: scheduler output -> padded ragged batch -> the step's programs -> tokens.
 
-The runner owns the model state, the KV cache and the step's host state. Per-request
-state lives in the InputBatch (updated from each SchedulerOutput) and a step's padded
-arrays are built from it by xlm.worker.step_inputs; the program bodies and their specs are
-xlm.worker.programs'; which programs exist and how they are compiled, saved and warmed up
-is xlm.worker.compilation's; prompt logprobs are xlm.worker.prompt_logprobs'. Every step's
-inputs travel to the device in one packed transfer, and the KV cache is donated to the
-step so XLA updates it in place. A pooling model's runner is
+The runner dispatches a step and collects it. Per-request state lives in the InputBatch
+and a step's padded arrays are built from it by xlm.worker.step_inputs; the program
+bodies and specs are xlm.worker.programs'; compilation, saved programs and bucket
+readiness xlm.worker.compilation's; the encoder cache xlm.worker.encoder_cache's; sleep
+mode xlm.worker.sleep_mode's; LoRA slots xlm.lora.slots'; speculation
+xlm.worker.spec_decode's. Every step's inputs travel to the device in one packed
+transfer, and the KV cache is donated to the step. A pooling model's runner is
 xlm.worker.pooling_model_runner's subclass.
 """
 
@@ -125,7 +125,10 @@ class ModelRunner:
         # bucket) and which row each sampling request had: a token the host does not know
         # yet is read from there by the next step's program.
         self._max_rows = self.programs.max_rows
-        self._prev_sampled = self._device_zeros((self._max_rows,), jnp.int32)
+        prev_sampled = self.programs.shape((self._max_rows,), jnp.int32)
+        self._prev_sampled = (
+            prev_sampled if abstract else self._put(np.zeros(self._max_rows, np.int32))
+        )
         self._prev_rows: dict[str, int] = {}
         # Speculative decoding: proposals after each step (xlm.worker.spec_decode).
         self.speculator: Speculator | None = None
@@ -140,7 +143,9 @@ class ModelRunner:
             )
         )
         keys = {b: self._bucket_keys(b) for b in self.buckets.token_buckets}
-        self.readiness = BucketReadiness(self.program_store, self.buckets, keys)
+        draft = getattr(proposer, "runner", None)  # a draft model's programs count here too
+        others = [] if draft is None else [draft.program_store]
+        self.readiness = BucketReadiness(self.program_store, self.buckets, keys, others)
 
     def encoder_cache_stats(self) -> dict[str, int]:
         """Images found in the encoder cache (hits) and encoded (misses) so far."""
@@ -151,33 +156,15 @@ class ModelRunner:
         return None if self.speculator is None else self.speculator.proposer
 
     @property
-    def token_buckets(self) -> list[int]:
-        return list(self.buckets.token_buckets)
-
-    @property
     def num_compilations(self) -> int:
         """Programs compiled or loaded so far (a draft model's included); after warm-up it
         must not move."""
         host = 0 if self.host_kv is None else self.host_kv.num_compilations
-        return host + sum(s.num_compilations for s in self._program_stores())
-
-    def _program_stores(self) -> list[ProgramStore]:
-        draft = getattr(self.proposer, "runner", None)
-        return [self.program_store] + ([draft.program_store] if draft is not None else [])
-
-    def programs_ready(self) -> tuple[int, int]:
-        """(ready, registered) step programs, a draft model's included."""
-        stores = self._program_stores()
-        return sum(s.num_ready for s in stores), sum(s.num_registered for s in stores)
-
-    def wait_for_programs(self, timeout: float | None = None) -> bool:
-        """Wait for the background compilation; whether every program is ready."""
-        return all([s.wait(timeout) for s in self._program_stores()])
+        return host + self.readiness.num_compilations
 
     def shutdown(self) -> None:
         """Stop background compilation (a draft model's too) and the host tier's writer."""
-        for store in self._program_stores():
-            store.shutdown()
+        self.readiness.shutdown()
         if self.host_kv is not None:
             self.host_kv.shutdown()
 
@@ -194,12 +181,6 @@ class ModelRunner:
         """Host array -> device(s): replicated over the mesh when there is one."""
         return put_replicated(value, self.device_mesh)
 
-    def _device_zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        """Zeros on the device(s), or their shape on a compile target's runner."""
-        if self.abstract:
-            return self.programs.shape(shape, dtype)
-        return self._put(np.zeros(shape, dtype))
-
     def _key(self, kind: ProgramKind, size: int) -> ProgramKey:
         return self.programs.key(kind, size)
 
@@ -214,11 +195,9 @@ class ModelRunner:
     ) -> StepInputs:
         """Build the padded ragged batch (xlm.worker.step_inputs) and advance the key."""
         lora_slots = None
-        if self.lora is not None:
-            states = self.input_batch.requests
-            lora_slots = self.lora.slots_for([states[r].lora_request for r in req_ids])
-        elif self.lora_enabled:  # a compile target's runner: program shapes only
-            lora_slots = np.zeros(len(req_ids), np.int32)
+        if self.lora_enabled:  # a compile target's runner (no slots): program shapes only
+            loras = [self.input_batch.requests[r].lora_request for r in req_ids]
+            lora_slots = self.lora.slots_for(loras) if self.lora else np.zeros(len(loras), np.int32)
         out = prepare_inputs(
             self.input_batch,
             self.buckets,
@@ -297,7 +276,7 @@ class ModelRunner:
             self.kv_caches = self.host_kv.apply(self.kv_caches, transfers)
         batch = self.input_batch
         if self.lora is not None:
-            self.lora.track(scheduler_output, self._adapter_of)
+            self.lora.track(scheduler_output, self.input_batch.requests)
         batch.update(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if not req_ids:
@@ -316,10 +295,6 @@ class ModelRunner:
         in_flight = self._launch(req_ids, num_scheduled, step)
         in_flight.spec_lens, in_flight.started = spec_lens, started
         self._in_flight.append(in_flight)
-
-    def _adapter_of(self, req_id: str) -> Any:
-        state = self.input_batch.requests.get(req_id)
-        return None if state is None else state.lora_request
 
     def _launch(
         self, req_ids: list[str], num_scheduled: list[int], step: StepInputs
@@ -352,25 +327,16 @@ class ModelRunner:
         prompt_lps = prompt_logprobs.compute(
             step.prompt_plan, step.hidden, self._run_prompt_logprobs
         )
-        policy = None if self.speculator is None else self.speculator.policy
+        spec = self.speculator
+        policy = None if spec is None else spec.policy
         token_ids, logprobs = read_sampled(step, self.input_batch, policy)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             sampled_token_ids=token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_lps,
-            spec_token_ids=self._propose(step),
+            spec_token_ids=None if spec is None else spec.propose_after(step, self.input_batch),
         )
-
-    def _propose(self, step: StepInFlight) -> list[list[int]] | None:
-        """The next proposals (speculative decoding), after timing the step."""
-        if self.speculator is None:
-            return None
-        # Synchronous steps (speculation turns async scheduling off): dispatch to here
-        # is the step's time.
-        self.speculator.policy.record_step(step.bucket, time.perf_counter() - step.started)
-        req_ids = [r if step.has_output[i] else "" for i, r in enumerate(step.req_ids)]
-        return self.speculator.propose(self.input_batch, req_ids)
 
     # ---- programs --------------------------------------------------------------------
     def program_specs(self) -> dict[ProgramKey, ProgramSpec]:
