@@ -32,7 +32,6 @@ NOT_YET_MIRRORED = {
     "xlm/entrypoints/openai/engine_setup.py",
     "xlm/entrypoints/openai/routes/common.py",
     "xlm/entrypoints/openai/routes/generate.py",
-    "xlm/entrypoints/openai/routes/models.py",
     "xlm/entrypoints/openai/routes/system.py",
     "xlm/entrypoints/openai/serving_chat.py",
     "xlm/entrypoints/openai/serving_completion.py",
@@ -44,8 +43,6 @@ NOT_YET_MIRRORED = {
     "xlm/executor/uniproc.py",
     "xlm/ray/processor.py",
     "xlm/ray/replica.py",
-    "xlm/worker/compilation.py",
-    "xlm/worker/model_runner.py",
 }
 
 

@@ -34,7 +34,8 @@ def test_a_shape_mismatch_names_the_tensor_and_the_parameter():
     placer = _placer(w=(2, 3))
     with pytest.raises(ValueError, match=r"'model.w'.*\(3, 2\).*'w' shape \(2, 3\)$"):
         placer.place("model.w", "w", None, np.zeros((2, 3), np.float32).T, transposed=False)
-    with pytest.raises(ValueError, match=r"checkpoint shape \(2, 3\).*\(2, 3\) \(\[in, out\] kernel"):
+    kernel = r"checkpoint shape \(2, 3\).*\(2, 3\) \(\[in, out\] kernel"
+    with pytest.raises(ValueError, match=kernel):
         placer.place("model.w", "w", None, np.zeros((3, 2), np.float32), transposed=True)
     with pytest.raises(KeyError, match="unknown parameter 'v'"):
         placer.place("model.v", "v", None, np.zeros(1, np.float32))
