@@ -136,14 +136,21 @@ class ModelRunner:
             self.speculator = Speculator.of(
                 config.speculative_config, proposer, self.buckets.token_bucket
             )
+        self._init_program_store(config, num_blocks, kv_dtype, proposer)
+
+    def _init_program_store(
+        self, config: XlmConfig, num_blocks: int, kv_dtype: Any, proposer: Proposer | None
+    ) -> None:
+        """The store of this runner's programs (saved ones keyed by the engine's
+        fingerprint) and the readiness of its buckets, a draft model's programs counted."""
         self.program_store = ProgramStore(
             ExecutableCache(
-                None if abstract else executable_cache_dir(config),
+                None if self.abstract else executable_cache_dir(config),
                 engine_fingerprint(config, num_blocks, kv_dtype, self.mesh),
             )
         )
         keys = {b: self._bucket_keys(b) for b in self.buckets.token_buckets}
-        draft = getattr(proposer, "runner", None)  # a draft model's programs count here too
+        draft = getattr(proposer, "runner", None)
         others = [] if draft is None else [draft.program_store]
         self.readiness = BucketReadiness(self.program_store, self.buckets, keys, others)
 
