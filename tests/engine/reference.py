@@ -10,7 +10,7 @@ import numpy as np
 # pool small enough that a batch of 32 requests must preempt. Tests that build engines
 # with the same shapes share compiled programs through the session compilation cache.
 # They compile every program first, so their compile counts are exact from the start
-# (tests/worker/test_background_compilation.py covers the other start-up modes).
+# (tests/worker/test_compilation.py covers the other start-up modes).
 TINY_ENGINE = dict(
     startup_programs="all",
     max_model_len=256,

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from xlm.config import CacheConfig, SchedulerConfig
+from xlm.core.admission import check_new_request
 from xlm.core.kv_cache_manager import KVCacheManager
 from xlm.core.kv_events import KVCacheEvent
 from xlm.core.outputs import (
@@ -20,7 +21,7 @@ from xlm.core.outputs import (
 from xlm.core.request import Request, RequestStatus
 from xlm.core.request_queue import create_request_queue
 from xlm.core.sampled_tokens import append_sampled_tokens, roll_back_rejected
-from xlm.core.step_plan import StepPlan
+from xlm.core.step_plan import StepPlan, trim_proposals
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -120,28 +121,7 @@ class Scheduler:
         """Queue a new request; ValueError if it is malformed or could never fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in the scheduler")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        if request.lora_request is not None and self.max_loras is None:
-            raise ValueError(
-                f"request {request.request_id!r} names LoRA adapter "
-                f"{request.lora_request.lora_name!r} but LoRA is off: start the engine with "
-                "enable_lora=True (--enable-lora)"
-            )
-        if num_prompt > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: the prompt has {num_prompt} tokens, longer "
-                f"than max_model_len={self.max_model_len}"
-            )
-        if not self.kv_cache_manager.can_fit(num_prompt):
-            need = self.kv_cache_manager.num_blocks_to_fit(num_prompt)
-            have = self.kv_cache_manager.num_usable_blocks
-            raise ValueError(
-                f"request {request.request_id!r}: the prompt has {num_prompt} tokens and needs "
-                f"{need} KV cache blocks of {self.block_size} tokens, but the cache has only "
-                f"{have} blocks ({have * self.block_size} tokens)"
-            )
+        check_new_request(request, self.max_model_len, self.kv_cache_manager, self.max_loras)
         constraint = getattr(request.sampling_params, "structured_outputs", None)
         if constraint is not None:
             if self.structured_output_manager is None:
@@ -223,7 +203,7 @@ class Scheduler:
             spec = request.spec_token_ids
             if spec:
                 request.spec_token_ids = []
-                spec = self._trim_proposals(request, spec, num_new, token_budget)
+                spec = trim_proposals(request, spec, num_new, token_budget, self.max_request_len)
                 num_new += len(spec)
             while True:
                 new_block_ids = allocate_slots(request, num_new)
@@ -249,19 +229,6 @@ class Scheduler:
                 step.spec_tokens[req_id] = spec
             i += 1
         step.token_budget = token_budget
-
-    def _trim_proposals(
-        self, request: Request, spec: list[int], num_new: int, token_budget: int
-    ) -> list[int]:
-        """The proposals worth verifying: only after a request's last token (a decode
-        step), within the step's budget, and no more than could still be output before
-        max_tokens or the length cap ends it (the step adds up to len(spec) + 1)."""
-        if num_new != 1 or request.num_output_placeholders:
-            return []
-        room = min(token_budget - 1, self.max_request_len - len(request.all_token_ids) - 1)
-        if request.max_tokens is not None:
-            room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
-        return spec[: max(room, 0)]
 
     def _schedule_waiting(self, step: StepPlan) -> None:
         """Admit waiting requests while the budget, the row cap and the blocks allow."""

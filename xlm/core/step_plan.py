@@ -47,3 +47,17 @@ class StepPlan:
         cached.new_block_ids.append(block_ids)
         cached.num_computed_tokens.append(num_computed)
         cached.new_token_ids.append(tokens)
+
+
+def trim_proposals(
+    request: Request, spec: list[int], num_new: int, token_budget: int, max_request_len: int
+) -> list[int]:
+    """The proposals worth verifying: only after a request's last token (a decode step),
+    within the step's budget, and no more than could still be output before max_tokens
+    or the length cap `max_request_len` ends it (the step adds up to len(spec) + 1)."""
+    if num_new != 1 or request.num_output_placeholders:
+        return []
+    room = min(token_budget - 1, max_request_len - len(request.all_token_ids) - 1)
+    if request.max_tokens is not None:
+        room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
+    return spec[: max(room, 0)]

@@ -94,6 +94,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def replicated_shape(shape: tuple[int, ...], dtype: Any, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
+    """An array's shape, dtype and sharding (replicated over `mesh`), for lowering with."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=None if mesh is None else replicated(mesh))
+
+
 def put_replicated(value: np.ndarray, mesh: Mesh | None) -> jax.Array:
     """A host array on every device of the mesh (each process places its own copies)."""
     if mesh is None:

@@ -58,11 +58,11 @@ class Executor(ABC):
 
     def programs_ready(self) -> tuple[int, int]:
         """(ready, registered) step programs: the rest compile in the background."""
-        return self.worker.model_runner.programs_ready()
+        return self.worker.model_runner.readiness.programs_ready()
 
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         """Wait for the background compilation; whether every program is ready."""
-        return self.worker.model_runner.wait_for_programs(timeout)
+        return self.worker.model_runner.readiness.wait(timeout)
 
     # LoRA adapters: this process's worker reads and checks them (a multihost follower
     # reads each from its directory when a step first needs it).

@@ -21,7 +21,7 @@ they all write the same slots in the same order (``remove`` runs on the leader o
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -137,15 +137,11 @@ class LoRASlots:
             if lora_id in self._removed:
                 self._forget(lora_id)
 
-    def track(
-        self,
-        scheduler_output: SchedulerOutput,
-        adapter_of: Callable[[str], LoRARequest | None],
-    ) -> None:
+    def track(self, scheduler_output: SchedulerOutput, requests: Mapping[str, Any]) -> None:
         """Count each adapter's live requests from a step's new and finished ones (one in
-        use is never dropped); `adapter_of`: a known request's adapter."""
+        use is never dropped); `requests`: the known requests' states (`lora_request`)."""
         for req_id in scheduler_output.finished_req_ids:
-            lora = adapter_of(req_id)
+            lora = getattr(requests.get(req_id), "lora_request", None)
             if lora is not None:
                 self.release(lora.lora_int_id)
         for new in scheduler_output.scheduled_new_reqs:

@@ -433,14 +433,42 @@ class BucketReadiness:
     start-up mode (``startup_programs``) that decides when the others are made ready."""
 
     def __init__(
-        self, store: ProgramStore, buckets: Buckets, keys: dict[int, list[ProgramKey]]
+        self,
+        store: ProgramStore,
+        buckets: Buckets,
+        keys: dict[int, list[ProgramKey]],
+        others: list[ProgramStore] | None = None,
     ) -> None:
         self.store = store
+        # Stores whose programs count with this one's (a draft model's).
+        self.others = others or []
         self.buckets = buckets
         # The programs a step of each token bucket runs (model and sampler, or pooler): a
         # table, not the runner's method, so this holds no reference back to the runner.
         self.keys = keys
         self.startup_programs = "all"
+
+    @property
+    def stores(self) -> list[ProgramStore]:
+        return [self.store, *self.others]
+
+    @property
+    def num_compilations(self) -> int:
+        """Programs compiled or loaded so far, the other stores' included."""
+        return sum(s.num_compilations for s in self.stores)
+
+    def programs_ready(self) -> tuple[int, int]:
+        """(ready, registered) programs, the other stores' included."""
+        return sum(s.num_ready for s in self.stores), sum(s.num_registered for s in self.stores)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background compilation; whether every program is ready."""
+        return all([s.wait(timeout) for s in self.stores])
+
+    def shutdown(self) -> None:
+        """Stop the background compilation (the other stores' too)."""
+        for store in self.stores:
+            store.shutdown()
 
     def bucket_keys(self, bucket: int) -> list[ProgramKey]:
         return self.keys[bucket]

@@ -23,8 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlm.distributed.mesh import put_replicated, replicated
+from xlm.config import XlmConfig
+from xlm.distributed.mesh import put_replicated, replicated, replicated_shape
+from xlm.models.loader import resolve_dtype
+from xlm.multimodal.budget import encoder_cache_slots, tokens_per_image
 from xlm.multimodal.inputs import features_in_range
+from xlm.worker.compilation import ProgramKey, ProgramKind, ProgramSpec, ProgramStore
 
 
 def image_count_buckets(slots: int) -> tuple[int, ...]:
@@ -105,17 +109,48 @@ class EncoderCache:
 
 
 class EncoderRunner:
-    """Encodes a step's images into the pool and maps its tokens to pool rows."""
+    """Encodes a step's images into the pool and maps its tokens to pool rows.
+
+    The runner's model program reads `pool`; `plan_step` maps a step's tokens to pool rows
+    and notes its images not yet encoded, which `encode_pending` encodes before the step.
+    """
+
+    @classmethod
+    def of(
+        cls, config: XlmConfig, model: Any, graphdef: Any, state: Any, mesh: Any, abstract: bool
+    ) -> EncoderRunner | None:
+        """A multimodal model's encoder runner with its pool placed (its shape only on a
+        compile target's runner), or None for a text model."""
+        hf_config, model_dir = config.model_config.hf_config, config.model_config.model
+        max_tokens = config.scheduler_config.max_num_batched_tokens
+        slots = encoder_cache_slots(hf_config, max_tokens, model_dir)
+        if not slots:
+            return None
+        per_image = tokens_per_image(hf_config, model_dir)
+        if hasattr(model, "encoder_layout"):  # images of varying size (Qwen2-VL)
+            layout = model.encoder_layout(hf_config, model_dir)
+        else:  # images of one size (LLaVA)
+            vision = hf_config.vision_config
+            shape = (vision.num_channels, vision.image_size, vision.image_size)
+            layout = ImageCountLayout(slots, shape, per_image)
+        # The pool holds embeddings in the model's compute dtype (the first state leaf can
+        # be an 8-bit kernel under quantization).
+        dtype = jnp.dtype(resolve_dtype(config.model_config.dtype, hf_config))
+        encoder = cls(graphdef, slots, per_image, hf_config.hidden_size, mesh, layout, dtype)
+        encoder.mrope = getattr(model, "mrope_positions", None)
+        pool = replicated_shape(encoder.pool_shape(), encoder.dtype, mesh)
+        encoder.pool = pool if abstract else put_replicated(np.zeros(pool.shape, pool.dtype), mesh)
+        return encoder
 
     def __init__(
         self,
         graphdef: Any,
-        state: Any,
         slots: int,
         tokens_per_image: int,
         hidden: int,
         mesh: jax.sharding.Mesh | None,
         layout: Any,
+        dtype: Any,
     ) -> None:
         self.cache = EncoderCache(slots, tokens_per_image)
         self.graphdef = graphdef
@@ -125,8 +160,12 @@ class EncoderRunner:
         # Under a mesh the pool and the images are replicated: every device runs the
         # whole encoder (docs/multimodal.md).
         self.mesh = mesh
-        self.dtype = jax.tree_util.tree_leaves(state)[0].dtype
+        self.dtype = dtype
         self.encode_fn = jax.jit(self._encode_step, donate_argnums=(1,))
+        # An M-RoPE model's step positions from its features (the model's mrope_positions).
+        self.mrope: Any = None
+        self.pool: Any = None
+        self.to_encode: list[Any] = []  # the planned step's images not in the cache
 
     def _encode_step(
         self, state: nnx.State, pool: jax.Array, inputs: dict, rows: jax.Array
@@ -197,6 +236,48 @@ class EncoderRunner:
             )
         return pool
 
-    def spec_args(self, bucket: int, shape_of: Any) -> tuple:
-        """Example arguments of the encoder program for one bucket (for lowering)."""
-        return self.layout.spec(bucket, shape_of)
+    def stats(self) -> dict[str, int]:
+        """Images found in the encoder cache (hits) and encoded (misses) so far."""
+        return {"hits": self.cache.hits, "misses": self.cache.misses}
+
+    def plan_step(
+        self, batch: Any, req_ids: list[str], num_scheduled: list[int], num_tokens_padded: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The step's `mm_rows` (step_rows over the InputBatch's requests) and, for an
+        M-RoPE model, its [3, T] positions (None otherwise); its images not yet encoded
+        wait for encode_pending."""
+        features = [batch.requests[r].mm_features for r in req_ids]
+        starts = batch.num_computed_tokens[batch.slots(req_ids)] if req_ids else []
+        starts, counts = np.asarray(starts), np.asarray(num_scheduled)
+        mm_rows, self.to_encode = self.step_rows(features, starts, counts, num_tokens_padded)
+        if self.mrope is None:
+            return mm_rows, None
+        return mm_rows, self.mrope(features, starts, counts, num_tokens_padded)
+
+    def encode_pending(self, store: ProgramStore, state: Any, mesh_spec: Any) -> Any:
+        """Encode the planned step's images not in the cache (first, before the step's
+        model program reads the pool); the pool."""
+        if self.to_encode:
+
+            def program_for(bucket: int) -> Any:
+                key = ProgramKey(ProgramKind.ENCODER, bucket, mesh_spec)
+                return store.get(key, lambda: self.spec(state, bucket))
+
+            self.pool = self.encode(program_for, state, self.pool, self.to_encode)
+            self.to_encode = []
+        return self.pool
+
+    def spec(self, state: Any, bucket: int) -> ProgramSpec:
+        """The encoder program for `bucket` images (example arguments to lower with)."""
+        pool = replicated_shape(self.pool_shape(), self.dtype, self.mesh)
+        inputs, rows = self.layout.spec(
+            bucket, lambda shape, dtype: replicated_shape(shape, dtype, self.mesh)
+        )
+        out_tree = jax.tree_util.tree_structure(0)
+        return ProgramSpec(self.encode_fn, (state, pool, inputs, rows), None, out_tree, self.mesh)
+
+    def specs(self, state: Any, mesh_spec: Any) -> dict[ProgramKey, ProgramSpec]:
+        """The encoder programs, one per bucket of the layout (image or patch count)."""
+        return {
+            ProgramKey(ProgramKind.ENCODER, b, mesh_spec): self.spec(state, b) for b in self.buckets
+        }

@@ -23,11 +23,16 @@ class KVCacheAllocation:
     (writing 1 GiB of zeros takes ~0.4 s on CPU); the first read waits for them."""
 
     def __init__(self, spec: list[jax.ShapeDtypeStruct], allocate: bool = True) -> None:
+        self.spec = spec
         self._arrays: list[Any] = spec  # a compile target's runner keeps the specs
         self._pending: Future | None = None
         if allocate:
-            self._pending = Future()
-            threading.Thread(target=_allocate, args=(spec, self._pending), daemon=True).start()
+            self.allocate()
+
+    def allocate(self) -> None:
+        """Zeroed arrays of the spec, on a thread (at start-up, and on waking up)."""
+        self._pending = Future()
+        threading.Thread(target=_allocate, args=(self.spec, self._pending), daemon=True).start()
 
     @property
     def arrays(self) -> list[Any]:

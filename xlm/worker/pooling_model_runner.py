@@ -69,13 +69,7 @@ class PoolingModelRunner(ModelRunner):
     ) -> dict[ProgramKey, ProgramSpec]:
         """The bucket's pooler, over the hidden states its model program makes."""
         rows = self._pooling_rows([], arrays["attn"].query_start_loc)
-        packed, layout = pack(rows)
-        hidden = self.programs.hidden_of(model_spec)
-        hidden = self._replicated_shape(hidden.shape, hidden.dtype)
-        spec = self.programs.pooler_spec(
-            hidden, self._replicated_shape(packed.shape, packed.dtype), layout
-        )
-        return {self._key(ProgramKind.POOLER, bucket): spec}
+        return self.programs.pooler_specs(bucket, rows, model_spec)
 
     def _other_specs(self) -> dict[ProgramKey, ProgramSpec]:
         return {}  # the pooler replaces the sampler and prompt logprobs

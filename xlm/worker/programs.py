@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlm.distributed.mesh import replicated
+from xlm.distributed.mesh import replicated, replicated_shape
 from xlm.ops import token_slots
 from xlm.worker import pooler
 from xlm.worker import sampler as sampler_lib
 from xlm.worker.buckets import LOGIT_ROW_TIERS, Buckets
-from xlm.worker.compilation import ProgramSpec
-from xlm.worker.packing import unpack
+from xlm.worker.compilation import MeshSpec, ProgramKey, ProgramKind, ProgramSpec
+from xlm.worker.packing import pack, unpack
+from xlm.worker.prompt_logprobs import PROMPT_LOGPROB_ROWS
 
 
 def weakly_bound(method: Any) -> Any:
@@ -73,6 +74,7 @@ class StepPrograms:
         self.buckets = buckets
         self.kv_spec = kv_spec
         self.mesh = mesh
+        self.mesh_spec = MeshSpec.of(mesh)
         # A pooling model's step has no language-model head: the pooler reads its hidden.
         self.pooling = pooling
         self.sampler_config = sampler_lib.SamplerConfig()
@@ -172,6 +174,53 @@ class StepPrograms:
         return jax.lax.with_sharding_constraint(tree, replicated(self.mesh))
 
     # ---- specs (what compilation lowers) -------------------------------------------------
+    def key(self, kind: ProgramKind, size: int) -> ProgramKey:
+        return ProgramKey(kind, size, self.mesh_spec)
+
+    def shape(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        """An argument's shape, dtype and (replicated) sharding, to lower with."""
+        return replicated_shape(shape, dtype, self.mesh)
+
+    def model_spec_of(self, state: Any, arrays: dict[str, Any], mm_pool: Any) -> ProgramSpec:
+        """The model program of a step whose host arrays are shaped as `arrays`."""
+        packed, layout = pack(arrays)
+        packed = self.shape(packed.shape, packed.dtype)
+        prev_sampled = self.shape((self.max_rows,), jnp.int32)
+        return self.model_spec(state, packed, prev_sampled, mm_pool, layout)
+
+    def sampler_specs(
+        self, bucket: int, sampling_of: Any, vocab_size: int
+    ) -> dict[ProgramKey, ProgramSpec]:
+        """The samplers a step of this token bucket may run (its rows follow the bucket);
+        `sampling_of(rows)`: the sampler's host arrays for that many rows."""
+        specs = {}
+        for rows in self.buckets.sampler_buckets_for_tokens(bucket):
+            packed, layout = pack(sampling_of(rows))
+            packed = self.shape(packed.shape, packed.dtype)
+            logits = self.shape((rows, vocab_size), jnp.float32)
+            specs[self.key(ProgramKind.SAMPLER, rows)] = self.sampler_spec(logits, packed, layout)
+        return specs
+
+    def prompt_logprobs_specs(
+        self, state: Any, hidden_size: int, dtype: Any
+    ) -> dict[ProgramKey, ProgramSpec]:
+        """The prompt-logprobs program over hidden states of the model's `dtype`."""
+        hidden = self.shape((PROMPT_LOGPROB_ROWS, hidden_size), dtype)
+        ids = self.shape((PROMPT_LOGPROB_ROWS,), jnp.int32)
+        key = self.key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS)
+        return {key: self.prompt_logprobs_spec(state, hidden, ids)}
+
+    def pooler_specs(
+        self, bucket: int, rows: dict[str, Any], model_spec: ProgramSpec
+    ) -> dict[ProgramKey, ProgramSpec]:
+        """The bucket's pooler over the hidden states its model program makes; `rows`:
+        the pooler's host arrays."""
+        packed, layout = pack(rows)
+        hidden = self.hidden_of(model_spec)
+        hidden = self.shape(hidden.shape, hidden.dtype)
+        spec = self.pooler_spec(hidden, self.shape(packed.shape, packed.dtype), layout)
+        return {self.key(ProgramKind.POOLER, bucket): spec}
+
     def model_spec(
         self, state: Any, packed: Any, prev_sampled: Any, mm_pool: Any, layout: Any
     ) -> ProgramSpec:

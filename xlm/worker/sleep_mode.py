@@ -20,6 +20,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from xlm.worker.kv_allocation import KVCacheAllocation
+
 # Adapter slots are runtime state, not checkpoint tensors: sleep keeps them on the host at
 # every level, and a weight update leaves them as they are.
 RUNTIME_LEAVES = ("lora_a", "lora_b")
@@ -168,3 +170,49 @@ def swap_weights(state: nnx.State, fresh: nnx.State) -> None:
         # The old array is not deleted: a step still in flight may read it; it goes with
         # its last reference.
         var.set_value(_placed_like(new[name].get_value(), old))
+
+
+class RunnerSleep:
+    """A runner's sleep state: its weights (`state`) and KV cache dropped, kept on the
+    host or put back, and its weights swapped for a checkpoint's."""
+
+    def __init__(self, state: nnx.State, kv_cache: KVCacheAllocation) -> None:
+        self.state = state
+        self.kv_cache = kv_cache
+        self.record: SleepRecord | None = None  # asleep: what wake_up needs
+
+    @property
+    def level(self) -> int | None:
+        """The level the runner sleeps at, or None when awake."""
+        return None if self.record is None else self.record.level
+
+    def device_bytes(self) -> tuple[int, int]:
+        """(weights, KV cache) bytes the runner holds on this process's devices now."""
+        arrays = {id(v.get_value()): v.get_value() for v in flat_variables(self.state).values()}
+        weights = sum(device_bytes(a) for a in arrays.values())  # a shared array once
+        kv = 0 if self.record is not None else sum(device_bytes(a) for a in self.kv_cache.arrays)
+        return weights, kv
+
+    def sleep(self, level: int) -> SleepRecord:
+        """Free the weights (level 1: kept in host memory) and the KV cache."""
+        host, freed_weights = drop_weights(self.state, level)
+        caches = self.kv_cache.arrays
+        freed_kv = sum(device_bytes(a) for a in caches)
+        for array in caches:
+            array.delete()
+        self.kv_cache.arrays = []
+        self.record = SleepRecord(level, host, freed_weights, freed_kv)
+        return self.record
+
+    def wake_up(self, fresh: nnx.State | None = None) -> None:
+        """Put the weights back (level 2: `fresh`, the checkpoint read again) and a zeroed
+        KV cache, each as it was placed: the compiled programs take them."""
+        record, self.record = self.record, None
+        restore_weights(self.state, record.host, fresh)
+        self.kv_cache.allocate()
+
+    def update_weights(self, fresh: nnx.State, source: str) -> None:
+        """Take `fresh`'s tensors as the weights; ValueError (nothing changed) when a
+        tensor's shape or dtype differs."""
+        check_weights(self.state, fresh, source)
+        swap_weights(self.state, fresh)

@@ -349,13 +349,13 @@ class Worker:
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes of weights and KV cache on this process's devices now (a draft's included)."""
-        sizes = [runner.device_bytes() for runner, _ in self._runners()]
+        sizes = [runner.sleep_mode.device_bytes() for runner, _ in self._runners()]
         return {"weights": sum(w for w, _ in sizes), "kv_cache": sum(k for _, k in sizes)}
 
     def sleep(self, level: int) -> dict[str, int]:
         """Free the weights (level 1: to host memory; level 2: dropped) and the KV cache;
         the device bytes freed."""
-        records = [runner.sleep(level) for runner, _ in self._runners()]
+        records = [runner.sleep_mode.sleep(level) for runner, _ in self._runners()]
         freed = {
             "weights": sum(r.freed_weight_bytes for r in records),
             "kv_cache": sum(r.freed_kv_bytes for r in records),
@@ -372,9 +372,9 @@ class Worker:
         """Weights and a zeroed KV cache back on the devices (level 2: weights re-read)."""
         for runner, config in self._runners():
             fresh = None
-            if runner.sleep_level == 2:
+            if runner.sleep_mode.level == 2:
                 fresh = nnx.state(get_model(config, mesh=self.mesh))
-            runner.wake_up(fresh)
+            runner.sleep_mode.wake_up(fresh)
         logger.info("Awake: weights and KV cache are back on the devices.")
 
     def update_weights(self, path: str) -> None:
@@ -398,6 +398,6 @@ class Worker:
             raise ValueError(
                 f"update_weights: could not load {path!r}: {e}; nothing was changed"
             ) from e
-        self.model_runner.update_weights(fresh, path)
+        self.model_runner.sleep_mode.update_weights(fresh, path)
         self._weights_config = config
         logger.info("Weights updated from %s.", path)

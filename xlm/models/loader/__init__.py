@@ -11,21 +11,18 @@ from __future__ import annotations
 import json
 import os
 import struct
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from xlm import envs, platforms
 from xlm.config import XlmConfig, set_current_xlm_config
-from xlm.distributed.tensor_parallel import logical_shape, to_physical
 from xlm.logger import init_logger
 from xlm.metrics import startup
 from xlm.models.classifier import as_seq_cls_model
@@ -38,6 +35,14 @@ from xlm.models.loader.compressed_tensors import (
 from xlm.models.loader.dummy_format import dummy_value
 from xlm.models.loader.gguf import iter_gguf_tensors, load_gguf_config
 from xlm.models.loader.gguf_quants import QuantizedWeight
+from xlm.models.loader.placement import (
+    WeightPlacer,
+    is_scale,
+    min_path,
+    scale_path,
+    sharding_for,
+    stored_dtype,
+)
 from xlm.models.loader.safetensors_format import (
     count_safetensors_tensors,
     iter_safetensors_tensors,
@@ -45,7 +50,7 @@ from xlm.models.loader.safetensors_format import (
 )
 from xlm.models.registry import ModelRegistry, base_model_lm
 from xlm.plugins import load_general_plugins
-from xlm.quantization import PER_CHANNEL, dequantize_weight, get_scheme, quantize
+from xlm.quantization import PER_CHANNEL, dequantize_weight
 
 logger = init_logger(__name__)
 
@@ -179,172 +184,6 @@ def _safetensors_complete(path: str) -> bool:
         return False
 
 
-def _sharding_for(var: nnx.Variable, shape: tuple[int, ...], mesh: Mesh | None) -> Any:
-    if mesh is None:
-        return None
-    names = list(var.get_metadata().get("out_sharding") or (None,) * len(shape))
-    for i, name in enumerate(names):
-        if name is not None and shape[i] % mesh.shape[name]:
-            logger.warning(
-                "Dimension %d (%d) is not divisible by mesh axis %r (%d): replicating it.",
-                i,
-                shape[i],
-                name,
-                mesh.shape[name],
-            )
-            names[i] = None
-    return NamedSharding(mesh, PartitionSpec(*names))
-
-
-class _WeightPlacer:
-    """Places parameter values on device, assembling packed parameters piece by piece."""
-
-    def __init__(self, variables: dict[str, nnx.Variable], dtype: Any, mesh: Mesh | None):
-        self.variables = variables
-        # Checkpoint-layout shapes; `_put` turns a value into the stored layout.
-        self.shapes = {p: checkpoint_shape(v) for p, v in variables.items()}
-        self.np_dtype = np.dtype(dtype)
-        self.mesh = mesh
-        self._placed: dict[str, jax.Array | Future] = {}
-        self._pending: dict[str, tuple[np.ndarray, int]] = {}
-        # Host copies (out of a memory map, often transposed) run on a thread per core
-        # while the next tensor is read: numpy copies without the GIL. A few in flight at
-        # most, so that host memory stays bounded by the tensors being copied.
-        workers = os.cpu_count() or 1
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="xlm-weights")
-        self._in_flight = threading.BoundedSemaphore(2 * workers)
-
-    @property
-    def placed(self) -> dict[str, jax.Array]:
-        """Every parameter placed so far (waits for the copies in flight)."""
-        for path, value in self._placed.items():
-            if isinstance(value, Future):
-                self._placed[path] = value.result()
-        return self._placed  # type: ignore[return-value]
-
-    def _copy_to_device(self, value: np.ndarray, dtype: np.dtype) -> jax.Array:
-        try:
-            # A fresh host array: the source may be a memory map that jax must not alias.
-            return jax.device_put(np.array(value, dtype))
-        finally:
-            self._in_flight.release()
-
-    def _put(self, path: str, value: np.ndarray) -> None:
-        var = self.variables[path]
-        metadata = var.get_metadata()
-        value = to_physical(value, metadata)
-        scheme = metadata.get("quantized")
-        if scheme is not None and value.dtype != np.dtype(var.dtype):
-            # A float kernel of a quantized projection: quantized here, with its scales
-            # (per column, so after the physical layout, which only moves columns), in
-            # the groups its scales have.
-            scales = scale_path(path)
-            groups = self.shapes[scales][0]
-            kernel, scale, minimum = quantize(
-                value, get_scheme(scheme), group_size=value.shape[0] // groups
-            )
-            self._put_physical(path, kernel)
-            self._put_physical(scales, scale)
-            if min_path(path) in self.variables:  # symmetric: no minimum
-                self._put_physical(
-                    min_path(path), np.zeros_like(scale) if minimum is None else minimum
-                )
-            return
-        self._put_physical(path, value)
-
-    def _put_physical(self, path: str, value: np.ndarray) -> None:
-        var = self.variables[path]
-        dtype = _stored_dtype(var, self.np_dtype)
-        sharding = _sharding_for(var, value.shape, self.mesh)
-        if sharding is None:
-            self._in_flight.acquire()
-            self._placed[path] = self._pool.submit(self._copy_to_device, value, dtype)
-            return
-        # Each device receives only its own slice (also the only slices this process
-        # addresses when the mesh spans hosts): never the whole tensor on one device.
-        self._placed[path] = jax.make_array_from_callback(
-            value.shape, sharding, lambda index: np.array(value[index], dtype)
-        )
-
-    def place_zeros(self, path: str) -> None:
-        """A parameter the checkpoint does not have, as zeros."""
-        self._put(path, np.zeros(self.shapes[path], self.np_dtype))
-
-    def place(
-        self, name: str, path: str, index: Any, value: np.ndarray, transposed: bool = False
-    ) -> None:
-        if path not in self.shapes:
-            raise KeyError(f"checkpoint tensor {name!r} maps to unknown parameter {path!r}")
-        shape = self.shapes[path]
-        if index is None:
-            if value.shape != shape:
-                raise ValueError(
-                    f"Shape mismatch for checkpoint tensor {name!r}: checkpoint shape "
-                    f"{_source_shape(value, transposed)} vs model parameter {path!r} shape "
-                    f"{shape}"
-                    + (" ([in, out] kernel of an [out, in] weight)" if transposed else "")
-                )
-            self._put(path, value)
-            return
-        if path not in self._pending:  # float pieces, or a quantized checkpoint's own
-            quantized = value.dtype == _stored_dtype(self.variables[path], self.np_dtype)
-            self._pending[path] = (np.zeros(shape, value.dtype if quantized else self.np_dtype), 0)
-        buf, filled = self._pending[path]
-        if buf[index].shape != value.shape:
-            raise ValueError(
-                f"Shape mismatch for checkpoint tensor {name!r}: checkpoint shape "
-                f"{_source_shape(value, transposed)} vs its slot in model parameter {path!r} "
-                f"{buf[index].shape} (parameter shape {shape})"
-            )
-        buf[index] = value
-        filled += value.size
-        if filled == buf.size:
-            self._pending.pop(path, None)
-            self._put(path, buf)
-        else:
-            self._pending[path] = (buf, filled)
-
-
-def checkpoint_shape(var: nnx.Variable) -> tuple[int, ...]:
-    """A parameter's shape in the checkpoint: its logical (unreplicated) shape, with a
-    packed int4 kernel's [in / 2, out] bytes counted as the [in, out] weight they hold."""
-    metadata = var.get_metadata()
-    shape = logical_shape(tuple(var.shape), metadata)
-    scheme = metadata.get("quantized")
-    if scheme is not None and get_scheme(scheme).packed:
-        return (shape[0] * 2, *shape[1:])
-    return shape
-
-
-def scale_path(kernel_path: str) -> str:
-    """The WeightScale beside a quantized kernel (xlm.models.layers.Linear)."""
-    return kernel_path.rpartition(".")[0] + ".weight_scale"
-
-
-def min_path(kernel_path: str) -> str:
-    """The per-group minimums beside a quantized kernel (GGUF types that have them)."""
-    return kernel_path.rpartition(".")[0] + ".weight_min"
-
-
-def _is_scale(var: nnx.Variable) -> bool:
-    from xlm.models.layers import WeightScale
-
-    return isinstance(var, WeightScale)
-
-
-def _stored_dtype(var: nnx.Variable, dtype: Any) -> np.dtype:
-    """The element type a parameter is stored in: the model's dtype, except quantized
-    kernels (their scheme's) and their scales (float32)."""
-    if "quantized" in var.get_metadata() or _is_scale(var):
-        return np.dtype(var.dtype)
-    return np.dtype(dtype)
-
-
-def _source_shape(value: np.ndarray, transposed: bool) -> tuple[int, ...]:
-    shape = tuple(value.shape)
-    return (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
-
-
 def _progress(iterable: Any, total: int | None, desc: str) -> Any:
     return tqdm(iterable, total=total, desc=desc, disable=envs.XLM_DISABLE_PROGRESS_BARS)
 
@@ -366,7 +205,7 @@ def load_weights(
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     variables = {".".join(map(str, path)): var for path, var in flat}
-    placer = _WeightPlacer(variables, dtype, mesh)
+    placer = WeightPlacer(variables, dtype, mesh)
     unused = []
     for name, array in _progress(tensors, total, "Loading weights"):
         targets = model.hf_weight_targets(name, placer.shapes)
@@ -397,9 +236,7 @@ def load_weights(
     return _merge(graphdef, flat, placer.placed)
 
 
-def _place_quantized(
-    placer: _WeightPlacer, name: str, target: Any, weight: QuantizedWeight
-) -> None:
+def _place_quantized(placer: WeightPlacer, name: str, target: Any, weight: QuantizedWeight) -> None:
     """A weight kept quantized (a GGUF's, a compressed-tensors checkpoint's): codes, scales
     and minimums to the kernel's parameters (already in the kernel's [in, out] layout; a
     fused target fills its columns of each). A parameter xlm keeps in float (MoE expert
@@ -434,13 +271,13 @@ def load_dummy_weights(
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     variables = {".".join(map(str, path)): var for path, var in flat}
-    placer = _WeightPlacer(variables, dtype, mesh)
+    placer = WeightPlacer(variables, dtype, mesh)
     empty = set(lora_paths(variables))
     for path in _progress(variables, len(variables), "Dummy weights"):
         if path in empty:  # adapter slots start empty
             placer.place_zeros(path)
             continue
-        if _is_scale(variables[path]):  # made as its kernel is quantized
+        if is_scale(variables[path]):  # made as its kernel is quantized
             continue
         placer.place(path, path, None, dummy_value(path, placer.shapes[path], seed))
     return _merge(graphdef, flat, placer.placed)
@@ -466,9 +303,9 @@ def abstract_weights(model: nnx.Module, *, dtype: Any, mesh: Mesh) -> nnx.Module
     values = {}
     for path, var in flat:
         shape = tuple(var.shape)
-        sharding = _sharding_for(var, shape, mesh)
+        sharding = sharding_for(var, shape, mesh)
         values[".".join(map(str, path))] = jax.ShapeDtypeStruct(
-            shape, _stored_dtype(var, dtype), sharding=sharding
+            shape, stored_dtype(var, dtype), sharding=sharding
         )
     return _merge(graphdef, flat, values)
 

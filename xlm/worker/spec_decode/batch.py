@@ -3,6 +3,7 @@ verifications and step times recorded after it, the next proposals asked for."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,13 @@ class Speculator:
                 batch.token_ids[slot, n : n + len(tokens)] = tokens
                 spec_lens[i] = len(tokens)
         return spec_lens
+
+    def propose_after(self, step: Any, batch: Any) -> list[list[int]]:
+        """The next proposals after a step (a StepInFlight) of the batch, timing it first:
+        speculation turns async scheduling off, so dispatch to here is the step's time."""
+        self.policy.record_step(step.bucket, time.perf_counter() - step.started)
+        req_ids = [r if step.has_output[i] else "" for i, r in enumerate(step.req_ids)]
+        return self.propose(batch, req_ids)
 
     def propose(self, batch: Any, req_ids: list[str]) -> list[list[int]]:
         """The next proposals of the requests that just sampled ("" for the others)."""
