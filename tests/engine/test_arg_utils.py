@@ -7,15 +7,8 @@ from xlm.config import CacheConfig, CompilationConfig, SchedulerConfig
 from xlm.engine.arg_utils import EngineArgs
 
 
-def test_unsupported_data_parallel_size_local_names_the_allowed_value():
-    with pytest.raises(ValueError, match="data_parallel_size_local=1 is not supported: allowed 2"):
-        EngineArgs(data_parallel_size=2, data_parallel_size_local=1).create_parallel_config()
-
-
 def test_startup_programs_is_the_one_start_up_option(capsys):
     import argparse
-
-    from xlm.engine.arg_utils import EngineArgs
 
     assert not hasattr(CompilationConfig(), "warmup")
     assert EngineArgs(startup_programs="used").startup_programs == "used"
@@ -41,7 +34,6 @@ def test_startup_programs_is_the_one_start_up_option(capsys):
 
 
 def test_engine_args_defaults_are_the_configs():
-    from xlm.engine.arg_utils import EngineArgs
 
     args = EngineArgs()
     assert args.max_num_seqs == SchedulerConfig().max_num_seqs
