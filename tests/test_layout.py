@@ -29,7 +29,6 @@ NOT_YET_MIRRORED = {
     "xlm/engine/arg_utils.py",
     "xlm/engine/core_proc.py",
     "xlm/engine/llm_engine.py",
-    "xlm/entrypoints/generate.py",
     "xlm/entrypoints/openai/engine_setup.py",
     "xlm/entrypoints/openai/routes/common.py",
     "xlm/entrypoints/openai/routes/generate.py",

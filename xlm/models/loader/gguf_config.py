@@ -94,7 +94,8 @@ def snapshot(config: Any) -> dict[str, Any]:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # reading deprecated aliases (torch_dtype) warns
     try:
-        for name in dir(config):
+        # dir() does not list the aliases (GPT-2's hidden_size for n_embd).
+        for name in sorted({*dir(config), *getattr(config, "attribute_map", {})}):
             if name.startswith("_"):
                 continue
             try:
