@@ -28,7 +28,6 @@ ALLOWLIST = {
 NOT_YET_MIRRORED = {
     "xlm/engine/core_proc.py",
     "xlm/engine/llm_engine.py",
-    "xlm/entrypoints/generate.py",
     "xlm/entrypoints/openai/routes/generate.py",
     "xlm/entrypoints/openai/serving_chat.py",
     "xlm/entrypoints/openai/serving_completion.py",

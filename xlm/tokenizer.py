@@ -19,8 +19,6 @@ def _is_gguf(path: str) -> bool:
 
 @lru_cache(maxsize=8)
 def _load_tokenizer(source: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
     if _is_gguf(source):
         # The GGUF reader lives in the models loader, which imports jax: only GGUF
         # tokenizers pay for that, so the import stays here.
@@ -28,6 +26,8 @@ def _load_tokenizer(source: str, trust_remote_code: bool) -> Any:
 
         tokenizer = gguf_tokenizer(source)
     else:
+        from transformers import AutoTokenizer  # imports torch where it is installed
+
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(

@@ -33,7 +33,8 @@ from xlm.models.loader.compressed_tensors import (
     resolve_quantization,
 )
 from xlm.models.loader.dummy_format import dummy_value
-from xlm.models.loader.gguf import iter_gguf_tensors, load_gguf_config
+from xlm.models.loader.gguf import iter_gguf_tensors
+from xlm.models.loader.gguf_config import cached_gguf_config
 from xlm.models.loader.gguf_quants import QuantizedWeight
 from xlm.models.loader.placement import (
     WeightPlacer,
@@ -65,7 +66,7 @@ def resolve_load_format(model: str, load_format: str) -> str:
 
 
 def load_hf_config(model: str, load_format: str = "auto") -> Any:
-    """The transformers config of a model directory or GGUF file."""
+    """The transformers config of a model directory, or its snapshot for a GGUF file."""
     # An engine reads its model's config first: the kernels compile from here on.
     _start_cpu_kernels_build()
     # The config comes from what the path is, whatever the weights' format: a dummy load
@@ -73,8 +74,8 @@ def load_hf_config(model: str, load_format: str = "auto") -> Any:
     if resolve_load_format(model, load_format) == "gguf" or model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise FileNotFoundError(f"GGUF file {model!r} does not exist")
-
-        return load_gguf_config(model)
+        # A snapshot of the transformers config, cached: no transformers import when warm.
+        return cached_gguf_config(model)
     if not os.path.isdir(model):
         raise FileNotFoundError(
             f"Model {model!r} is not a directory: expected a Hugging Face checkpoint "

@@ -30,8 +30,10 @@ _SPECIAL_TOKENS = (
 def gguf_tokenizer(path: str) -> Any:
     """The tokenizer of the GGUF file at `path`, from the cache or converted and cached."""
     # transformers is imported here, not at module level: it takes seconds to import and
-    # only GGUF models need this converter.
-    from transformers import AutoTokenizer
+    # only GGUF models need this converter. The cached copy was saved from a
+    # PreTrainedTokenizerFast, which loads it back as AutoTokenizer would, without
+    # transformers' configuration module (which imports torch when it is installed).
+    from transformers import PreTrainedTokenizerFast
 
     path = os.path.abspath(path)
     stat = os.stat(path)
@@ -39,7 +41,7 @@ def gguf_tokenizer(path: str) -> Any:
     key = disk_cache.cache_key(path, stat.st_size, stat.st_mtime_ns, converter)
     cache_dir = os.path.join(envs.XLM_CACHE_ROOT, "gguf_tokenizers", key)
     if disk_cache.check_directory(cache_dir):
-        return AutoTokenizer.from_pretrained(cache_dir)
+        return PreTrainedTokenizerFast.from_pretrained(cache_dir)
     tokenizer = convert_gguf_tokenizer(path)
     try:
         with disk_cache.atomic_directory(cache_dir) as tmp:
