@@ -50,6 +50,7 @@ from xlm.quantization import PER_CHANNEL, dequantize_weight, get_scheme, quantiz
 logger = init_logger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_HALF_NP = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 def resolve_load_format(model: str, load_format: str) -> str:
@@ -100,7 +101,11 @@ def expose_text_config(config: Any) -> Any:
 
 
 def resolve_dtype(dtype: str, hf_config: Any) -> Any:
-    """The parameter dtype: explicit names as given; "auto" from platform and checkpoint."""
+    """The model's (activations') dtype: explicit names as given, but float32 for a half
+    dtype where the platform has no fast bf16 (its weights are half: resolve_weight_dtype);
+    "auto" from platform and checkpoint."""
+    if resolve_weight_dtype(dtype) is not None:
+        return jnp.float32
     if dtype != "auto":
         return _DTYPES[dtype]
 
@@ -110,6 +115,15 @@ def resolve_dtype(dtype: str, hf_config: Any) -> Any:
     ckpt = str(ckpt).removeprefix("torch.") if ckpt is not None else "float32"
     # float32 checkpoints serve in bfloat16 where bfloat16 is fast.
     return _DTYPES.get(ckpt, jnp.bfloat16) if ckpt != "float32" else jnp.bfloat16
+
+
+def resolve_weight_dtype(dtype: str) -> Any:
+    """The dtype float projections and embeddings are stored in when it is not the
+    activations': --dtype float16/bfloat16 where bfloat16 math is slow (CPU), whose
+    kernels widen half weights to float32 as they read them; else None."""
+    if dtype in ("float16", "bfloat16") and not platforms.current_platform.supports_fast_bf16:
+        return _DTYPES[dtype]
+    return None
 
 
 def _tensor_source(
@@ -334,8 +348,11 @@ def _is_scale(var: nnx.Variable) -> bool:
 
 def _stored_dtype(var: nnx.Variable, dtype: Any) -> np.dtype:
     """The element type a parameter is stored in: the model's dtype, except quantized
-    kernels (their scheme's) and their scales (float32)."""
+    kernels (their scheme's), their scales (float32) and the half kernels and tables of a
+    float32 model (resolve_weight_dtype)."""
     if "quantized" in var.get_metadata() or _is_scale(var):
+        return np.dtype(var.dtype)
+    if np.dtype(dtype) == np.float32 and np.dtype(var.dtype) in _HALF_NP:
         return np.dtype(var.dtype)
     return np.dtype(dtype)
 
@@ -521,12 +538,16 @@ def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx
     if compressed:  # per-channel scales as stored (w8a8: per-token activations)
         model_config.quant_layout = PER_CHANNEL
     dtype = resolve_dtype(model_config.dtype, hf_config)
+    model_config.weight_dtype = resolve_weight_dtype(model_config.dtype)
     logger.info(
-        "Loading %s (%s) as %s, dtype %s%s.",
+        "Loading %s (%s) as %s, dtype %s%s%s.",
         model_config.model,
         arch,
         load_format,
         jnp.dtype(dtype).name,
+        ""
+        if model_config.weight_dtype is None
+        else f" ({jnp.dtype(model_config.weight_dtype).name} weights)",
         f", quantization {model_config.quantization}" if model_config.quantization else "",
     )
     with set_current_xlm_config(xlm_config):
