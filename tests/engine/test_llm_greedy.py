@@ -82,6 +82,56 @@ def test_tiny_greedy_in_preempting_batch_equals_transformers(tiny_case):
     assert [o.outputs[0].token_ids for o in outs] == refs
 
 
+# ---- half weights on CPU, and float32 through the few-rows kernel ----------------------
+
+
+def rounded_hf(path: str, dtype: str):
+    """transformers in float32 on the checkpoint's weights rounded to `dtype`: the numbers
+    xlm's half weights with float32 activations compute with."""
+    import torch
+
+    hf = load_hf(path)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(getattr(torch, dtype)).float())
+    return hf
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tiny_half_weights_equal_transformers_on_the_same_weights(tiny_checkpoint, dtype):
+    import xlm.platforms
+
+    if not xlm.platforms.current_platform.is_cpu():
+        pytest.skip("half weights with float32 activations are the CPU's dtype mode")
+    path = tiny_checkpoint("llama")
+    llm = xlm.LLM(model=path, dtype=dtype, **TINY_ENGINE)
+    hf = rounded_hf(path, dtype)
+    rng = np.random.default_rng(1)
+    compiled = llm.llm_engine.num_compilations
+    for n in (5, 17, 70):
+        prompt = rng.integers(6, VOCAB_SIZE, size=n).tolist()
+        (out,) = llm.generate([prompt], greedy(TINY_NEW_TOKENS), use_tqdm=False)
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, TINY_NEW_TOKENS).token_ids
+    assert llm.llm_engine.num_compilations == compiled
+
+
+def test_tiny_float32_through_the_kernel_equals_xla_dot(tiny_checkpoint, monkeypatch):
+    from xlm.ops import FloatMatmul, cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU kernels here")
+    path = tiny_checkpoint("llama")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(6, VOCAB_SIZE, size=n).tolist() for n in (5, 17, 70)]
+    plain = tiny_engine(path).generate(prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
+    monkeypatch.setattr(FloatMatmul, "float32_kernel", True)  # part of the programs' key
+    llm = xlm.LLM(model=path, **TINY_ENGINE)
+    compiled = llm.llm_engine.num_compilations
+    outs = llm.generate(prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.llm_engine.num_compilations == compiled
+
+
 # ---- SmolLM2-135M-Instruct ------------------------------------------------------------
 
 SMOLLM2_QUESTIONS = (

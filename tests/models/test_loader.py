@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from tests.models.logits_check import run_schedule
 from xlm.config import ModelConfig, XlmConfig
-from xlm.models.loader import get_model, resolve_dtype, resolve_load_format
+from xlm.models.loader import get_model, resolve_dtype, resolve_load_format, resolve_weight_dtype
 from xlm.models.loader.safetensors_format import iter_safetensors_tensors
 
 
@@ -166,8 +166,13 @@ def test_bf16_checkpoint_and_dtypes(tmp_path, tiny_checkpoint):
     rounded = torch.from_numpy(tensors["model.embed_tokens.weight"]).to(torch.bfloat16)
     np.testing.assert_array_equal(emb, rounded.float().numpy())
     model = load(str(model_dir), dtype="bfloat16")
+    # CPU: half projections and embeddings, float32 norms (activations float32).
     assert params(model)["model.layers.0.self_attn.q_proj.kernel"].dtype == jnp.bfloat16
-    assert resolve_dtype("float16", None) == jnp.float16
+    assert params(model)["model.embed_tokens.weight"].dtype == jnp.bfloat16
+    assert params(model)["model.norm.weight"].dtype == jnp.float32
+    assert resolve_dtype("float16", None) == jnp.float32
+    assert resolve_weight_dtype("float16") == jnp.float16
+    assert resolve_weight_dtype("float32") is None
 
 
 def test_tied_embeddings(tiny_checkpoint):
@@ -252,3 +257,5 @@ def test_auto_dtype_follows_platform_and_checkpoint(monkeypatch):
     assert resolve_dtype("auto", type("Cfg", (), {"dtype": "float16"})()) == jnp.float16
     assert resolve_dtype("auto", type("Cfg", (), {"torch_dtype": "bfloat16"})()) == jnp.bfloat16
     assert resolve_dtype("float32", cfg) == jnp.float32
+    assert resolve_dtype("float16", cfg) == jnp.float16  # fast bf16: half all through
+    assert resolve_weight_dtype("bfloat16") is None

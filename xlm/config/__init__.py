@@ -70,6 +70,10 @@ class ModelConfig:
     # Set with quantization="gguf" from the file: the scales' group size along the input
     # and whether groups have a minimum (xlm.quantization.QuantLayout).
     quant_layout: Any = None
+    # Set by the loader: the element type float projection kernels and embedding tables
+    # are stored in when it differs from the activations' (--dtype float16/bfloat16 on
+    # CPU: half weights, float32 activations); None: the model's dtype.
+    weight_dtype: Any = field(default=None, repr=False, compare=False)
     # Sleep mode (LLM.sleep / wake_up, POST /sleep): the weights can leave the devices.
     enable_sleep_mode: bool = False
     # Set by the loader once the checkpoint's config has been read.
@@ -410,6 +414,12 @@ def get_current_quantization() -> tuple[str | None, Any]:
         return None, None
     model = _current_config.model_config
     return model.quantization, model.quant_layout
+
+
+def get_current_weight_dtype() -> Any:
+    """The dtype the model being built stores its float projections and embeddings in,
+    when not its activations' dtype (None: the same)."""
+    return None if _current_config is None else _current_config.model_config.weight_dtype
 
 
 def get_current_compilation_config() -> CompilationConfig:

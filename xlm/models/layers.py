@@ -14,11 +14,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlm.config import get_current_lora_config, get_current_quantization
+from xlm.config import (
+    get_current_lora_config,
+    get_current_quantization,
+    get_current_weight_dtype,
+)
 from xlm.distributed.mesh import TP_AXIS
 from xlm.distributed.tensor_parallel import check_split, kv_head_replicas, tp_size
 from xlm.ops import (
     AttentionMetadata,
+    FloatMatmul,
     LoRA,
     PagedAttention,
     QuantMatmul,
@@ -86,10 +91,12 @@ class Linear(nnx.Module):
         self.in_features, self.out_features = in_features, out_features
         layout = layout or {}
         quantization, quant_layout = get_current_quantization() if quantize else (None, None)
-        weight_scale = weight_min = quant = None
+        weight_scale = weight_min = quant = matmul = None
         if quantization is None:
-            kernel = unloaded((in_features, out_features), dtype)
+            weight_dtype = (get_current_weight_dtype() if quantize else None) or dtype
+            kernel = unloaded((in_features, out_features), weight_dtype)
             self.kernel = param(kernel, _KERNEL_SHARDING[parallel], **layout)
+            matmul = FloatMatmul()
         else:
             scheme = get_scheme(quantization)
             has_minimum = quant_layout is not None and quant_layout.has_minimum
@@ -120,6 +127,7 @@ class Linear(nnx.Module):
                 )
             quant = QuantMatmul(scheme.activations)
         self.weight_scale, self.weight_min, self.quant = weight_scale, weight_min, quant
+        self.matmul = matmul
         bias_sharding = (TP_AXIS,) if parallel == "column" else (None,)
         bias_value = jnp.zeros((out_features,), dtype)
         self.bias = param(bias_value, bias_sharding, **layout) if bias else None
@@ -155,13 +163,14 @@ class Linear(nnx.Module):
         value = jax.ShapeDtypeStruct((self.in_features, self.out_features), dtype)
         self.kernel = nnx.Param(value, **metadata)
         self.weight_scale = self.weight_min = self.quant = None
+        self.matmul = FloatMatmul()
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.quant is not None:
             minimum = None if self.weight_min is None else self.weight_min[...]
             y = self.quant(x, self.kernel[...], self.weight_scale[...], minimum)
         else:
-            y = x @ self.kernel[...]
+            y = self.matmul(x, self.kernel[...])
         if self.lora is not None:
             slots = current_token_slots()
             if slots is not None:  # a step with no adapter skips the product
@@ -194,9 +203,12 @@ class VocabEmbedding(nnx.Module):
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
         quantization, quant_layout = get_current_quantization() if quantize else (None, None)
         scheme = None if quantization is None else get_scheme(quantization)
-        weight = kernel = weight_scale = quant = None
+        weight = kernel = weight_scale = quant = matmul = None
         if scheme is None or not scheme.embeddings:
-            weight = param(unloaded((num_embeddings, embedding_dim), dtype), (TP_AXIS, None))
+            table_dtype = (get_current_weight_dtype() if quantize else None) or dtype
+            table = unloaded((num_embeddings, embedding_dim), table_dtype)
+            weight = param(table, (TP_AXIS, None))
+            matmul = FloatMatmul()
         else:
             groups = weight_groups(embedding_dim, scheme, quant_layout)
             codes = unloaded((embedding_dim, num_embeddings), scheme.weight_dtype)
@@ -208,7 +220,7 @@ class VocabEmbedding(nnx.Module):
             )
             quant = QuantMatmul(scheme.activations)
         self.weight, self.kernel = weight, kernel
-        self.weight_scale, self.quant = weight_scale, quant
+        self.weight_scale, self.quant, self.matmul = weight_scale, quant, matmul
 
     def keep_float(self, dtype: Any) -> None:
         """A float table (abstract model only): the checkpoint left it unquantized."""
@@ -217,10 +229,11 @@ class VocabEmbedding(nnx.Module):
         value = jax.ShapeDtypeStruct((self.num_embeddings, self.embedding_dim), dtype)
         self.weight = nnx.data(nnx.Param(value, out_sharding=(TP_AXIS, None), eager_sharding=False))
         self.kernel = self.weight_scale = self.quant = None
+        self.matmul = FloatMatmul()
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         if self.quant is None:
-            return jnp.take(self.weight[...], input_ids, axis=0)
+            return jnp.take(self.weight[...], input_ids, axis=0).astype(self.dtype)
         columns = jnp.take(self.kernel[...], input_ids, axis=1)  # [hidden, N]
         scales = jnp.take(self.weight_scale[...], input_ids, axis=1)  # [G, N]
         groups, n = scales.shape
@@ -232,9 +245,7 @@ class VocabEmbedding(nnx.Module):
         if self.quant is not None:
             x = hidden_states.astype(jnp.float32)
             return self.quant(x, self.kernel[...], self.weight_scale[...])
-        return jnp.einsum(
-            "nh,vh->nv", hidden_states, self.weight[...], preferred_element_type=jnp.float32
-        )
+        return self.matmul(hidden_states, self.weight[...], transposed=True)
 
 
 class PositionEmbedding(nnx.Module):

@@ -94,7 +94,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return self.model.embed_tokens(input_ids)
 
     def embed_dtype(self) -> Any:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.embed_tokens.dtype  # the activations' (a half table on CPU: float32)
 
     def hf_weight_targets(
         self, name: str, param_shapes: dict[str, tuple[int, ...]]

@@ -9,6 +9,7 @@ from xlm.ops.activation import (
     get_act_fn,
 )
 from xlm.ops.custom_op import CustomOp
+from xlm.ops.float_matmul import FloatMatmul
 from xlm.ops.layernorm import LayerNorm, RMSNorm
 from xlm.ops.lora import LoRA, token_slots
 from xlm.ops.paged_attention import AttentionMetadata, PagedAttention
@@ -18,6 +19,7 @@ from xlm.ops.rotary_embedding import RotaryEmbedding
 __all__ = [
     "AttentionMetadata",
     "CustomOp",
+    "FloatMatmul",
     "Gelu",
     "GeluAndMul",
     "LayerNorm",

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from xlm import envs, platforms
 from xlm.config import XlmConfig
 from xlm.logger import init_logger
-from xlm.ops import cpu_kernels
+from xlm.ops import FloatMatmul, cpu_kernels
 from xlm.worker.buckets import Buckets
 from xlm.worker.executable_cache import ExecutableCache
 
@@ -134,6 +134,7 @@ def engine_fingerprint(
             config.parallel_config,
             mesh,
             _cpu_kernels_in_use(),
+            FloatMatmul.float32_kernel,  # whether float32 projections call the kernel
         )
     )
 

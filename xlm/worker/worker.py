@@ -389,7 +389,9 @@ class Worker:
                 model=path,
                 load_format="auto",
                 # The engine's dtype, not the new checkpoint's: the programs take that.
-                dtype=jnp.dtype(resolve_dtype(old.dtype, old.hf_config)).name,
+                dtype=old.dtype
+                if old.dtype != "auto"
+                else jnp.dtype(resolve_dtype(old.dtype, old.hf_config)).name,
                 hf_config=load_hf_config(path),
             )
             config = self._weights_config.replace(model_config=model_config)

@@ -106,7 +106,11 @@ def expose_text_config(config: Any) -> Any:
 
 
 def resolve_dtype(dtype: str, hf_config: Any) -> Any:
-    """The parameter dtype: explicit names as given; "auto" from platform and checkpoint."""
+    """The model's (activations') dtype: explicit names as given, but float32 for a half
+    dtype where the platform has no fast bf16 (its weights are half: resolve_weight_dtype);
+    "auto" from platform and checkpoint."""
+    if resolve_weight_dtype(dtype) is not None:
+        return jnp.float32
     if dtype != "auto":
         return _DTYPES[dtype]
 
@@ -116,6 +120,15 @@ def resolve_dtype(dtype: str, hf_config: Any) -> Any:
     ckpt = str(ckpt).removeprefix("torch.") if ckpt is not None else "float32"
     # float32 checkpoints serve in bfloat16 where bfloat16 is fast.
     return _DTYPES.get(ckpt, jnp.bfloat16) if ckpt != "float32" else jnp.bfloat16
+
+
+def resolve_weight_dtype(dtype: str) -> Any:
+    """The dtype float projections and embeddings are stored in when it is not the
+    activations': --dtype float16/bfloat16 where bfloat16 math is slow (CPU), whose
+    kernels widen half weights to float32 as they read them; else None."""
+    if dtype in ("float16", "bfloat16") and not platforms.current_platform.supports_fast_bf16:
+        return _DTYPES[dtype]
+    return None
 
 
 def _tensor_source(
@@ -359,12 +372,16 @@ def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx
     if compressed:  # per-channel scales as stored (w8a8: per-token activations)
         model_config.quant_layout = PER_CHANNEL
     dtype = resolve_dtype(model_config.dtype, hf_config)
+    model_config.weight_dtype = resolve_weight_dtype(model_config.dtype)
     logger.info(
-        "Loading %s (%s) as %s, dtype %s%s.",
+        "Loading %s (%s) as %s, dtype %s%s%s.",
         model_config.model,
         arch,
         load_format,
         jnp.dtype(dtype).name,
+        ""
+        if model_config.weight_dtype is None
+        else f" ({jnp.dtype(model_config.weight_dtype).name} weights)",
         f", quantization {model_config.quantization}" if model_config.quantization else "",
     )
     with set_current_xlm_config(xlm_config):

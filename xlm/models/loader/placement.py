@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -19,6 +20,9 @@ from xlm.logger import init_logger
 from xlm.quantization import get_scheme, quantize
 
 logger = init_logger(__name__)
+
+
+HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 def sharding_for(var: nnx.Variable, shape: tuple[int, ...], mesh: Mesh | None) -> Any:
@@ -176,8 +180,11 @@ def is_scale(var: nnx.Variable) -> bool:
 
 def stored_dtype(var: nnx.Variable, dtype: Any) -> np.dtype:
     """The element type a parameter is stored in: the model's dtype, except quantized
-    kernels (their scheme's) and their scales (float32)."""
+    kernels (their scheme's), their scales (float32) and the half kernels and tables of a
+    float32 model (loader.resolve_weight_dtype)."""
     if "quantized" in var.get_metadata() or is_scale(var):
+        return np.dtype(var.dtype)
+    if np.dtype(dtype) == np.float32 and np.dtype(var.dtype) in HALF_DTYPES:
         return np.dtype(var.dtype)
     return np.dtype(dtype)
 

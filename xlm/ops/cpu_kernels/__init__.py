@@ -50,8 +50,11 @@ _KERNELS = {
     "int8": ("quant_matmul.cc", "XlmInt8Matmul"),
     "int4": ("quant_matmul.cc", "XlmInt4Matmul"),
     "q8": ("quant_matmul.cc", "XlmQ8Matmul"),
+    "float": ("float_matmul.cc", "XlmFloatMatmul"),
     "paged_attention": ("paged_attention.cc", "XlmPagedAttention"),
 }
+# Headers the sources include: copied beside them and part of the build's key.
+_HEADERS = ("column_split.h",)
 _LIBRARY = "xlm_cpu_kernels.so"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 
@@ -94,14 +97,16 @@ def _load() -> bool:
         return False
     try:
         sources = {file: (_HERE / file).read_text() for file, _ in _KERNELS.values()}
-        path = _build(sources)
+        headers = {file: (_HERE / file).read_text() for file in _HEADERS}
+        path = _build(sources, headers)
         library = ctypes.CDLL(str(path))
         targets = {}
         for kind, (file, symbol) in _KERNELS.items():
             handler = getattr(library, symbol)
             # The name carries its source's hash: a saved program that calls an older
             # build (whose arguments may differ) fails to load and is recompiled.
-            digest = hashlib.sha256(sources[file].encode()).hexdigest()[:12]
+            text = sources[file] + "".join(headers.values())
+            digest = hashlib.sha256(text.encode()).hexdigest()[:12]
             targets[kind] = f"xlm_{kind}_{digest}"
             jax.ffi.register_ffi_target(targets[kind], jax.ffi.pycapsule(handler), platform="cpu")
     except (_Unavailable, OSError, AttributeError, RuntimeError, ValueError) as e:
@@ -143,10 +148,11 @@ def cpu_fingerprint() -> str:
     return f"{platform.machine()}|" + "|".join(fields)
 
 
-def _build(sources: dict[str, str]) -> Path:
+def _build(sources: dict[str, str], headers: dict[str, str]) -> Path:
     """The path of the shared library, compiled into the cache if not there yet."""
     compiler, version = _compiler()
     texts = [sources[name] for name in sorted(sources)]
+    texts += [headers[name] for name in sorted(headers)]
     key = disk_cache.cache_key(
         *texts, FLAGS, jax.__version__, compiler, version, cpu_fingerprint(), length=24
     )
@@ -159,13 +165,17 @@ def _build(sources: dict[str, str]) -> Path:
     with open(directory.parent / f"{directory.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not disk_cache.check_directory(directory):
-            _compile(compiler, sources, directory)
+            _compile(compiler, sources, headers, directory)
     return directory / _LIBRARY
 
 
-def _compile(compiler: str, sources: dict[str, str], directory: Path) -> None:
+def _compile(
+    compiler: str, sources: dict[str, str], headers: dict[str, str], directory: Path
+) -> None:
     logger.info("Compiling xlm CPU kernels into %s", directory)
     with disk_cache.atomic_directory(directory) as tmp:
+        for file, text in headers.items():  # found beside the sources that include them
+            (tmp / file).write_text(text)
         argv = [*shlex.split(compiler), *FLAGS]
         objects = []
         compiles = []
@@ -376,6 +386,69 @@ def q8_matmul(
         scalar=np.int64(scalar),
     )
     return y.reshape(*lead, n)
+
+
+# Weight element types the float kernel reads (widened to float32 in registers).
+FLOAT_MATMUL_DTYPES = tuple(jnp.dtype(d) for d in ("float32", "float16", "bfloat16"))
+
+
+def _check_float_matmul(x: jax.Array, w: jax.Array, transposed: bool) -> None:
+    if w.ndim != 2 or jnp.dtype(w.dtype) not in FLOAT_MATMUL_DTYPES:
+        raise ValueError(
+            f"w must be 2-D of {[d.name for d in FLOAT_MATMUL_DTYPES]}; got {w.dtype} "
+            f"{list(w.shape)}"
+        )
+    k = w.shape[1] if transposed else w.shape[0]
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must be [..., k] with k={k} (w is {list(w.shape)}); got {x.shape}")
+
+
+def float_matmul_reference(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """The plain-jnp float matmul: x @ w (w.T when `transposed`), w widened, in float32."""
+    _check_float_matmul(x, w, transposed)
+    spec = "...k,nk->...n" if transposed else "...k,kn->...n"
+    return jnp.einsum(
+        spec,
+        x.astype(jnp.float32),
+        w.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def float_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    transposed: bool = False,
+    max_workers: int = 0,
+    scalar: bool = False,
+) -> jax.Array:
+    """x [..., k] @ w [k, n] (`transposed`: w [n, k]) -> float32 [..., n], w float32,
+    float16 or bfloat16 read once and widened in registers, sums in float32: the few-rows
+    (decode) kernel. `scalar`: the portable loops, as without AVX2/FMA/F16C. The jnp
+    reference when the kernel is unavailable."""
+    _check_float_matmul(x, w, transposed)
+    if max_workers < 0:
+        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    if not available():
+        return float_matmul_reference(x, w, transposed=transposed)
+    k = x.shape[-1]
+    n = w.shape[0] if transposed else w.shape[1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    call = jax.ffi.ffi_call(
+        _targets["float"],
+        jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+        vmap_method="sequential",
+    )
+    y = call(
+        x2,
+        w,
+        max_workers=np.int64(max_workers),
+        scalar=np.int64(scalar),
+        transposed=np.int64(transposed),
+    )
+    return y.reshape(*x.shape[:-1], n)
 
 
 # Cache element types the attention kernel reads.

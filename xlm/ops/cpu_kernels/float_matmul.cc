@@ -1,0 +1,371 @@
+// Weight-streaming float matmul for steps of few rows (decode), for XLA:CPU through its FFI.
+//
+//   y[r, j] = sum_i x[r, i] * w[i, j]      (w [k, n], xlm's kernel layout)
+//   y[r, j] = sum_i x[r, i] * w[j, i]      (`transposed`: w [n, k], an embedding table
+//                                           used as the LM head)
+//   x f32 [m, k], w f32 / f16 / bf16, y f32 [m, n], products summed in float32.
+//
+// At a few rows a matmul is a read of w: each weight is read once, sequentially, and
+// widened in registers (f16 by F16C's vcvtph2ps, bf16 by a 16-bit shift), with enough
+// independent accumulators to keep the FMA units fed while the loads stream.
+// - [k, n]: blocks of kKb rows of w swept across the chunk's columns in tiles of 64
+//   columns x up to 4 rows of x, sums in registers over the block, added into y (which
+//   stays in L1/L2). w is read as kKb sequential streams, each prefetched ahead.
+// - [n, k]: each output is a dot product along a contiguous row of w: 4 rows of w at a
+//   time against up to 2 rows of x, 8 accumulators, then horizontal sums.
+// The columns (outputs) are split into chunks claimed by the calling thread and XLA's
+// intra-op pool (column_split.h). `scalar` runs the portable loops (also where the library
+// is built without AVX2 + FMA + F16C).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "column_split.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define XLM_HAVE_AVX2 1
+#else
+#define XLM_HAVE_AVX2 0
+#endif
+
+namespace ffi = xla::ffi;
+
+#define XLM_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+#define XLM_UNROLL XLM_PRAGMA(clang loop unroll(full))
+#elif defined(__GNUC__)
+#define XLM_UNROLL XLM_PRAGMA(GCC unroll 16)
+#else
+#define XLM_UNROLL
+#endif
+
+namespace {
+
+enum class WType { kF32, kF16, kBF16 };
+
+struct FloatProblem {
+  const float* x;
+  const void* w;
+  float* y;
+  int64_t m, k, n;
+  WType type;
+  bool transposed;
+};
+
+constexpr int64_t kTileCols = 64;     // columns of one tile of [k, n]
+constexpr int64_t kKb = 16;           // rows of w per block of [k, n]
+constexpr int64_t kPrefetchAhead = 512;  // bytes ahead along a row of w to prefetch
+
+// ---- portable loops ----
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float load_scalar(const FloatProblem& p, int64_t index) {
+  switch (p.type) {
+    case WType::kF32: return static_cast<const float*>(p.w)[index];
+    case WType::kF16: return half_to_float(static_cast<const uint16_t*>(p.w)[index]);
+    default: {
+      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p.w)[index]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+  }
+}
+
+void scalar_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
+  for (int64_t r = 0; r < p.m; ++r) {
+    const float* x = p.x + r * p.k;
+    for (int64_t j = c0; j < c1; ++j) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < p.k; ++i) {
+        sum += x[i] * load_scalar(p, p.transposed ? j * p.k + i : i * p.n + j);
+      }
+      p.y[r * p.n + j] = sum;
+    }
+  }
+}
+
+#if XLM_HAVE_AVX2
+
+constexpr int kVecRegs = 16;
+
+template <WType T>
+struct Elem;
+template <>
+struct Elem<WType::kF32> {
+  using type = float;
+};
+template <>
+struct Elem<WType::kF16> {
+  using type = uint16_t;
+};
+template <>
+struct Elem<WType::kBF16> {
+  using type = uint16_t;
+};
+
+// 8 weights at p, widened to float32.
+template <WType T>
+inline __m256 load8(const typename Elem<T>::type* p) {
+  if constexpr (T == WType::kF32) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (T == WType::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+}
+
+// The first `cols` (1..7) weights at p, zero-padded; never reads past p + cols.
+template <WType T>
+inline __m256 load_partial(const typename Elem<T>::type* p, int cols) {
+  typename Elem<T>::type buf[8] = {};
+  std::memcpy(buf, p, cols * sizeof(buf[0]));
+  return load8<T>(buf);
+}
+
+inline __m256i lane_mask(int cols) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// y[r0 : r0 + MR, j0 : j0 + 8 NV] (+)= x[r0 : r0 + MR, i0 : i1] @ w[i0 : i1, j0 : ...];
+// with kTail the last vector holds `tail` (1..7) columns.
+template <WType T, int MR, int NV, bool kTail>
+void kn_tile(const FloatProblem& p, int64_t r0, int64_t j0, int tail, int64_t i0, int64_t i1,
+             bool first) {
+  using E = typename Elem<T>::type;
+  const int64_t k = p.k, n = p.n;
+  const float* x = p.x + r0 * k;
+  __m256 acc[MR][NV];
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r)
+    XLM_UNROLL
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  const E* wr = static_cast<const E*>(p.w) + i0 * n + j0;
+  for (int64_t i = i0; i < i1; ++i, wr += n) {
+    _mm_prefetch(reinterpret_cast<const char*>(wr) + kPrefetchAhead, _MM_HINT_T0);
+    __m256 a[MR];
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) a[r] = _mm256_broadcast_ss(x + r * k + i);
+    XLM_UNROLL
+    for (int v = 0; v < NV; ++v) {
+      const __m256 b = (kTail && v == NV - 1) ? load_partial<T>(wr + 8 * v, tail)
+                                              : load8<T>(wr + 8 * v);
+      XLM_UNROLL
+      for (int r = 0; r < MR; ++r) acc[r][v] = _mm256_fmadd_ps(a[r], b, acc[r][v]);
+    }
+  }
+  const __m256i mask = lane_mask(kTail ? tail : 8);
+  XLM_UNROLL
+  for (int v = 0; v < NV; ++v) {
+    const bool partial = kTail && v == NV - 1;
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      float* yp = p.y + (r0 + r) * n + j0 + 8 * v;
+      __m256 out = acc[r][v];
+      if (!first) out = _mm256_add_ps(out, partial ? _mm256_maskload_ps(yp, mask) : _mm256_loadu_ps(yp));
+      if (partial) {
+        _mm256_maskstore_ps(yp, mask, out);
+      } else {
+        _mm256_storeu_ps(yp, out);
+      }
+    }
+  }
+}
+
+template <WType T, int MR>
+void kn_rows(const FloatProblem& p, int64_t r0, int64_t t0, int64_t t1, int64_t i0, int64_t i1,
+             bool first) {
+  // Accumulators, MR broadcasts of x and the widened w in the 16 registers.
+  constexpr int kFit = (kVecRegs - 2 - MR) / MR;
+  constexpr int NV = kFit >= 8 ? 8 : kFit >= 4 ? 4 : kFit >= 2 ? 2 : 1;
+  int64_t j = t0;
+  for (; j + 8 * NV <= t1; j += 8 * NV) kn_tile<T, MR, NV, false>(p, r0, j, 8, i0, i1, first);
+  for (; j + 8 <= t1; j += 8) kn_tile<T, MR, 1, false>(p, r0, j, 8, i0, i1, first);
+  if (j < t1) kn_tile<T, MR, 1, true>(p, r0, j, static_cast<int>(t1 - j), i0, i1, first);
+}
+
+template <WType T>
+void kn_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
+  for (int64_t i0 = 0; i0 < p.k; i0 += kKb) {
+    const int64_t i1 = std::min(p.k, i0 + kKb);
+    for (int64_t t0 = c0; t0 < c1; t0 += kTileCols) {
+      const int64_t t1 = std::min(c1, t0 + kTileCols);
+      for (int64_t r = 0; r < p.m; r += 4) {
+        switch (std::min<int64_t>(4, p.m - r)) {
+          case 1: kn_rows<T, 1>(p, r, t0, t1, i0, i1, i0 == 0); break;
+          case 2: kn_rows<T, 2>(p, r, t0, t1, i0, i1, i0 == 0); break;
+          case 3: kn_rows<T, 3>(p, r, t0, t1, i0, i1, i0 == 0); break;
+          default: kn_rows<T, 4>(p, r, t0, t1, i0, i1, i0 == 0); break;
+        }
+      }
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[r0 : r0 + MR, j0 : j0 + NJ] = x[r0 : r0 + MR] . w[j0 : j0 + NJ] (rows of w contiguous).
+template <WType T, int MR, int NJ>
+void nk_tile(const FloatProblem& p, int64_t r0, int64_t j0) {
+  using E = typename Elem<T>::type;
+  const int64_t k = p.k;
+  const E* w = static_cast<const E*>(p.w) + j0 * k;
+  const float* x = p.x + r0 * k;
+  __m256 acc[MR][NJ];
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r)
+    XLM_UNROLL
+    for (int c = 0; c < NJ; ++c) acc[r][c] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    __m256 a[MR];
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) a[r] = _mm256_loadu_ps(x + r * k + i);
+    XLM_UNROLL
+    for (int c = 0; c < NJ; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * k + i) + kPrefetchAhead, _MM_HINT_T0);
+      const __m256 b = load8<T>(w + c * k + i);
+      XLM_UNROLL
+      for (int r = 0; r < MR; ++r) acc[r][c] = _mm256_fmadd_ps(a[r], b, acc[r][c]);
+    }
+  }
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r) {
+    XLM_UNROLL
+    for (int c = 0; c < NJ; ++c) {
+      float sum = hsum(acc[r][c]);
+      for (int64_t t = i; t < k; ++t) {
+        sum += x[r * k + t] * load_scalar(p, (j0 + c) * k + t);
+      }
+      p.y[(r0 + r) * p.n + j0 + c] = sum;
+    }
+  }
+}
+
+template <WType T>
+void nk_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
+  for (int64_t r = 0; r < p.m; r += 2) {
+    const bool two = r + 1 < p.m;
+    int64_t j = c0;
+    for (; j + 4 <= c1; j += 4) {
+      if (two) {
+        nk_tile<T, 2, 4>(p, r, j);
+      } else {
+        nk_tile<T, 1, 4>(p, r, j);
+      }
+    }
+    for (; j < c1; ++j) {
+      if (two) {
+        nk_tile<T, 2, 1>(p, r, j);
+      } else {
+        nk_tile<T, 1, 1>(p, r, j);
+      }
+    }
+  }
+}
+
+template <WType T>
+void avx2_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
+  if (p.transposed) return nk_columns<T>(p, c0, c1);
+  kn_columns<T>(p, c0, c1);
+}
+
+#endif  // XLM_HAVE_AVX2
+
+std::string shape_str(const ffi::AnyBuffer::Dimensions& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t max_workers, int64_t scalar,
+                           int64_t transposed) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const std::string shapes =
+      "x " + shape_str(xd) + ", w " + shape_str(wd) + ", y " + shape_str(yd);
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("xlm_float_matmul: x, w and y must be 2-D; got " + shapes);
+  }
+  const int64_t m = xd[0], k = xd[1], n = transposed ? wd[0] : wd[1];
+  if ((transposed ? wd[1] : wd[0]) != k || yd[0] != m || yd[1] != n) {
+    return ffi::Error::InvalidArgument(
+        std::string("xlm_float_matmul: want x [m, k], w ") +
+        (transposed ? "[n, k]" : "[k, n]") + ", y [m, n]; got " + shapes);
+  }
+  WType type;
+  switch (w.element_type()) {
+    case ffi::DataType::F32: type = WType::kF32; break;
+    case ffi::DataType::F16: type = WType::kF16; break;
+    case ffi::DataType::BF16: type = WType::kBF16; break;
+    default:
+      return ffi::Error::InvalidArgument("xlm_float_matmul: w must be f32, f16 or bf16");
+  }
+  const FloatProblem p{x.typed_data(), w.untyped_data(), y->typed_data(), m, k, n, type,
+                       transposed != 0};
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(p.y, p.y + m * n, 0.0f);
+    return ffi::Error::Success();
+  }
+  auto compute = [p, scalar](int64_t c0, int64_t c1) {
+#if XLM_HAVE_AVX2
+    if (!scalar) {
+      switch (p.type) {
+        case WType::kF32: return avx2_columns<WType::kF32>(p, c0, c1);
+        case WType::kF16: return avx2_columns<WType::kF16>(p, c0, c1);
+        default: return avx2_columns<WType::kBF16>(p, c0, c1);
+      }
+    }
+#endif
+    scalar_columns(p, c0, c1);
+  };
+  // [k, n]: chunks of whole 64-column tiles; [n, k]: any multiple of 4 outputs.
+  xlm::RunColumns(pool, n, transposed ? 16 : kTileCols, m * k * n, max_workers, compute);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmFloatMatmul, FloatMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [m, k]
+                                  .Arg<ffi::AnyBuffer>()         // w [k, n] ([n, k]) f32/f16/bf16
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
+                                  .Attr<int64_t>("max_workers")  // threads to use; 0: all
+                                  .Attr<int64_t>("scalar")       // 1: the portable loops
+                                  .Attr<int64_t>("transposed")   // 1: w is [n, k]
+);

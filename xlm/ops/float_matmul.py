@@ -1,0 +1,73 @@
+"""The float projection: y = x @ kernel, kernel [in, out] (or [out, in], `transposed`: an
+embedding table used as the LM head) in float32, float16 or bfloat16.
+
+The native path is XLA's dot on the kernel widened to x's dtype. On CPU, steps of at most
+``FLOAT_KERNEL_MAX_ROWS`` rows (decode, few-rows steps) with half-precision weights run
+xlm.ops.cpu_kernels.float_matmul, which reads each weight once and widens it in registers:
+XLA:CPU converts the whole matrix before its matrix-vector product, which made half
+weights several times slower than float32 ones (docs/engine.md, "CPU dtypes"). float32
+kernels keep XLA's dot by default (``FloatMatmul.float32_kernel``): alone the kernel lost
+to it at one row and, at 2-8 rows, a kernel that wins alone lost in the step before
+(benchmarks/RESULTS.md). Chosen by shape at trace time; a tensor-parallel mesh or
+unavailable kernels take the native path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from xlm.distributed.mesh import tp_mesh
+from xlm.ops.cpu_kernels import available as cpu_kernels_available
+from xlm.ops.cpu_kernels import float_matmul
+from xlm.ops.cpu_kernels import start_build as start_cpu_kernels_build
+from xlm.ops.custom_op import CustomOp
+
+# Rows up to which the CPU kernel replaces XLA's dot (a matrix-vector-like step).
+FLOAT_KERNEL_MAX_ROWS = 8
+HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+@CustomOp.register("float_matmul")
+class FloatMatmul(CustomOp):
+    """x [..., in] @ kernel -> [..., out] in x's dtype (`transposed`, kernel [out, in]:
+    float32, as logits are)."""
+
+    default_enabled = True
+    # Whether float32 kernels take the CPU kernel too (measured slower in the step: off).
+    float32_kernel: ClassVar[bool] = False
+
+    def __init__(self, *, enforce_enable: bool = False) -> None:
+        super().__init__(enforce_enable=enforce_enable)
+        if self._forward_name == "forward_cpu":
+            start_cpu_kernels_build()
+
+    def forward_native(
+        self, x: jax.Array, kernel: jax.Array, transposed: bool = False
+    ) -> jax.Array:
+        if transposed:  # the LM head: logits in float32
+            return jnp.einsum(
+                "...h,vh->...v", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32
+            )
+        return x @ kernel.astype(x.dtype)
+
+    def uses_kernel(self, x: jax.Array, kernel: jax.Array) -> bool:
+        """Whether forward_cpu runs the CPU kernel for these shapes and dtypes."""
+        rows = math.prod(x.shape[:-1])
+        dtype = jnp.dtype(kernel.dtype)
+        return (
+            1 <= rows <= FLOAT_KERNEL_MAX_ROWS
+            and (dtype in HALF_DTYPES or (dtype == jnp.float32 and self.float32_kernel))
+            and jnp.dtype(x.dtype) in (jnp.float32, *HALF_DTYPES)
+            and tp_mesh() is None  # no partitioning rule: XLA would gather the kernel
+            and cpu_kernels_available()
+        )
+
+    def forward_cpu(self, x: jax.Array, kernel: jax.Array, transposed: bool = False) -> jax.Array:
+        if not self.uses_kernel(x, kernel):
+            return self.forward_native(x, kernel, transposed)
+        y = float_matmul(x, kernel, transposed=transposed)
+        return y if transposed else y.astype(x.dtype)
