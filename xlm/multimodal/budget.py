@@ -13,13 +13,33 @@ from typing import Any
 MIN_ENCODER_SLOTS = 4
 
 
-def tokens_per_image(hf_config: Any) -> int | None:
-    """The most placeholder tokens one image becomes for this model (None: no images)."""
-    vision = getattr(hf_config, "vision_config", None)
-    if getattr(hf_config, "model_type", None) != "llava" or vision is None:
-        return None
+def _llava_tokens(hf_config: Any) -> int:
+    vision = hf_config.vision_config
     full = getattr(hf_config, "vision_feature_select_strategy", "default") == "full"
     return (vision.image_size // vision.patch_size) ** 2 + int(full)
+
+
+# model_type -> tokens one image becomes (its encoder's embeddings).
+_TOKENS_PER_IMAGE = {
+    "llava": _llava_tokens,
+    "gemma3": lambda hf_config: int(hf_config.mm_tokens_per_image),
+}
+# Families whose image tokens attend to each other both ways (Gemma 3): an image's tokens
+# are prefilled in one step, so the scheduler never cuts a chunk inside one.
+_BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
+
+
+def tokens_per_image(hf_config: Any) -> int | None:
+    """The most placeholder tokens one image becomes for this model (None: no images)."""
+    count = _TOKENS_PER_IMAGE.get(getattr(hf_config, "model_type", None))
+    if count is None or getattr(hf_config, "vision_config", None) is None:
+        return None
+    return count(hf_config)
+
+
+def bidirectional_images(hf_config: Any) -> bool:
+    """Whether an image's tokens attend to each other both ways (one prefill chunk each)."""
+    return tokens_per_image(hf_config) is not None and hf_config.model_type in _BIDIRECTIONAL_IMAGES
 
 
 def encoder_cache_slots(hf_config: Any, max_num_batched_tokens: int) -> int:
@@ -29,3 +49,22 @@ def encoder_cache_slots(hf_config: Any, max_num_batched_tokens: int) -> int:
     if per_image is None:
         return 0
     return max(MIN_ENCODER_SLOTS, -(-max_num_batched_tokens // per_image) + 2)
+
+
+def images_in_one_step(config: Any) -> bool:
+    """Whether each image's tokens must be prefilled in one step (bidirectional images);
+    raises when a step's token budget cannot hold one image."""
+    hf_config = config.model_config.hf_config
+    if not bidirectional_images(hf_config):
+        return False
+    per_image = tokens_per_image(hf_config)
+    sched = config.scheduler_config
+    for name in ("max_num_batched_tokens", "long_prefill_token_threshold"):
+        value = getattr(sched, name, None)
+        if value and value < per_image:
+            raise ValueError(
+                f"{name}={value} is too small for {hf_config.model_type}: its images attend "
+                f"both ways, so a step must hold one image's {per_image} tokens (allowed: "
+                f">= {per_image})"
+            )
+    return True

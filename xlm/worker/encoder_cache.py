@@ -141,6 +141,23 @@ class EncoderRunner:
             mm_rows[tokens] = self.cache.base_row(slot) + np.arange(lo - f.offset, hi - f.offset)
         return mm_rows, to_encode
 
+    @staticmethod
+    def attend_until(
+        features: list[list[Any] | None], positions: np.ndarray, starts: Any, counts: Any
+    ) -> np.ndarray:
+        """Per token the last context position it attends to (AttentionMetadata's
+        attend_until): its own, or its image's last for an image token (images attended
+        both ways, whose tokens the scheduler keeps in one step)."""
+        limit = positions.copy()
+        flat = 0
+        for feats, start, count in zip(features, starts, counts, strict=True):
+            start, stop = int(start), int(start + count)
+            for f in features_in_range(feats, start, stop):
+                lo, hi = max(start, f.offset), min(stop, f.end)
+                limit[flat + lo - start : flat + hi - start] = f.end - 1
+            flat += int(count)
+        return limit
+
     def encode(self, program_for: Any, state: Any, pool: Any, to_encode: list[Any]) -> Any:
         """Run the encoder program over the images to encode (in bucket-sized batches);
         returns the updated pool."""

@@ -12,6 +12,7 @@ xlm.worker.pooling_model_runner's subclass.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from typing import Any
@@ -28,7 +29,7 @@ from xlm.lora.adapter import LoRASpec
 from xlm.lora.slots import LoRASlots
 from xlm.metrics import startup
 from xlm.models.loader import resolve_dtype
-from xlm.multimodal.budget import encoder_cache_slots, tokens_per_image
+from xlm.multimodal.budget import bidirectional_images, encoder_cache_slots, tokens_per_image
 from xlm.worker import prompt_logprobs
 from xlm.worker.buckets import Buckets
 from xlm.worker.compilation import (
@@ -155,6 +156,7 @@ class ModelRunner:
         self.encoder: EncoderRunner | None = None
         self.mm_pool: Any = None
         self._to_encode: list[Any] = []
+        self._bidirectional_images = bidirectional_images(hf_config)
         if not slots:
             return
         self.encoder = EncoderRunner(
@@ -323,6 +325,10 @@ class ModelRunner:
                 features, np.asarray(starts), np.asarray(num_scheduled), num_tokens_padded
             )
             out.arrays["mm_rows"] = mm_rows
+            if self._bidirectional_images:
+                attn = out.arrays["attn"]
+                limit = self.encoder.attend_until(features, attn.positions, starts, num_scheduled)
+                out.arrays["attn"] = dataclasses.replace(attn, attend_until=limit)
         return out
 
     def _run_model(self, num_tokens_padded: int, arrays: dict[str, Any]) -> tuple[Any, Any]:
