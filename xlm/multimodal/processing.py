@@ -17,8 +17,11 @@ from typing import Any
 import numpy as np
 
 from xlm.engine.exceptions import RequestValidationError
+from xlm.logger import init_logger
 from xlm.multimodal.image import MediaPolicy, check_image
 from xlm.multimodal.inputs import MultiModalFeature
+
+logger = init_logger(__name__)
 
 _RESAMPLE_DEFAULT = 3  # PIL bicubic, CLIP's
 
@@ -197,6 +200,11 @@ class Gemma3Processor(MultiModalProcessor):
     def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
         super().__init__(hf_config, model_dir, policy)
         config = read_preprocessor_config(model_dir)
+        if config.get("do_pan_and_scan"):
+            logger.warning(
+                "preprocessor_config.json asks for pan-and-scan, which xlm does not apply: "
+                "each image is resized whole to the vision tower's size"
+            )
         size = hf_config.vision_config.image_size
         self.preprocess = CLIPImagePreprocessor(
             {"resample": 2, "size": {"height": size, "width": size}}  # bilinear
