@@ -252,9 +252,12 @@ def gemma3_reference_inputs(path: str, prompt: str, images: list) -> dict:
     return dict(processor(text=prompt, images=images or None, return_tensors="pt"))
 
 
-def gemma3_transformers_greedy(path: str, prompt: str, images: list, max_new_tokens: int):
+def gemma3_transformers_greedy(
+    path: str, prompt: str, images: list, max_new_tokens: int, bidirectional: bool = True
+):
     """The reference: transformers' Gemma 3 generating greedily from its own processor's
-    inputs (the bidirectional mask over each image's tokens from token_type_ids)."""
+    inputs (the bidirectional mask over each image's tokens from token_type_ids; causal
+    only without them)."""
     import torch
     from transformers import Gemma3ForConditionalGeneration
 
@@ -263,6 +266,8 @@ def gemma3_transformers_greedy(path: str, prompt: str, images: list, max_new_tok
         model = _hf_models[path] = Gemma3ForConditionalGeneration.from_pretrained(path).eval()
     inputs = gemma3_reference_inputs(path, prompt, images)
     inputs.pop("attention_mask", None)
+    if not bidirectional:
+        inputs.pop("token_type_ids")
     n = inputs["input_ids"].shape[1]
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)

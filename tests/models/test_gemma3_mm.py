@@ -47,6 +47,12 @@ def test_one_image_equals_transformers(tiny_gemma3_llm, tiny_gemma3):
         assert len(out.prompt_token_ids) == n_text + GEMMA3_TOKENS_PER_IMAGE + 3
         outs[seed] = list(out.outputs[0].token_ids)
     assert outs[0] != outs[1], "the image does not change the output"
+    # The image tokens' bidirectional attention matters here: causal-only attention
+    # (transformers without token_type_ids) gives other tokens.
+    causal, _ = gemma3_transformers_greedy(
+        tiny_gemma3, prompt, [make_blocky_image(1)], MAX_TOKENS, bidirectional=False
+    )
+    assert causal != outs[1]
 
 
 def test_two_images_equal_transformers(tiny_gemma3_llm, tiny_gemma3):
@@ -73,9 +79,9 @@ def test_shared_image_is_encoded_once(tiny_gemma3_llm, tiny_gemma3):
 
 
 def test_image_is_not_cut_by_chunked_prefill(tiny_gemma3_llm, tiny_gemma3):
-    # 60 words first: the step budget (64 tokens) would end inside the image's tokens,
+    # 57 words first: the step budget (64 tokens) would end inside the image's tokens
     # which attend to each other both ways: the chunk is cut before the image instead.
-    words = " ".join(f"w{i}" for i in range(30, 90))
+    words = " ".join(f"w{i}" for i in range(30, 87))
     prompt = _prompt(words, "<start_of_image>", "w90 w91")
     image = make_blocky_image(5)
     _check(tiny_gemma3_llm, tiny_gemma3, prompt, [image], _run(tiny_gemma3_llm, prompt, [image]))
@@ -165,3 +171,30 @@ def test_tensor_parallel(tiny_gemma3, tmp_path):
     ]
     assert result["tokens"] == want
     assert result["compiled_after_warmup"] == 0
+
+
+def test_encode_images_equals_transformers(tiny_gemma3):
+    """The SigLIP tower and Gemma 3's projector (pooling, norm, projection) alone."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from transformers import Gemma3ForConditionalGeneration as HFGemma3
+    from transformers import Gemma3ImageProcessorPil
+
+    from xlm.models.gemma3_mm import Gemma3ForConditionalGeneration
+    from xlm.models.loader import build_abstract_model, load_hf_config, load_weights
+    from xlm.models.loader.safetensors_format import iter_safetensors_tensors
+
+    config = load_hf_config(tiny_gemma3)
+    model = build_abstract_model(Gemma3ForConditionalGeneration, config, jnp.float32)
+    model = load_weights(model, iter_safetensors_tensors(tiny_gemma3), dtype=jnp.float32)
+    processor = Gemma3ImageProcessorPil.from_pretrained(tiny_gemma3)
+    images = [make_blocky_image(0), make_blocky_image(1, 60, 20)]
+    pixels = processor(images, return_tensors="np")["pixel_values"]
+    hf = HFGemma3.from_pretrained(tiny_gemma3).eval()
+    with torch.no_grad():
+        want = hf.model.get_image_features(pixel_values=torch.tensor(np.asarray(pixels)))
+    want = want.pooler_output.numpy()
+    got = np.asarray(model.encode_images(jnp.asarray(pixels)))
+    assert got.shape == (2, GEMMA3_TOKENS_PER_IMAGE, config.text_config.hidden_size)
+    np.testing.assert_allclose(got, want, atol=1e-4)
