@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.conftest import fake_devices_env
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ENGINE = dict(
@@ -37,7 +39,7 @@ def test_dp2_tp2_equals_one_engine_for_64_prompts(tiny_checkpoint, monkeypatch):
 
     # Engine processes inherit eight fake devices; a data-parallel rank's process replaces
     # that with its own tensor_parallel_size (xlm.platforms.cpu).
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("XLA_FLAGS", fake_devices_env(8)["XLA_FLAGS"])
     path = tiny_checkpoint("llama")
     prompts = _prompts(64)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

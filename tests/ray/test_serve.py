@@ -59,7 +59,9 @@ def served(model) -> str:
 
 
 @pytest.mark.slow
-def test_two_replicas_answer_the_openai_client_with_the_local_greedy_text(served, model, expected):
+def test_two_replicas_answer_the_openai_client_with_the_local_greedy_text(expected, served, model):
+    # `expected` first: its engine compiles the programs that both replicas then load from
+    # the suite's program cache instead of compiling them at once on the same cores.
     status = serve.status().applications["xlm"].deployments["xlm"]
     assert status.replica_states == {"RUNNING": 2}
     client = openai.OpenAI(base_url=served + "/v1", api_key=API_KEY, max_retries=0)
