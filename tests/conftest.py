@@ -257,6 +257,23 @@ def tiny_llava_llm(tiny_llava):
     return xlm.LLM(model=tiny_llava, **TINY_ENGINE)
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> str:
+    """Directory of a tiny random Gemma 3 with images (tests.multimodal_fixtures)."""
+    from tests.multimodal_fixtures import write_tiny_gemma3
+
+    return write_tiny_gemma3(str(tmp_path_factory.mktemp("tiny_gemma3") / "gemma3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_llm(tiny_gemma3):
+    """One small-shaped xlm engine on the tiny Gemma 3 for the session."""
+    import xlm
+    from tests.engine.reference import TINY_ENGINE
+
+    return xlm.LLM(model=tiny_gemma3, **TINY_ENGINE)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache_dir(tmp_path_factory) -> str:
     """The per-session compiled-program cache (under TEST_CACHE_ROOT, set at import).

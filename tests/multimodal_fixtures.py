@@ -147,3 +147,146 @@ def transformers_greedy(path: str, token_ids: list[int], images: list, max_new_t
 
 
 _hf_models: dict = {}
+
+
+# ---- Gemma 3 (SigLIP + projector + Gemma 3 text) -----------------------------------------
+GEMMA3_TOKENS_PER_IMAGE = 4  # the 4x4 patch grid average-pooled 2x2
+GEMMA3_SPECIALS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn> {{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}<start_of_image> "
+    "{% elif part['type'] == 'text' %}{{ part['text'] }} {% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn> model {% endif %}"
+)
+
+
+def build_gemma3_tokenizer():
+    """Word-level tokenizer: specials, words, "\\n\\n" (an added token, as Gemma's single
+    double-newline token) and Gemma 3's image tokens (the last three ids)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    specials += ["user", "model"]  # the chat template's roles
+    words = [f"w{i}" for i in range(VOCAB_SIZE - len(specials) - 4)]
+    vocab = {t: i for i, t in enumerate(specials + words + ["\n\n", *GEMMA3_SPECIALS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_tokens([AddedToken("\n\n", normalized=False)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=["<start_of_turn>", "<end_of_turn>", *GEMMA3_SPECIALS],
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    fast.chat_template = GEMMA3_CHAT_TEMPLATE
+    return fast
+
+
+def write_tiny_gemma3(path: str, seed: int = 0) -> str:
+    """Save a random float32 Gemma3ForConditionalGeneration (tiny SigLIP, the suite's tiny
+    Gemma 3 text model), its tokenizer and its Gemma 3 preprocessor config into `path`."""
+    import torch
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    from tests.conftest import TINY_CONFIGS
+
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        vision_use_head=False,
+    )
+    text = Gemma3TextConfig(**dict(_BASE, **TINY_CONFIGS["gemma3"][1], max_position_embeddings=512))
+    config = Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE,
+        boi_token_index=VOCAB_SIZE - 3,
+        eoi_token_index=VOCAB_SIZE - 2,
+        image_token_index=VOCAB_SIZE - 1,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # unit-scale weights: clear logit gaps, images that matter
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                # Gemma's (1 + w) norms: the layers' outputs 4x the embeddings, so the
+                # tied LM head does not just echo the last token.
+                base = 1.0 if "layer_norm" in name else 3.0 if "post_" in name else 0.0
+                p.copy_(0.1 * torch.randn_like(p) + base)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("embed_tokens.weight"):  # scaled by sqrt(hidden): unit RMS
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+            elif "embedding" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                fan_in = p[0].numel() if p.dim() > 1 else p.shape[-1]
+                p.copy_(torch.randn_like(p) * fan_in**-0.5)
+    model.save_pretrained(path)
+    build_gemma3_tokenizer().save_pretrained(path)
+    Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(path)
+    return path
+
+
+def make_blocky_image(seed: int, width: int = 40, height: int = 33):
+    """A random RGB PIL image of 4x4 flat color blocks: features that survive Gemma 3's
+    average pooling (pixel noise averages out to nearly the same embedding)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
+    return small.resize((width, height), Image.NEAREST)
+
+
+def gemma3_reference_inputs(path: str, prompt: str, images: list) -> dict:
+    """transformers' Gemma3Processor on the prompt text and images: input_ids,
+    token_type_ids (1 on image tokens) and pixel_values, as torch tensors."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+
+    processor = Gemma3Processor(
+        Gemma3ImageProcessorPil.from_pretrained(path),
+        AutoTokenizer.from_pretrained(path),
+        image_seq_length=GEMMA3_TOKENS_PER_IMAGE,
+    )
+    return dict(processor(text=prompt, images=images or None, return_tensors="pt"))
+
+
+def gemma3_transformers_greedy(
+    path: str, prompt: str, images: list, max_new_tokens: int, bidirectional: bool = True
+):
+    """The reference: transformers' Gemma 3 generating greedily from its own processor's
+    inputs (the bidirectional mask over each image's tokens from token_type_ids; causal
+    only without them)."""
+    import torch
+    from transformers import Gemma3ForConditionalGeneration
+
+    model = _hf_models.get(path)
+    if model is None:
+        model = _hf_models[path] = Gemma3ForConditionalGeneration.from_pretrained(path).eval()
+    inputs = gemma3_reference_inputs(path, prompt, images)
+    inputs.pop("attention_mask", None)
+    if not bidirectional:
+        inputs.pop("token_type_ids")
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, n:].tolist(), inputs["input_ids"][0].tolist()

@@ -23,3 +23,32 @@ def test_slots_cover_a_full_step():
     assert encoder_cache_slots(_llava(28, 7), 64) == 6  # 4 images of 16 tokens, plus 2
     assert encoder_cache_slots(_llava(), 16) == MIN_ENCODER_SLOTS
     assert encoder_cache_slots(SimpleNamespace(model_type="llama"), 64) == 0
+
+
+def _gemma3(tokens=256):
+    vision = SimpleNamespace(image_size=896, patch_size=14)
+    return SimpleNamespace(model_type="gemma3", vision_config=vision, mm_tokens_per_image=tokens)
+
+
+def test_gemma3_images_are_fixed_size_and_whole():
+    import pytest
+
+    from xlm.multimodal.budget import bidirectional_images, images_in_one_step
+
+    assert tokens_per_image(_gemma3()) == 256
+    assert bidirectional_images(_gemma3()) and not bidirectional_images(_llava())
+
+    def config(hf_config, batched, threshold=0):
+        sched = SimpleNamespace(
+            max_num_batched_tokens=batched, long_prefill_token_threshold=threshold
+        )
+        return SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=hf_config), scheduler_config=sched
+        )
+
+    assert images_in_one_step(config(_gemma3(), 512))
+    assert not images_in_one_step(config(_llava(), 64))
+    with pytest.raises(ValueError, match="max_num_batched_tokens=128"):
+        images_in_one_step(config(_gemma3(), 128))
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=100"):
+        images_in_one_step(config(_gemma3(), 512, 100))

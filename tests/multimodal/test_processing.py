@@ -69,3 +69,72 @@ def test_content_hash_is_by_pixels():
 
 def test_text_only_checkpoints_have_no_processor():
     assert get_mm_processor(AutoConfig.for_model("llama"), "/nonexistent") is None
+
+
+@pytest.mark.parametrize(
+    "size, width, height",
+    [(28, 40, 33), (28, 31, 57), (56, 300, 200), (896, 64, 48)],
+)
+def test_gemma3_pixels_equal_transformers(size, width, height):
+    from types import SimpleNamespace
+
+    from transformers import Gemma3ImageProcessorPil
+
+    from xlm.multimodal.processing import Gemma3Processor
+
+    reference = Gemma3ImageProcessorPil(size={"height": size, "width": size})
+    hf_config = SimpleNamespace(
+        vision_config=SimpleNamespace(image_size=size),
+        image_token_index=9,
+        boi_token_index=7,
+        eoi_token_index=8,
+        mm_tokens_per_image=4,
+    )
+    processor = Gemma3Processor(hf_config, "/nonexistent", MediaPolicy())
+    processor.preprocess = CLIPImagePreprocessor(
+        {"resample": 2} | reference.to_dict() | {"do_center_crop": False}
+    )
+    image = make_image(width * height, width, height)
+    want = reference(image, return_tensors="np")["pixel_values"][0]
+    got = processor.pixels(image)
+    assert got.shape == want.shape == (3, size, size)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_gemma3_expansion_equals_transformers_processor(tiny_gemma3):
+    from transformers import AutoTokenizer
+
+    from tests.multimodal_fixtures import gemma3_reference_inputs
+
+    config = AutoConfig.from_pretrained(tiny_gemma3)
+    processor = get_mm_processor(config, tiny_gemma3)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gemma3)
+    prompt = "<bos>w1 <start_of_image> w2 w3 <start_of_image> w4"
+    images = [make_image(1), make_image(2, 50, 30)]
+    ids, features = processor.process(tokenizer.encode(prompt, add_special_tokens=False), images)
+    want = gemma3_reference_inputs(tiny_gemma3, prompt, images)
+    assert ids == want["input_ids"][0].tolist()
+    image_positions = [i for i, t in enumerate(want["token_type_ids"][0].tolist()) if t == 1]
+    assert [p for f in features for p in range(f.offset, f.end)] == image_positions
+    for feature, pixels in zip(features, want["pixel_values"].numpy(), strict=True):
+        np.testing.assert_allclose(feature.pixel_values, pixels, atol=1e-5)
+
+
+def test_gemma3_newline_runs_merge():
+    from types import SimpleNamespace
+
+    from xlm.multimodal.processing import Gemma3Processor
+
+    hf_config = SimpleNamespace(
+        vision_config=SimpleNamespace(image_size=28),
+        image_token_index=9,
+        boi_token_index=7,
+        eoi_token_index=8,
+        mm_tokens_per_image=2,
+    )
+    processor = Gemma3Processor(hf_config, "/nonexistent", MediaPolicy())
+    processor.newlines = {1: 101, 2: 102, 3: 103}  # "\n", "\n\n", "\n\n\n" token ids
+    processor.run_of = {v: k for k, v in processor.newlines.items()}
+    ids, _ = processor.process([5, 101, 7, 101, 6], [make_image(0)])
+    # "\n" + "\n\n" -> "\n\n\n" on both sides, as the tokenizer would merge them.
+    assert ids == [5, 103, 7, 9, 9, 8, 103, 6]

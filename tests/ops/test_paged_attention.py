@@ -179,3 +179,38 @@ def test_negative_slots_write_nowhere():
     k = jnp.ones((2, 1, 2))
     out = np.asarray(write_kv(cache, k, k, jnp.array([-1, 5], jnp.int32)))
     assert out[:, 1, 1].sum() == 4 and out.sum() == 4  # only slot 5 = block 1, offset 1
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("span", [(2, 6), None])  # positions attended both ways; None: causal
+def test_attend_until_opens_a_bidirectional_span(on_platform, window, span):
+    """Gemma 3's image tokens: a token of the span sees up to the span's last key (and
+    keeps its sliding window); the kernel path falls back to the jnp one for such a step."""
+    import dataclasses
+
+    from xlm.platforms.cpu import CpuPlatform
+
+    on_platform(CpuPlatform)
+    op = PagedAttention(4, 2, HEAD_DIM, HEAD_DIM**-0.5, sliding_window=window)
+    md = build_metadata([StepRequest([1, 2, 3], 0, 9)], BLOCK_SIZE, max_blocks=3)
+    limit = np.asarray(md.positions).copy()
+    if span is not None:
+        limit[span[0] : span[1]] = span[1] - 1
+    md = dataclasses.replace(md, attend_until=jnp.asarray(limit))
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((9, 4, HEAD_DIM)).astype(np.float32)
+    k = rng.standard_normal((9, 2, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((9, 2, HEAD_DIM)).astype(np.float32)
+    cache = jnp.zeros(op.kv_cache_shape(4, BLOCK_SIZE))
+    out, _ = jax.jit(op)(q, k, v, cache, md)
+    # numpy reference: key j visible to query i when j <= limit[i] and within the window.
+    kk, vv = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, kk).astype(np.float64) * HEAD_DIM**-0.5
+    qpos, kpos = np.arange(9)[:, None], np.arange(9)[None, :]
+    mask = kpos <= limit[:, None]
+    if window is not None:
+        mask &= kpos > qpos - window
+    s = np.where(mask[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), vv)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)

@@ -96,6 +96,8 @@ class Scheduler:
         # A multimodal model: the most distinct images one step may cover, the encoder
         # cache's slots (xlm.multimodal.budget); None: no cap (text only).
         self.max_images_per_step: int | None = None
+        # Images attended both ways (Gemma 3): each image's tokens in one step.
+        self.images_whole = False
         self.waiting = create_request_queue(self.policy)
         # Scheduling order: admission order (fcfs) or (priority, arrival) (priority);
         # the last one is the one preempted.
@@ -194,7 +196,11 @@ class Scheduler:
                 num_new = token_budget
             if request.mm_features:
                 num_new = step.fit_images(
-                    request, request.num_computed_tokens, num_new, self.max_images_per_step
+                    request,
+                    request.num_computed_tokens,
+                    num_new,
+                    self.max_images_per_step,
+                    self.images_whole,
                 )
                 if num_new == 0:  # its next image waits for the encoder cache
                     i += 1
@@ -274,7 +280,9 @@ class Scheduler:
                 num_new = token_budget
             if request.mm_features:
                 start = num_hit + num_loaded
-                num_new = step.fit_images(request, start, num_new, self.max_images_per_step)
+                num_new = step.fit_images(
+                    request, start, num_new, self.max_images_per_step, self.images_whole
+                )
                 if num_new == 0:
                     break  # head of line waits for the encoder cache
             new_block_ids = allocate_slots(request, num_loaded + num_new, num_hit, hit_blocks)

@@ -23,16 +23,22 @@ class StepPlan:
     # Content hashes of the images whose placeholders the step covers (encoder budget).
     images: set[str] = field(default_factory=set)
 
-    def fit_images(self, request: Request, start: int, num_new: int, cap: int | None) -> int:
+    def fit_images(
+        self, request: Request, start: int, num_new: int, cap: int | None, whole: bool = False
+    ) -> int:
         """`num_new` tokens from `start`, cut before the first image that would make the
         step cover more than `cap` distinct images (the encoder cache's slots; None: no
-        cap); the images kept are counted to the step."""
+        cap), or with `whole` (images attended both ways) before an image the chunk would
+        end inside; the images kept are counted to the step."""
         if cap is None:
             return num_new
+        stop = start + num_new
         for feature in request.mm_features or ():
-            if not feature.overlaps(start, start + num_new) or feature.identifier in self.images:
+            if not feature.overlaps(start, stop):
                 continue
-            if len(self.images) >= cap:
+            if (whole and feature.end > stop) or (
+                feature.identifier not in self.images and len(self.images) >= cap
+            ):
                 return max(feature.offset - start, 0)
             self.images.add(feature.identifier)
         return num_new

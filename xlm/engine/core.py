@@ -19,7 +19,7 @@ from xlm.executor import executor_class_for
 from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
 from xlm.lora.request import LoRARequest
-from xlm.multimodal.budget import encoder_cache_slots
+from xlm.multimodal.budget import encoder_cache_slots, images_in_one_step
 from xlm.structured_output.manager import StructuredOutputManager
 from xlm.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -70,6 +70,7 @@ class EngineCore:
         )
         if slots:  # a step covers no more images than the runner's encoder cache holds
             self.scheduler.max_images_per_step = slots
+            self.scheduler.images_whole = images_in_one_step(config)
         self._in_flight: deque[SchedulerOutput] = deque()
         self._first_dispatch: float | None = None
         self._sleep_level: int | None = None  # asleep: the level (sleep mode)

@@ -1,5 +1,6 @@
 """The CLIP vision transformer (LLaVA's vision tower): patch embedding, class token,
-learned positions, pre-LayerNorm, bidirectional encoder layers with quick-GELU MLPs.
+learned positions, pre-LayerNorm, bidirectional encoder layers with quick-GELU MLPs; and
+SigLIP's (Gemma 3's): the same layers, no class token, a post-LayerNorm.
 
 Every parameter is replicated over the mesh: under tensor parallelism each device runs
 the whole encoder (docs/multimodal.md), which is small next to the language model.
@@ -42,10 +43,12 @@ def vision_act(name: str) -> Any:
 
 
 class WeightHolder(nnx.Module):
-    """A module holding one replicated `weight` (a checkpoint's conv or embedding table)."""
+    """A module holding one replicated `weight` (a checkpoint's conv or embedding table),
+    and the conv's `bias` when it has one."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: Any, bias: bool = False) -> None:
         self.weight = param(unloaded(shape, dtype), (None,) * len(shape))
+        self.bias = param(unloaded(shape[:1], dtype), (None,)) if bias else None
 
 
 class CLIPVisionEmbeddings(nnx.Module):
@@ -143,3 +146,48 @@ class CLIPVisionTransformer(nnx.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class SiglipVisionEmbeddings(nnx.Module):
+    """SigLIP's embeddings: non-overlapping patches (a strided conv with bias, as one
+    matmul) plus learned positions; no class token."""
+
+    def __init__(self, config: Any, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        c, p, h = config.num_channels, config.patch_size, config.hidden_size
+        self.patch_size = p
+        self.num_patches = (config.image_size // p) ** 2
+        self.patch_embedding = WeightHolder((h, c, p, p), dtype, bias=True)
+        self.position_embedding = WeightHolder((self.num_patches, h), dtype)
+
+    def __call__(self, pixel_values: jax.Array) -> jax.Array:
+        """pixel_values [B, C, H, W] -> [B, patches, hidden] (patches row-major)."""
+        b, c, height, width = pixel_values.shape
+        p = self.patch_size
+        x = pixel_values.reshape(b, c, height // p, p, width // p, p)
+        x = x.transpose(0, 2, 4, 1, 3, 5).reshape(b, (height // p) * (width // p), c * p * p)
+        w = self.patch_embedding.weight[...]
+        x = x @ w.reshape(w.shape[0], -1).T.astype(x.dtype)
+        x = x + self.patch_embedding.bias[...].astype(x.dtype)
+        return x + self.position_embedding.weight[...][None].astype(x.dtype)
+
+
+class SiglipVisionTransformer(nnx.Module):
+    """SigLIP's vision tower without its pooling head: embeddings, the encoder layers
+    (CLIP's, with the config's activation) and the post-LayerNorm (Gemma 3's tower)."""
+
+    def __init__(self, config: Any, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        self.embeddings = SiglipVisionEmbeddings(config, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [
+                CLIPEncoderLayer(config, dtype=dtype, rngs=rngs)
+                for _ in range(config.num_hidden_layers)
+            ]
+        )
+        self.post_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype=dtype)
+
+    def __call__(self, pixel_values: jax.Array) -> jax.Array:
+        """pixel_values [B, C, H, W] -> last hidden states [B, patches, D]."""
+        x = self.embeddings(pixel_values)
+        for layer in self.layers:
+            x = layer(x)
+        return self.post_layernorm(x)

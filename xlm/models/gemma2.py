@@ -107,12 +107,20 @@ class Gemma2Model(nnx.Module):
         # Per layer, its KV cache array when layers share them (None: one array each).
         self.kv_cache_index: tuple[int, ...] | None = None
 
-    def __call__(
-        self, input_ids: jax.Array, kv_caches: list[jax.Array], metadata: AttentionMetadata
-    ) -> tuple[jax.Array, list[jax.Array]]:
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """Scaled token embeddings [T, H] (transformers rounds the scale to their dtype)."""
         hidden_states = self.embed_tokens(input_ids)
-        # transformers rounds the scale to the activation dtype first.
-        hidden_states = hidden_states * jnp.asarray(self.embed_scale, hidden_states.dtype)
+        return hidden_states * jnp.asarray(self.embed_scale, hidden_states.dtype)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        kv_caches: list[jax.Array],
+        metadata: AttentionMetadata,
+        inputs_embeds: jax.Array | None = None,
+    ) -> tuple[jax.Array, list[jax.Array]]:
+        # Given embeddings (a multimodal step's) are already scaled: images' are not.
+        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.kv_cache_index is not None:  # KV cache groups: layers share cache arrays
             caches = list(kv_caches)
             for layer, j in zip(self.layers, self.kv_cache_index, strict=True):

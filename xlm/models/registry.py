@@ -12,6 +12,7 @@ logger = init_logger(__name__)
 _BUILTIN_MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "xlm.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "xlm.models.gemma2:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "xlm.models.gemma3_mm:Gemma3ForConditionalGeneration",
     "GPT2LMHeadModel": "xlm.models.gpt2:GPT2LMHeadModel",
     "LlamaForCausalLM": "xlm.models.llama:LlamaForCausalLM",
     "LlavaForConditionalGeneration": "xlm.models.llava:LlavaForConditionalGeneration",

@@ -42,18 +42,37 @@ def qwen2_vl_max_tokens(model_dir: str) -> tuple[int, int]:
     return low, max(high // factor**2, 1)
 
 
-def tokens_per_image(hf_config: Any, model_dir: str = "") -> int | None:
-    """The most placeholder tokens one image becomes for this model (None: no images)."""
-    vision = getattr(hf_config, "vision_config", None)
-    model_type = getattr(hf_config, "model_type", None)
-    if vision is None:
-        return None
-    if model_type in QWEN2_VL_TYPES:
-        return qwen2_vl_max_tokens(model_dir)[1]
-    if model_type != "llava":
-        return None
+def _llava_tokens(hf_config: Any, model_dir: str) -> int:
+    vision = hf_config.vision_config
     full = getattr(hf_config, "vision_feature_select_strategy", "default") == "full"
     return (vision.image_size // vision.patch_size) ** 2 + int(full)
+
+
+# model_type -> the most tokens one image becomes (its encoder's embeddings).
+_TOKENS_PER_IMAGE = {
+    "llava": _llava_tokens,
+    "gemma3": lambda hf_config, model_dir: int(hf_config.mm_tokens_per_image),
+    **{t: lambda hf_config, model_dir: qwen2_vl_max_tokens(model_dir)[1] for t in QWEN2_VL_TYPES},
+}
+# Families whose image tokens attend to each other both ways (Gemma 3): an image's tokens
+# are prefilled in one step, so the scheduler never cuts a chunk inside one.
+_BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
+
+
+def tokens_per_image(hf_config: Any, model_dir: str = "") -> int | None:
+    """The most placeholder tokens one image becomes for this model (None: no images)."""
+    count = _TOKENS_PER_IMAGE.get(getattr(hf_config, "model_type", None))
+    if count is None or getattr(hf_config, "vision_config", None) is None:
+        return None
+    return count(hf_config, model_dir)
+
+
+def bidirectional_images(hf_config: Any) -> bool:
+    """Whether an image's tokens attend to each other both ways (one prefill chunk each)."""
+    return (
+        getattr(hf_config, "vision_config", None) is not None
+        and getattr(hf_config, "model_type", None) in _BIDIRECTIONAL_IMAGES
+    )
 
 
 def encoder_cache_slots(hf_config: Any, max_num_batched_tokens: int, model_dir: str = "") -> int:
@@ -66,11 +85,32 @@ def encoder_cache_slots(hf_config: Any, max_num_batched_tokens: int, model_dir: 
     return max(MIN_ENCODER_SLOTS, -(-max_num_batched_tokens // per_image) + 2)
 
 
-def encoder_pool_bytes(hf_config: Any, max_num_batched_tokens: int, itemsize: int) -> int:
+def encoder_pool_bytes(
+    hf_config: Any, max_num_batched_tokens: int, itemsize: int, model_dir: str = ""
+) -> int:
     """Bytes of the encoder cache's device pool on each device (it is replicated): one
     scratch row and each slot's image tokens, of the model's hidden width (0: no images)."""
-    slots = encoder_cache_slots(hf_config, max_num_batched_tokens)
+    slots = encoder_cache_slots(hf_config, max_num_batched_tokens, model_dir)
     if not slots:
         return 0
-    rows = 1 + slots * tokens_per_image(hf_config)
+    rows = 1 + slots * tokens_per_image(hf_config, model_dir)
     return rows * hf_config.hidden_size * itemsize
+
+
+def images_in_one_step(config: Any) -> bool:
+    """Whether each image's tokens must be prefilled in one step (bidirectional images);
+    raises when a step's token budget cannot hold one image."""
+    hf_config = config.model_config.hf_config
+    if not bidirectional_images(hf_config):
+        return False
+    per_image = tokens_per_image(hf_config)
+    sched = config.scheduler_config
+    for name in ("max_num_batched_tokens", "long_prefill_token_threshold"):
+        value = getattr(sched, name, None)
+        if value and value < per_image:
+            raise ValueError(
+                f"{name}={value} is too small for {hf_config.model_type}: its images attend "
+                f"both ways, so a step must hold one image's {per_image} tokens (allowed: "
+                f">= {per_image})"
+            )
+    return True

@@ -9,16 +9,22 @@ placeholders go) registered by the config's model_type in PROCESSORS.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import os
 from typing import Any
 
 import numpy as np
 
 from xlm.engine.exceptions import RequestValidationError
+from xlm.logger import init_logger
 from xlm.multimodal.budget import read_preprocessor_config
 from xlm.multimodal.image import MediaPolicy, check_image
 from xlm.multimodal.inputs import MultiModalFeature
 from xlm.multimodal.qwen2_vl import Qwen2VLImagePreprocessor
+
+logger = init_logger(__name__)
 
 _RESAMPLE_DEFAULT = 3  # PIL bicubic, CLIP's
 
@@ -167,6 +173,99 @@ class LlavaProcessor(MultiModalProcessor):
         return self.tokens
 
 
+def newline_token_ids(model_dir: str) -> dict[int, int]:
+    """Newline-run tokens of the checkpoint's tokenizer.json: run length -> token id."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    vocab = data.get("model", {}).get("vocab") or {}
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs
+        vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
+    pieces = dict(vocab)
+    pieces.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+    return {len(piece): int(i) for piece, i in pieces.items() if piece and set(piece) == {"\n"}}
+
+
+class Gemma3Processor(MultiModalProcessor):
+    """Gemma 3: the image resized to the tower's size (no crop, no pan-and-scan), and
+    each `<start_of_image>` placeholder expanded as transformers' Gemma3Processor does:
+    "\n\n", `<start_of_image>`, mm_tokens_per_image image tokens, `<end_of_image>`,
+    "\n\n" (a newline run next to it merged into one token, as the tokenizer would)."""
+
+    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
+        super().__init__(hf_config, model_dir, policy)
+        config = read_preprocessor_config(model_dir)
+        if config.get("do_pan_and_scan"):
+            logger.warning(
+                "preprocessor_config.json asks for pan-and-scan, which xlm does not apply: "
+                "each image is resized whole to the vision tower's size"
+            )
+        size = hf_config.vision_config.image_size
+        self.preprocess = CLIPImagePreprocessor(
+            {"resample": 2, "size": {"height": size, "width": size}}  # bilinear
+            | config
+            | {"do_center_crop": False}
+        )
+        self.image_size = size
+        self.image_token_id = self.placeholder_token_id
+        self.placeholder_token_id = int(hf_config.boi_token_index)
+        self.eoi_token_id = int(hf_config.eoi_token_index)
+        self.tokens = int(hf_config.mm_tokens_per_image)
+        self.newlines = newline_token_ids(model_dir)
+        self.run_of = {i: n for n, i in self.newlines.items()}
+
+    def pixels(self, image: Any) -> np.ndarray:
+        pixels = self.preprocess(image)
+        if pixels.shape[1:] != (self.image_size, self.image_size):
+            raise ValueError(
+                f"preprocessor_config.json makes {pixels.shape[1:]} images, but the vision "
+                f"tower takes {self.image_size}x{self.image_size}"
+            )
+        return pixels
+
+    def num_image_tokens(self, pixels: np.ndarray) -> int:
+        return self.tokens
+
+    def process(
+        self, token_ids: list[int], images: list[Any]
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """Each placeholder -> [<start_of_image>, image tokens, <end_of_image>] between
+        double newlines; the features cover the image tokens only."""
+        ids, features = super().process(token_ids, images)
+        out: list[int] = []
+        out_features = []
+        prev = 0
+        for f in features:
+            boi = f.offset  # super() wrote the image tokens where the placeholder was
+            out.extend(ids[prev:boi])
+            self._newlines_after(out)
+            out.append(self.placeholder_token_id)
+            offset = len(out)
+            out.extend([self.image_token_id] * f.length)
+            out.append(self.eoi_token_id)
+            out_features.append(dataclasses.replace(f, offset=offset))
+            prev = f.end
+            rest = ids[prev:]
+            run = self.run_of.get(rest[0]) if rest else None
+            if run is not None and run + 2 in self.newlines:
+                out.append(self.newlines[run + 2])
+                prev += 1
+            elif 2 in self.newlines:
+                out.append(self.newlines[2])
+        out.extend(ids[prev:])
+        return out, out_features
+
+    def _newlines_after(self, out: list[int]) -> None:
+        """Append "\n\n" to `out`, merged into a newline run that ends it."""
+        run = self.run_of.get(out[-1]) if out else None
+        if run is not None and run + 2 in self.newlines:
+            out[-1] = self.newlines[run + 2]
+        elif 2 in self.newlines:
+            out.append(self.newlines[2])
+
+
 class Qwen2VLProcessor(MultiModalProcessor):
     """Qwen2-VL / Qwen2.5-VL: smart_resize preprocessing (xlm.multimodal.qwen2_vl); an
     image of h x w patches becomes h * w / merge_size^2 tokens."""
@@ -204,6 +303,7 @@ class Qwen2VLProcessor(MultiModalProcessor):
 # model_type -> processor class: a family's entry makes its checkpoints accept images.
 PROCESSORS: dict[str, type[MultiModalProcessor]] = {
     "llava": LlavaProcessor,
+    "gemma3": Gemma3Processor,
     "qwen2_vl": Qwen2VLProcessor,
     "qwen2_5_vl": Qwen2VLProcessor,
 }

@@ -55,6 +55,9 @@ class AttentionMetadata:
     seq_lens: jax.Array  # [R]
     block_tables: jax.Array  # [R, max_blocks_per_req]
     num_seqs: jax.Array  # [1] number of real requests
+    # [T] the last context position each token may attend to, for models with
+    # bidirectional spans (Gemma 3's image tokens see their whole image); None: causal.
+    attend_until: jax.Array | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of KV cache group `group` reads (itself with one group)."""
@@ -129,6 +132,7 @@ class _Chunks:
     req: jax.Array  # [V] the request of each chunk
     row_token: jax.Array  # [V, Q] the query token of each row (clipped for padding rows)
     row_pos: jax.Array  # [V, Q] each row's position in its request's context
+    row_limit: jax.Array  # [V, Q] the last context position each row attends to
 
     @classmethod
     def of(cls, metadata: AttentionMetadata, num_tokens: int, size: int) -> _Chunks:
@@ -146,7 +150,9 @@ class _Chunks:
         row_token = jnp.clip(qsl[req][:, None] + row_local, 0, num_tokens - 1)
         # The new tokens are the last q_len ones of the context.
         row_pos = (metadata.seq_lens - q_lens)[req][:, None] + row_local
-        return cls(size, count, start, req, row_token, row_pos)
+        limit = metadata.attend_until
+        row_limit = row_pos if limit is None else jnp.maximum(row_pos, limit[row_token])
+        return cls(size, count, start, req, row_token, row_pos, row_limit)
 
     def token_rows(self, qsl: jax.Array, num_tokens: int) -> jax.Array:
         """[T] each token's row in the chunked layout."""
@@ -168,7 +174,8 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     query_chunk: int | None = None,
 ) -> jax.Array:
-    """Causal attention of each query over its request's paged context (cache already written).
+    """Causal attention of each query over its request's paged context (cache already written);
+    a token with `metadata.attend_until` past its position also sees the keys up to it.
 
     Each request's queries are cut into chunks of `query_chunk` rows; chunk v attends to
     the pages of its request only ([V, Q] queries x [V, C] keys), so the work is
@@ -236,7 +243,7 @@ def _attend_tiles(
         if logits_soft_cap is not None:
             scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
         key_pos = i * tile_len + jnp.arange(tile_len, dtype=jnp.int32)
-        mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [V, Q, C]
+        mask = key_pos[None, None, :] <= chunks.row_limit[:, :, None]  # [V, Q, C]
         if sliding_window is not None:
             mask &= key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
         mask = mask[:, None, None]
@@ -291,7 +298,14 @@ def _kernel_path(select: Callable) -> Callable:
         kernel = select(self, q, kv_cache)
         if kernel is None:
             return self.forward_native(q, k, v, kv_cache, metadata)
-        return self._run_kernel(*kernel, q, k, v, kv_cache, metadata)
+        if metadata.attend_until is None:
+            return self._run_kernel(*kernel, q, k, v, kv_cache, metadata)
+        # The kernels are causal only: a step with a bidirectional span takes the jnp path.
+        return jax.lax.cond(
+            jnp.any(metadata.attend_until > metadata.positions),
+            lambda: self.forward_native(q, k, v, kv_cache, metadata),
+            lambda: self._run_kernel(*kernel, q, k, v, kv_cache, metadata),
+        )
 
     forward.__doc__ = select.__doc__
     return forward

@@ -26,7 +26,7 @@ from flax import nnx
 from xlm.config import XlmConfig
 from xlm.distributed.mesh import put_replicated, replicated, replicated_shape
 from xlm.models.loader import resolve_dtype
-from xlm.multimodal.budget import encoder_cache_slots, tokens_per_image
+from xlm.multimodal.budget import bidirectional_images, encoder_cache_slots, tokens_per_image
 from xlm.multimodal.inputs import features_in_range
 from xlm.worker.compilation import ProgramKey, ProgramKind, ProgramSpec, ProgramStore
 
@@ -138,6 +138,7 @@ class EncoderRunner:
         dtype = jnp.dtype(resolve_dtype(config.model_config.dtype, hf_config))
         encoder = cls(graphdef, slots, per_image, hf_config.hidden_size, mesh, layout, dtype)
         encoder.mrope = getattr(model, "mrope_positions", None)
+        encoder.bidirectional = bidirectional_images(hf_config)
         pool = replicated_shape(encoder.pool_shape(), encoder.dtype, mesh)
         encoder.pool = pool if abstract else put_replicated(np.zeros(pool.shape, pool.dtype), mesh)
         return encoder
@@ -164,6 +165,8 @@ class EncoderRunner:
         self.encode_fn = jax.jit(self._encode_step, donate_argnums=(1,))
         # An M-RoPE model's step positions from its features (the model's mrope_positions).
         self.mrope: Any = None
+        # Images whose tokens attend to each other both ways (Gemma 3): attend_until.
+        self.bidirectional = False
         self.pool: Any = None
         self.to_encode: list[Any] = []  # the planned step's images not in the cache
 
@@ -219,6 +222,23 @@ class EncoderRunner:
             mm_rows[tokens] = self.cache.base_row(slot) + np.arange(lo - f.offset, hi - f.offset)
         return mm_rows, to_encode
 
+    @staticmethod
+    def attend_until(
+        features: list[list[Any] | None], positions: np.ndarray, starts: Any, counts: Any
+    ) -> np.ndarray:
+        """Per token the last context position it attends to (AttentionMetadata's
+        attend_until): its own, or its image's last for an image token (images attended
+        both ways, whose tokens the scheduler keeps in one step)."""
+        limit = positions.copy()
+        flat = 0
+        for feats, start, count in zip(features, starts, counts, strict=True):
+            start, stop = int(start), int(start + count)
+            for f in features_in_range(feats, start, stop):
+                lo, hi = max(start, f.offset), min(stop, f.end)
+                limit[flat + lo - start : flat + hi - start] = f.end - 1
+            flat += int(count)
+        return limit
+
     def encode(self, program_for: Any, state: Any, pool: Any, to_encode: list[Any]) -> Any:
         """Run the encoder program over the images to encode (in batches the layout
         buckets); returns the updated pool."""
@@ -241,18 +261,27 @@ class EncoderRunner:
         return {"hits": self.cache.hits, "misses": self.cache.misses}
 
     def plan_step(
-        self, batch: Any, req_ids: list[str], num_scheduled: list[int], num_tokens_padded: int
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """The step's `mm_rows` (step_rows over the InputBatch's requests) and, for an
-        M-RoPE model, its [3, T] positions (None otherwise); its images not yet encoded
-        wait for encode_pending."""
+        self,
+        batch: Any,
+        req_ids: list[str],
+        num_scheduled: list[int],
+        num_tokens_padded: int,
+        positions: np.ndarray,
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The step's `mm_rows` (step_rows over the InputBatch's requests) and what its
+        images change in the step's attention metadata: an M-RoPE model's [3, T]
+        positions (Qwen2-VL), each token's attend_until for images attended both ways
+        (Gemma 3). Its images not yet encoded wait for encode_pending."""
         features = [batch.requests[r].mm_features for r in req_ids]
         starts = batch.num_computed_tokens[batch.slots(req_ids)] if req_ids else []
         starts, counts = np.asarray(starts), np.asarray(num_scheduled)
         mm_rows, self.to_encode = self.step_rows(features, starts, counts, num_tokens_padded)
-        if self.mrope is None:
-            return mm_rows, None
-        return mm_rows, self.mrope(features, starts, counts, num_tokens_padded)
+        changes = {}
+        if self.mrope is not None:
+            changes["positions"] = self.mrope(features, starts, counts, num_tokens_padded)
+        if self.bidirectional:
+            changes["attend_until"] = self.attend_until(features, positions, starts, counts)
+        return mm_rows, changes
 
     def encode_pending(self, store: ProgramStore, state: Any, mesh_spec: Any) -> Any:
         """Encode the planned step's images not in the cache (first, before the step's

@@ -221,12 +221,12 @@ class ModelRunner:
         )
         self.sampling_key += 1
         if self.encoder is not None:
-            mm_rows, positions = self.encoder.plan_step(
-                self.input_batch, req_ids, num_scheduled, num_tokens_padded
+            attn = out.arrays["attn"]
+            mm_rows, changes = self.encoder.plan_step(
+                self.input_batch, req_ids, num_scheduled, num_tokens_padded, attn.positions
             )
             out.arrays["mm_rows"] = mm_rows
-            if positions is not None:  # M-RoPE: [3, T] positions (Qwen2-VL)
-                out.arrays["attn"] = dataclasses.replace(out.arrays["attn"], positions=positions)
+            out.arrays["attn"] = dataclasses.replace(attn, **changes)
         return out
 
     def _run_model(self, num_tokens_padded: int, arrays: dict[str, Any]) -> tuple[Any, Any]:

@@ -211,7 +211,7 @@ class Worker:
         model_config = self.config.model_config
         itemsize = jnp.dtype(resolve_dtype(model_config.dtype, model_config.hf_config)).itemsize
         tokens = self.config.scheduler_config.max_num_batched_tokens
-        return encoder_pool_bytes(model_config.hf_config, tokens, itemsize)
+        return encoder_pool_bytes(model_config.hf_config, tokens, itemsize, model_config.model)
 
     def blocks_for_one_request(self) -> int:
         """The fewest blocks that serve one request of max_model_len (and the null block)."""
