@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import xlm
+from tests.conftest import fake_devices_env
 from tests.multimodal_fixtures import (
     GEMMA3_TOKENS_PER_IMAGE,
     gemma3_transformers_greedy,
@@ -151,7 +152,7 @@ def test_tensor_parallel(tiny_gemma3, tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = fake_devices_env(8)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     prompt = _prompt("w5 <start_of_image>", "w9 w13")
