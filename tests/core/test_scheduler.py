@@ -442,10 +442,11 @@ def test_priority_victim_is_low_priority_even_if_admitted_first():
 def test_a_step_covers_no_more_images_than_the_encoder_cache_holds():
     import numpy as np
 
+    from xlm.core.step_plan import ImageRule
     from xlm.multimodal.inputs import MultiModalFeature
 
     sched = make_sched(budget=64)
-    sched.max_images_per_step = 2
+    sched.image_rule = ImageRule(cap=2)
     # Three 8-token images at 4, 16 and 28 in a 40-token prompt: the chunk stops before
     # the third image's placeholders, and the next step covers it.
     request = make_request("r", prompt(0, 40), max_tokens=1)

@@ -1,6 +1,6 @@
 """StepPlan: requests the runner already holds go out as parallel rows."""
 
-from xlm.core.step_plan import StepPlan
+from xlm.core.step_plan import ImageRule, StepPlan
 
 
 def test_cached_requests_are_added_as_aligned_rows():
@@ -24,9 +24,9 @@ def test_whole_images_are_never_cut_by_a_chunk():
     image = MultiModalFeature("image", "h", 10, 8, None)  # positions [10, 18)
     request = SimpleNamespace(mm_features=[image])
     # Cut inside the image: the chunk stops before it (whole) or keeps it (LLaVA).
-    assert StepPlan(64).fit_images(request, 0, 14, cap=4, whole=True) == 10
-    assert StepPlan(64).fit_images(request, 0, 14, cap=4) == 14
+    assert StepPlan(64).fit_images(request, 0, 14, ImageRule(4, whole=True)) == 10
+    assert StepPlan(64).fit_images(request, 0, 14, ImageRule(4)) == 14
     # The image fits, or its rest does (a prefix hit ended inside it).
-    assert StepPlan(64).fit_images(request, 0, 18, cap=4, whole=True) == 18
-    assert StepPlan(64).fit_images(request, 12, 6, cap=4, whole=True) == 6
-    assert StepPlan(64).fit_images(request, 12, 5, cap=4, whole=True) == 0
+    assert StepPlan(64).fit_images(request, 0, 18, ImageRule(4, whole=True)) == 18
+    assert StepPlan(64).fit_images(request, 12, 6, ImageRule(4, whole=True)) == 6
+    assert StepPlan(64).fit_images(request, 12, 5, ImageRule(4, whole=True)) == 0

@@ -21,7 +21,7 @@ from xlm.core.outputs import (
 from xlm.core.request import Request, RequestStatus
 from xlm.core.request_queue import create_request_queue
 from xlm.core.sampled_tokens import append_sampled_tokens, roll_back_rejected
-from xlm.core.step_plan import StepPlan, trim_proposals
+from xlm.core.step_plan import ImageRule, StepPlan, trim_proposals
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -93,11 +93,9 @@ class Scheduler:
                 pool_tokens,
             )
         self.requests: dict[str, Request] = {}
-        # A multimodal model: the most distinct images one step may cover, the encoder
-        # cache's slots (xlm.multimodal.budget); None: no cap (text only).
-        self.max_images_per_step: int | None = None
-        # Images attended both ways (Gemma 3): each image's tokens in one step.
-        self.images_whole = False
+        # A multimodal model: how a step may cover its images (xlm.core.step_plan);
+        # None: a text model.
+        self.image_rule: ImageRule | None = None
         self.waiting = create_request_queue(self.policy)
         # Scheduling order: admission order (fcfs) or (priority, arrival) (priority);
         # the last one is the one preempted.
@@ -195,13 +193,8 @@ class Scheduler:
             if num_new > token_budget:
                 num_new = token_budget
             if request.mm_features:
-                num_new = step.fit_images(
-                    request,
-                    request.num_computed_tokens,
-                    num_new,
-                    self.max_images_per_step,
-                    self.images_whole,
-                )
+                start = request.num_computed_tokens
+                num_new = step.fit_images(request, start, num_new, self.image_rule)
                 if num_new == 0:  # its next image waits for the encoder cache
                     i += 1
                     continue
@@ -280,9 +273,7 @@ class Scheduler:
                 num_new = token_budget
             if request.mm_features:
                 start = num_hit + num_loaded
-                num_new = step.fit_images(
-                    request, start, num_new, self.max_images_per_step, self.images_whole
-                )
+                num_new = step.fit_images(request, start, num_new, self.image_rule)
                 if num_new == 0:
                     break  # head of line waits for the encoder cache
             new_block_ids = allocate_slots(request, num_loaded + num_new, num_hit, hit_blocks)

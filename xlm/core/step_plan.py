@@ -9,6 +9,16 @@ from xlm.core.outputs import CachedRequestData, NewRequestData
 from xlm.core.request import Request
 
 
+@dataclass(frozen=True)
+class ImageRule:
+    """How one step may cover a multimodal request's images: at most `cap` distinct
+    images (the runner's encoder cache slots) and, with `whole` (images attended both
+    ways, Gemma 3), no part of an image without the rest."""
+
+    cap: int
+    whole: bool = False
+
+
 @dataclass(slots=True)
 class StepPlan:
     """One step's scheduled requests and token counts, filled phase by phase."""
@@ -23,21 +33,19 @@ class StepPlan:
     # Content hashes of the images whose placeholders the step covers (encoder budget).
     images: set[str] = field(default_factory=set)
 
-    def fit_images(
-        self, request: Request, start: int, num_new: int, cap: int | None, whole: bool = False
-    ) -> int:
+    def fit_images(self, request: Request, start: int, num_new: int, rule: ImageRule | None) -> int:
         """`num_new` tokens from `start`, cut before the first image that would make the
-        step cover more than `cap` distinct images (the encoder cache's slots; None: no
-        cap), or with `whole` (images attended both ways) before an image the chunk would
-        end inside; the images kept are counted to the step."""
-        if cap is None:
+        step cover more than `rule.cap` distinct images or, with `rule.whole`, before an
+        image the chunk would end inside (None: a text model, no cut); the images kept are
+        counted to the step."""
+        if rule is None:
             return num_new
         stop = start + num_new
         for feature in request.mm_features or ():
             if not feature.overlaps(start, stop):
                 continue
-            if (whole and feature.end > stop) or (
-                feature.identifier not in self.images and len(self.images) >= cap
+            if (rule.whole and feature.end > stop) or (
+                feature.identifier not in self.images and len(self.images) >= rule.cap
             ):
                 return max(feature.offset - start, 0)
             self.images.add(feature.identifier)

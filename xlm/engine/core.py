@@ -12,6 +12,7 @@ from xlm.core.async_scheduler import AsyncScheduler
 from xlm.core.outputs import SchedulerOutput, SchedulerStats
 from xlm.core.request import Request, RequestStatus
 from xlm.core.scheduler import Scheduler
+from xlm.core.step_plan import ImageRule
 from xlm.engine.exceptions import EngineBusyError
 from xlm.engine.kv_events_publisher import make_kv_event_publisher
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
@@ -69,8 +70,7 @@ class EngineCore:
             config.model_config.model,
         )
         if slots:  # a step covers no more images than the runner's encoder cache holds
-            self.scheduler.max_images_per_step = slots
-            self.scheduler.images_whole = images_in_one_step(config)
+            self.scheduler.image_rule = ImageRule(slots, images_in_one_step(config))
         self._in_flight: deque[SchedulerOutput] = deque()
         self._first_dispatch: float | None = None
         self._sleep_level: int | None = None  # asleep: the level (sleep mode)

@@ -91,47 +91,60 @@ class Linear(nnx.Module):
         self.in_features, self.out_features = in_features, out_features
         layout = layout or {}
         quantization, quant_layout = get_current_quantization() if quantize else (None, None)
-        weight_scale = weight_min = quant = matmul = None
         if quantization is None:
             weight_dtype = (get_current_weight_dtype() if quantize else None) or dtype
             kernel = unloaded((in_features, out_features), weight_dtype)
             self.kernel = param(kernel, _KERNEL_SHARDING[parallel], **layout)
-            matmul = FloatMatmul()
+            self.weight_scale = self.weight_min = self.quant = None
+            self.matmul = FloatMatmul()
         else:
-            scheme = get_scheme(quantization)
-            has_minimum = quant_layout is not None and quant_layout.has_minimum
-            # A row-parallel kernel's groups must not straddle two devices' rows.
-            shards = tp_size() if parallel == "row" else 1
-            groups = weight_groups(in_features, scheme, quant_layout, shards)
-            rows = in_features
-            if scheme.packed:  # int4: two codes per byte along the input
-                has_minimum, rows = True, in_features // 2
-            kernel = unloaded((rows, out_features), scheme.weight_dtype)
-            self.kernel = param(kernel, _KERNEL_SHARDING[parallel], quantized=scheme.name, **layout)
-            # Scales (and minimums) per output column, laid out and split like the kernel's
-            # columns; grouped along the input like the kernel's rows.
-            sharding = (TP_AXIS if parallel == "row" and groups > 1 else None,)
-            sharding += (_KERNEL_SHARDING[parallel][1],)
-            weight_scale = WeightScale(
+            self._init_quantized(quantization, quant_layout, parallel, layout)
+        bias_sharding = (TP_AXIS,) if parallel == "column" else (None,)
+        bias_value = jnp.zeros((out_features,), dtype)
+        self.bias = param(bias_value, bias_sharding, **layout) if bias else None
+        self._init_lora(get_current_lora_config() if lora else None, parallel, dtype, layout)
+
+    def _init_quantized(
+        self, quantization: str, quant_layout: Any, parallel: Parallel, layout: dict[str, Any]
+    ) -> None:
+        """The 8/4-bit kernel of `quantization`, its scales (and minimums) and its op."""
+        in_features, out_features = self.in_features, self.out_features
+        scheme = get_scheme(quantization)
+        has_minimum = quant_layout is not None and quant_layout.has_minimum
+        # A row-parallel kernel's groups must not straddle two devices' rows.
+        shards = tp_size() if parallel == "row" else 1
+        groups = weight_groups(in_features, scheme, quant_layout, shards)
+        rows = in_features
+        if scheme.packed:  # int4: two codes per byte along the input
+            has_minimum, rows = True, in_features // 2
+        kernel = unloaded((rows, out_features), scheme.weight_dtype)
+        self.kernel = param(kernel, _KERNEL_SHARDING[parallel], quantized=scheme.name, **layout)
+        # Scales (and minimums) per output column, laid out and split like the kernel's
+        # columns; grouped along the input like the kernel's rows.
+        sharding = (TP_AXIS if parallel == "row" and groups > 1 else None,)
+        sharding += (_KERNEL_SHARDING[parallel][1],)
+        self.weight_scale = WeightScale(
+            unloaded((groups, out_features), jnp.float32),
+            out_sharding=sharding,
+            eager_sharding=False,
+            **layout,
+        )
+        self.weight_min = (
+            WeightScale(
                 unloaded((groups, out_features), jnp.float32),
                 out_sharding=sharding,
                 eager_sharding=False,
                 **layout,
             )
-            if has_minimum:
-                weight_min = WeightScale(
-                    unloaded((groups, out_features), jnp.float32),
-                    out_sharding=sharding,
-                    eager_sharding=False,
-                    **layout,
-                )
-            quant = QuantMatmul(scheme.activations)
-        self.weight_scale, self.weight_min, self.quant = weight_scale, weight_min, quant
-        self.matmul = matmul
-        bias_sharding = (TP_AXIS,) if parallel == "column" else (None,)
-        bias_value = jnp.zeros((out_features,), dtype)
-        self.bias = param(bias_value, bias_sharding, **layout) if bias else None
-        lora = get_current_lora_config() if lora else None
+            if has_minimum
+            else None
+        )
+        self.quant = QuantMatmul(scheme.activations)
+        self.matmul = None
+
+    def _init_lora(self, lora: Any, parallel: Parallel, dtype: Any, layout: dict[str, Any]) -> None:
+        """LoRA adapter slots (A and B per slot) and their op; None without LoRA."""
+        in_features, out_features = self.in_features, self.out_features
         lora_a = lora_b = op = None
         if lora is not None:
             # One rank block per checkpoint projection fused into this one (gate | up).
