@@ -176,7 +176,8 @@ class Linear(nnx.Module):
         value = jax.ShapeDtypeStruct((self.in_features, self.out_features), dtype)
         self.kernel = nnx.Param(value, **metadata)
         self.weight_scale = self.weight_min = self.quant = None
-        self.matmul = FloatMatmul()
+        # A quantized layer was built without a float op (a static None): mark it data.
+        self.matmul = nnx.data(FloatMatmul())
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.quant is not None:
@@ -242,7 +243,7 @@ class VocabEmbedding(nnx.Module):
         value = jax.ShapeDtypeStruct((self.num_embeddings, self.embedding_dim), dtype)
         self.weight = nnx.data(nnx.Param(value, out_sharding=(TP_AXIS, None), eager_sharding=False))
         self.kernel = self.weight_scale = self.quant = None
-        self.matmul = FloatMatmul()
+        self.matmul = nnx.data(FloatMatmul())  # as in Linear.keep_float
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         if self.quant is None:
