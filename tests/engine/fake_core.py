@@ -123,3 +123,4 @@ class FakeConfig(dict):
         self.parallel_config = ParallelConfig(data_parallel_size=data_parallel_size)
         self.cache_config = SimpleNamespace(block_size=block_size)
         self.scheduler_config = SimpleNamespace(max_num_seqs=8)
+        self.kv_events_config = None  # the DP client subscribes to events of its own
