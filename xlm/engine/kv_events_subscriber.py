@@ -22,6 +22,8 @@ logger = init_logger(__name__)
 
 # How long the subscriber thread waits for a batch before it checks for shutdown.
 POLL_MS = 100
+# How long the subscriber waits for each rank's connection at start.
+JOIN_TIMEOUT_MS = 10_000
 
 
 class PrefixCacheIndex:
@@ -113,13 +115,25 @@ class KVEventSubscriber:
             socket = self._context.socket(zmq.SUB)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             socket.connect(endpoint)
+            self._wait_joined(socket, monitor, endpoint)
             self._sockets.append(socket)
         self._next_seq: list[int | None] = [None] * len(endpoints)
         self.num_batches = 0  # batches applied (tests wait on it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="xlm-kv-events", daemon=True)
         self._thread.start()
+
+    def _wait_joined(self, socket: Any, monitor: Any, endpoint: str) -> None:
+        """Wait until the connection to a rank's PUB socket is up: a PUB drops what it sends
+        before a subscriber has joined, and a rank's first step publishes at once."""
+        if monitor.poll(JOIN_TIMEOUT_MS):
+            monitor.recv_multipart()
+        else:
+            logger.warning("KV events at %s: not joined yet; early events may be missed", endpoint)
+        socket.disable_monitor()
+        monitor.close()
 
     def _run(self) -> None:
         zmq = self._zmq
