@@ -73,6 +73,7 @@ def test_a_repeated_prefix_goes_to_the_rank_whose_events_show_it(tiny_checkpoint
     """The router follows both ranks' KV events: a prefix one rank computed draws every
     later prompt with it there (its prefix-cache hits, none on the other rank), with no
     first-block record left to explain it; a prefix-cache reset empties the index."""
+    import os
     import time
 
     from xlm.entrypoints.llm import LLM
@@ -114,5 +115,9 @@ def test_a_repeated_prefix_goes_to_the_rank_whose_events_show_it(tiny_checkpoint
         while index.num_blocks(holder):
             assert time.monotonic() < deadline, "AllBlocksCleared never reached the index"
             time.sleep(0.05)
+        socket_file = core.kv_events_config.endpoint[len("ipc://") :]
+        assert os.path.exists(socket_file)
     finally:
         dp.llm_engine.shutdown()
+    # The router's own ipc endpoints leave no socket file behind.
+    assert not os.path.exists(socket_file) and not os.path.exists(socket_file + "-dp1")

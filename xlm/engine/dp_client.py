@@ -18,6 +18,7 @@ requests (finish reason "error"); the others keep serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import os
@@ -155,6 +156,12 @@ class _DPClientBase:
         if self.kv_event_subscriber is not None:
             self.kv_event_subscriber.shutdown()
             self.kv_event_subscriber = None
+        events = self.kv_events_config
+        if events is not None and self.xlm_config.kv_events_config is None:
+            # The router's own ipc endpoints: their socket files go with the ranks.
+            for rank in range(self.xlm_config.parallel_config.data_parallel_size):
+                with contextlib.suppress(OSError):
+                    os.unlink(events.for_rank(rank).endpoint[len("ipc://") :])
 
     @property
     def dead_engines(self) -> list[int]:
