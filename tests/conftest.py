@@ -17,11 +17,44 @@ os.environ.setdefault("XLM_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite's caches (dequantized GGUF weights, converted tokenizers, compiled programs)
 # live in a fresh temporary root, set at import, before anything reads it, so engines in
-# subprocesses inherit it and nothing reads or writes the user's ~/.cache/xlm.
-TEST_CACHE_ROOT = tempfile.mkdtemp(prefix="xlm-test-cache-")
+# subprocesses inherit it and nothing reads or writes the user's ~/.cache/xlm. The process
+# that imports this first (pytest-xdist's controller, or the only process under -n 0) makes
+# the root and removes it at exit; xdist's workers and the tests' subprocesses inherit it
+# through XLM_TEST_CACHE_ROOT, so a program or a dequantized checkpoint one worker built is
+# loaded by the other (the cache writes atomically, concurrent writers included).
+if "XLM_TEST_CACHE_ROOT" not in os.environ:
+    os.environ["XLM_TEST_CACHE_ROOT"] = tempfile.mkdtemp(prefix="xlm-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["XLM_TEST_CACHE_ROOT"], ignore_errors=True)
+TEST_CACHE_ROOT = os.environ["XLM_TEST_CACHE_ROOT"]
 os.environ["XLM_CACHE_ROOT"] = TEST_CACHE_ROOT
 os.environ["XLM_COMPILATION_CACHE_DIR"] = os.path.join(TEST_CACHE_ROOT, "compiled_programs")
-atexit.register(shutil.rmtree, TEST_CACHE_ROOT, ignore_errors=True)
+# Compiling dominates the suite's time (tiny models run in milliseconds) and LLVM's
+# optimisation passes are most of a CPU compile: the suite compiles without them. The
+# programs are the same HLO (the same fusions, dots and kernels); only the machine code of
+# the fusions is less optimised, which changes no result the tests compare. Benchmarks and
+# users compile with XLA's default. Subprocesses that set their own device count keep it
+# through fake_devices_env().
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Longest test files first (tests/ci/file_seconds.json, refreshed by
+    tests/ci/file_seconds.py), each file's tests in their own order."""
+    import json
+
+    table = os.path.join(os.path.dirname(__file__), "ci", "file_seconds.json")
+    with open(table) as f:
+        seconds = json.load(f)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0))
+
+
+def fake_devices_env(count: int, **extra: str) -> dict[str, str]:
+    """This process's environment for a subprocess with `count` fake CPU devices."""
+    flags = f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={count}"
+    return dict(os.environ, XLA_FLAGS=flags, **extra)
+
 
 VOCAB_SIZE = 256
 _BASE = dict(
@@ -297,3 +330,12 @@ def on_platform(monkeypatch):
 
     yield use
     platforms._reset_current_platform()
+
+
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
+def tiny_qwen_vl(request, tmp_path_factory) -> str:
+    """Directory of a tiny random Qwen2-VL / Qwen2.5-VL checkpoint (tests.qwen2_vl_fixtures)."""
+    from tests.qwen2_vl_fixtures import write_tiny_qwen_vl
+
+    path = tmp_path_factory.mktemp(request.param) / request.param
+    return write_tiny_qwen_vl(str(path), v25=request.param == "qwen2_5_vl")

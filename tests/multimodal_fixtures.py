@@ -20,6 +20,17 @@ CHAT_TEMPLATE = (
 )
 
 
+TINY_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=IMAGE_SIZE,
+    patch_size=PATCH_SIZE,
+    projection_dim=32,
+)
+
+
 def build_llava_tokenizer():
     """Word-level tokenizer: specials, `<image>` (the last id) and words w0, w1, ..."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -54,15 +65,7 @@ def write_tiny_llava(path: str, seed: int = 0) -> str:
         LlavaForConditionalGeneration,
     )
 
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-        projection_dim=32,
-    )
+    vision = CLIPVisionConfig(**TINY_VISION)
     # The text model is the suite's tiny Llama, with room for a prompt of several images.
     text = LlamaConfig(**dict(_BASE, max_position_embeddings=512))
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB_SIZE - 1)
@@ -84,6 +87,21 @@ def write_tiny_llava(path: str, seed: int = 0) -> str:
     CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     ).save_pretrained(path)
+    return path
+
+
+def write_llava_config(path: str, text: dict) -> str:
+    """A directory with only the config.json of a LLaVA with the tiny vision tower and the
+    text model `text` (xlm plan reads no weights)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(**TINY_VISION)
+    text_config = LlamaConfig(**text)
+    config = LlavaConfig(
+        vision_config=vision, text_config=text_config, image_token_index=text["vocab_size"] - 1
+    )
+    config.architectures = ["LlavaForConditionalGeneration"]
+    config.save_pretrained(path)
     return path
 
 

@@ -48,7 +48,23 @@ from xlm.platforms.cpu import CpuPlatform
             lambda: EngineArgs(
                 data_parallel_size=2, data_parallel_size_local=1
             ).create_parallel_config(),
-            "data_parallel_size_local=1 is not supported: allowed 2",
+            "data_parallel_address=None.*front end host's address",
+        ),
+        (
+            lambda: ParallelConfig(
+                data_parallel_size=2, data_parallel_size_local=1, data_parallel_address="h"
+            ),
+            "data_parallel_rpc_port=None",
+        ),
+        (
+            lambda: ParallelConfig(data_parallel_size=2, data_parallel_size_local=3),
+            r"data_parallel_size_local=3.*\[1, 2\]",
+        ),
+        (
+            lambda: ParallelConfig(
+                data_parallel_size=3, data_parallel_size_local=2, data_parallel_start_rank=2
+            ),
+            r"data_parallel_start_rank=2.*\[0, 1\]",
         ),
         (lambda: CompilationConfig(token_buckets=[0, 8]), r"token_buckets=\[0, 8\]"),
     ],

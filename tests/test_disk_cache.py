@@ -3,6 +3,7 @@
 import os
 import stat
 import time
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,38 @@ def test_evict_other_versions_beyond_cap(tmp_path):
     assert cur.exists() and old2.exists()
     disk_cache.evict(tmp_path, "v1", 0)
     assert sorted(os.listdir(tmp_path)) == ["v1-model-a.xla"]
+
+
+def test_two_processes_writing_one_directory_entry_both_succeed(tmp_path, monkeypatch):
+    """Two processes converting the same checkpoint at once (data-parallel ranks, or two
+    servers on a cold cache): whichever lands second keeps the first's equal entry."""
+    target = tmp_path / "weights"
+
+    def write(payload: bytes) -> None:
+        with disk_cache.atomic_directory(target) as tmp:
+            (tmp / "model.bin").write_bytes(payload)
+
+    with disk_cache.atomic_directory(target) as tmp:
+        (tmp / "model.bin").write_bytes(b"a" * 10)
+        write(b"b" * 10)  # the other process finishes first
+    assert (target / "model.bin").read_bytes() == b"b" * 10
+    assert os.listdir(tmp_path) == ["weights"]
+
+    # The other lands between this one's check and its rename: the rename fails (the
+    # target is a non-empty directory) and the complete entry is kept.
+    disk_cache.discard(target)
+    replace = os.replace
+
+    raced = []
+
+    def racing_replace(src, dst):
+        if Path(dst) == target and not raced:
+            raced.append(dst)
+            write(b"c" * 10)
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", racing_replace)
+    write(b"d" * 10)
+    monkeypatch.undo()
+    assert (target / "model.bin").read_bytes() == b"c" * 10
+    assert os.listdir(tmp_path) == ["weights"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import xlm
-from tests.conftest import TINY_CONFIGS, VOCAB_SIZE, write_tiny_checkpoint
+from tests.conftest import VOCAB_SIZE, write_tiny_checkpoint
 from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf
 from tests.quantization.reference import quantize_hf_model
 from xlm.quantization import get_scheme, weight_groups
@@ -85,7 +85,15 @@ def stored_params(llm) -> dict:
     return {".".join(map(str, path)): var.get_value() for path, var in flat}
 
 
-@pytest.mark.parametrize("arch", list(TINY_CONFIGS))
+# One family per distinct weight layout the int8 path quantizes: the plain one (llama),
+# a tied 8-bit head (llama3), projection biases (qwen2), GPT-2's Conv1D, Phi-3's fused
+# qkv and gate_up, both expert layouts (mixtral's w1/w2/w3, qwen3_moe's gate/up/down) and
+# Gemma's scaled tied embeddings with KV cache groups (gemma3). The other families load
+# these same layouts (tests/models/ checks each family's loading against transformers).
+INT8_FAMILIES = ["gemma3", "gpt2", "llama", "llama3", "mixtral", "phi3", "qwen2", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("arch", INT8_FAMILIES)
 def test_int8_equals_quantized_reference(arch, tiny_checkpoint):
     check_against_reference(tiny_checkpoint(arch), "int8")
 

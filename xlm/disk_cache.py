@@ -159,8 +159,18 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        discard(path)  # a corrupt entry being rebuilt
-        os.replace(tmp, path)
+        if check_directory(path):
+            # Another process (a data-parallel rank, a second server) finished the same
+            # entry while this one was writing: keep theirs, it is equal.
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        try:
+            os.replace(tmp, path)  # check_directory discarded any incomplete entry
+        except OSError:
+            if not check_directory(path):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # theirs landed between check and rename
+            return
         _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

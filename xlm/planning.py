@@ -26,6 +26,7 @@ from flax import nnx
 from xlm.config import XlmConfig
 from xlm.distributed.mesh import per_device_bytes
 from xlm.logger import init_logger
+from xlm.multimodal.budget import tokens_per_image
 from xlm.platforms.target import CompileTarget, compile_target
 from xlm.quantization import SCHEMES
 from xlm.worker.compilation import ProgramKey, ProgramKind, ProgramSpec
@@ -136,10 +137,15 @@ def counted_cost(worker: Worker) -> Callable[[ProgramKey], tuple[float, float]]:
     weight_bytes = worker.weight_bytes_per_device()
     weights = weight_elements_per_device(worker.model)
     hf = worker.config.model_config.hf_config
+    encoder_bytes = worker.encoder_weight_bytes_per_device()
+    encoder_elements = worker.encoder_weight_bytes_per_device(elements=True)
 
     def count(key: ProgramKey) -> tuple[float, float]:
         if key.kind == ProgramKind.MODEL:
             return 2.0 * weights * key.size, float(weight_bytes)
+        if key.kind == ProgramKind.ENCODER:  # each image's patches through every weight
+            patches = tokens_per_image(hf) or 1
+            return 2.0 * encoder_elements * patches * key.size, float(encoder_bytes)
         width = hf.hidden_size if key.kind == ProgramKind.POOLER else hf.vocab_size
         return 8.0 * key.size * width, 4.0 * 4 * key.size * width
 
@@ -210,6 +216,8 @@ def _sizes(worker: Worker) -> dict[str, int]:
     runner = worker.model_runner
     return {
         "weight_bytes": worker.weight_bytes_per_device(),
+        "encoder_weight_bytes": worker.encoder_weight_bytes_per_device(),
+        "encoder_cache_bytes": worker.encoder_cache_bytes(),
         "kv_cache_bytes": max(per_device_bytes(runner.kv_caches).values()),
         "kv_cache_tokens": worker.num_blocks * worker.config.cache_config.block_size,
     }
@@ -315,10 +323,12 @@ def _weights_do_not_fit(e: KVCacheTooSmallError, config: XlmConfig, budget: _Bud
 
 
 def _cache_blocks(worker: Worker, weight_bytes: int, max_temp: int, budget: _Budget) -> int:
-    """KV blocks the chip holds beside the weights and the largest program's temporaries
-    (at least one request's: fewer do not fit, and the total then says by how much)."""
+    """KV blocks the chip holds beside the weights, the encoder cache's pool and the largest
+    program's temporaries (at least one request's: fewer do not fit, and the total then
+    says by how much)."""
     block_bytes = max(per_device_bytes(worker.model_runner.kv_caches).values()) // worker.num_blocks
-    blocks = max(budget.allowed - weight_bytes - max_temp, 0) // block_bytes
+    taken = weight_bytes + worker.encoder_cache_bytes() + max_temp
+    blocks = max(budget.allowed - taken, 0) // block_bytes
     return max(blocks, worker.blocks_for_one_request())
 
 
@@ -445,7 +455,10 @@ def _plan_one(
         return {**report, **_weights_do_not_fit(e, config, budget)}
     report["dtype"] = jnp.dtype(worker.kv_dtype).name
     report["block_size"] = config.cache_config.block_size
-    report["num_programs"] = len(worker.model_runner.program_specs())
+    specs = worker.model_runner.program_specs()
+    report["num_programs"] = len(specs)
+    kinds = [key.kind.value for key in specs]
+    report["num_programs_by_kind"] = {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
     report["host_kv_tier"] = host_kv_tier_plan(worker, target)
     if auto_kv:
         worker, programs, refused, grown = _compile_sized(config, worker, budget, every)
@@ -465,11 +478,13 @@ def _plan_one(
             "decode_estimate": None,
         }
     max_temp = max(p.temp_bytes for p in programs.values())
-    total = sizes["weight_bytes"] + sizes["kv_cache_bytes"] + max_temp
+    total = sum(sizes[k] for k in ("weight_bytes", "encoder_cache_bytes", "kv_cache_bytes"))
+    total += max_temp
     fits = total <= budget.allowed
     needs = (
-        f"weights ({sizes['weight_bytes']}), the KV cache ({sizes['kv_cache_bytes']}) and the "
-        f"largest program's temporaries ({max_temp})"
+        f"weights ({sizes['weight_bytes']}), the encoder cache ({sizes['encoder_cache_bytes']}), "
+        f"the KV cache ({sizes['kv_cache_bytes']}) and the largest program's temporaries "
+        f"({max_temp})"
     )
     if grown:
         needs += f"; temporaries grew with the cache: {'; '.join(grown)}"

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import write_tiny_checkpoint
+from tests.conftest import fake_devices_env, write_tiny_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # TP=4 splits every dimension TP=2 does (twice as finely); a 2-way mesh is also checked at
@@ -29,7 +29,7 @@ TINY_TPS = {
 
 
 def run_checks(tmp_path, specs: list[str], timeout: int = 1500) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = fake_devices_env(8)
     env.update(JAX_PLATFORMS="cpu", XLM_LOGGING_LEVEL="WARNING")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     out = tmp_path / "tp.json"

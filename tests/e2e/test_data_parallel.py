@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.conftest import fake_devices_env
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ENGINE = dict(
@@ -37,7 +39,7 @@ def test_dp2_tp2_equals_one_engine_for_64_prompts(tiny_checkpoint, monkeypatch):
 
     # Engine processes inherit eight fake devices; a data-parallel rank's process replaces
     # that with its own tensor_parallel_size (xlm.platforms.cpu).
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("XLA_FLAGS", fake_devices_env(8)["XLA_FLAGS"])
     path = tiny_checkpoint("llama")
     prompts = _prompts(64)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -121,3 +123,56 @@ def test_a_repeated_prefix_goes_to_the_rank_whose_events_show_it(tiny_checkpoint
         dp.llm_engine.shutdown()
     # The router's own ipc endpoints leave no socket file behind.
     assert not os.path.exists(socket_file) and not os.path.exists(socket_file + "-dp1")
+
+
+def test_a_killed_rank_fails_only_its_own_prompts(tiny_checkpoint):
+    """Offline DP=2, rank 1's process killed mid-run: its prompts in flight finish with
+    finish reason "error", every other prompt completes with one engine's greedy tokens."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from xlm.entrypoints.llm import LLM
+    from xlm.sampling_params import SamplingParams
+
+    path = tiny_checkpoint("llama")
+    engine = dict(ENGINE, tensor_parallel_size=1, max_model_len=128)
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"][:8]} for p in _prompts(12)]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    one = LLM(model=path, multiprocess=True, **engine)
+    try:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.llm_engine.shutdown()
+
+    dp = LLM(model=path, data_parallel_size=2, **engine)
+    core = dp.llm_engine.engine_core
+    killed: dict[str, int] = {}
+
+    def kill_rank_1() -> None:
+        deadline = time.monotonic() + 300
+        while core.router.loads[1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # its prompts are decoding
+        killed["in_flight"] = core.router.loads[1]
+        os.kill(core.engines[1].engine.proc.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank_1)
+    try:
+        killer.start()
+        outs = dp.generate(prompts, params, use_tqdm=False)
+        killer.join()
+        failed = [i for i, o in enumerate(outs) if o.outputs[0].finish_reason == "error"]
+        assert 0 < len(failed) <= killed["in_flight"], (failed, killed)
+        assert all("data-parallel engine 1 died" in outs[i].outputs[0].stop_reason for i in failed)
+        done = [i for i in range(len(prompts)) if i not in failed]
+        assert len(done) >= len(prompts) // 2
+        assert [outs[i].outputs[0].token_ids for i in done] == [expected[i] for i in done]
+        assert core.dead_engines == [1]
+        # The live rank serves what comes next.
+        again = dp.generate(prompts[:2], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == expected[:2]
+    finally:
+        killer.join()
+        dp.llm_engine.shutdown()

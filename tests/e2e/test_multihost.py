@@ -19,6 +19,7 @@ import openai
 import pytest
 
 import xlm
+from tests.conftest import fake_devices_env
 from tests.e2e.server_utils import bound_port
 from tests.engine_args import cli_flags
 from tests.ports import free_ports
@@ -84,7 +85,7 @@ class Pod:
         self.coordinator = f"127.0.0.1:{port}"
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        env = fake_devices_env(2)
         env.update(JAX_PLATFORMS="cpu", XLM_DISABLE_PROGRESS_BARS="1", XLM_LOGGING_LEVEL="INFO")
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         for process_id in (1, 0):
@@ -405,7 +406,7 @@ def test_host_kv_tier_over_two_processes_equals_tp1(model, tmp_path):
     reference = xlm.LLM(model=model, **ENGINE).generate(prompts, params, use_tqdm=False)
     want = [o.outputs[0].text for o in reference]
     coordinator = f"127.0.0.1:{free_ports(3)}"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = fake_devices_env(2)
     env.update(JAX_PLATFORMS="cpu", XLM_DISABLE_PROGRESS_BARS="1", XLM_LOGGING_LEVEL="INFO")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     out = tmp_path / "leader.json"

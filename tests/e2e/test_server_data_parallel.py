@@ -3,13 +3,16 @@
 Both ranks serve concurrent requests (/metrics counts each under its `engine` label); a
 repeated prompt prefix goes to the rank that holds it (its prefix-cache hits, none on the
 other); killing one rank's process fails its request in flight with a clean 500, /health
-answers 503 naming the dead rank, and the other rank keeps answering."""
+answers 503 naming the dead rank, and the other rank keeps answering. The same with rank 1
+on "another host" (a `--headless` process on 127.0.0.1)."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +21,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import write_tiny_checkpoint
-from tests.e2e.server_utils import RemoteServer, metric_value
+from tests.e2e.server_utils import DEFAULT_ARGS, REPO_ROOT, RemoteServer, metric_value
+from tests.ports import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -105,3 +109,72 @@ def test_two_ranks_route_by_load_and_prefix_and_survive_a_dead_rank(tmp_path):
         after = _per_engine(srv.url, "xlm:prompt_tokens_total")[1 - holder]
         assert after - before == len(prefix) + 1 + len(prompts[0])
         assert srv.proc.poll() is None
+
+
+def test_a_rank_on_another_host_serves_and_its_death_leaves_rank_0(tmp_path, tiny_checkpoint):
+    import openai
+
+    import xlm
+
+    model = tiny_checkpoint("llama")
+    engine = ["--token-buckets", "16,64,256", "--startup-programs", "all", "--max-num-seqs", "8"]
+    prompts = [f"w{i} w{i + 3} w{2 * i + 5} w{i + 1}" for i in range(8)]
+    reference = xlm.LLM(model=model, max_model_len=256, kv_cache_memory=0.1, max_num_seqs=8)
+    params = xlm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].text for o in reference.generate(prompts, params, use_tqdm=False)]
+    reference.llm_engine.shutdown()
+
+    rpc_port = free_ports(1)
+    hosts = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
+    hosts += ["--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port)]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), XLM_LOGGING_LEVEL="INFO")
+    log = open(tmp_path / "headless.log", "w+")
+    headless = subprocess.Popen(
+        [sys.executable, "-m", "xlm.entrypoints.cli", "serve", model, "--headless"]
+        + [*DEFAULT_ARGS, *engine, *hosts, "--data-parallel-start-rank", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=str(REPO_ROOT),
+        start_new_session=True,  # its engine process too, for the clean-up below
+    )
+    try:
+        with RemoteServer([*engine, *hosts, "--disable-log-stats"], model=model) as srv:
+            assert "Data-parallel rank 1 registered" in srv.log_tail(400)
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+
+            def complete(prompt: str) -> str:
+                answer = client.completions.create(
+                    model=model,
+                    prompt=prompt,
+                    max_tokens=8,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                return answer.choices[0].text
+
+            with ThreadPoolExecutor(8) as pool:
+                assert list(pool.map(complete, prompts)) == expected
+            assert all(t > 0 for t in _per_engine(srv.url, "xlm:prompt_tokens_total"))
+
+            headless.kill()  # the host's process; its engine process follows it
+            deadline = time.monotonic() + 120
+            while httpx.get(srv.url + "/health", timeout=30).status_code == 200:
+                assert time.monotonic() < deadline, "the dead rank was never noticed"
+                time.sleep(0.2)
+            health = httpx.get(srv.url + "/health", timeout=30)
+            assert health.status_code == 503 and health.json()["error"]["dead_engines"] == [1]
+            before = _per_engine(srv.url, "xlm:prompt_tokens_total")[0]
+            assert [complete(p) for p in prompts[:3]] == expected[:3]
+            assert _per_engine(srv.url, "xlm:prompt_tokens_total")[0] > before
+            assert srv.proc.poll() is None
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+        headless.wait(30)
+        try:
+            os.killpg(headless.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.seek(0)
+        print(log.read()[-4000:])

@@ -3,7 +3,9 @@
 Chat completions take `image_url` content parts (data URLs; file:// under
 --allowed-local-media-path; remote hosts only when --allowed-media-domains names them);
 the replies equal transformers' greedy continuation, usage counts the expanded image
-placeholders, and every bad image is a 400 the server survives.
+placeholders, and every bad image is a 400 the server survives. `/v1/responses`
+(`input_image` parts, the openai client) and `/v1/messages` (Anthropic's base64 image
+blocks, httpx) answer as chat completions do on the same image.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import openai
 import pytest
 
@@ -148,3 +151,99 @@ def test_bad_images_are_400_and_the_server_keeps_serving(client, media_dir):
         assert err.value.status_code == 400, name
     good = [image_part(data_url(_png(make_image(26)))), {"type": "text", "text": "w1"}]
     assert _chat(client, good).choices[0].message.content is not None
+
+
+def _responses(client, content: list, **kwargs):
+    return client.responses.create(
+        model=client.models.list().data[0].id,
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        **kwargs,
+    )
+
+
+def test_responses_input_image_equals_chat(client, media_dir):
+    one, two = _png(make_image(30)), _png(make_image(31))
+    chat = _chat(client, [image_part(data_url(one)), {"type": "text", "text": "w2 w4"}])
+    content = [
+        {"type": "input_image", "image_url": data_url(one), "detail": "auto"},
+        {"type": "input_text", "text": "w2 w4"},
+    ]
+    response = _responses(client, content)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+    local = (media_dir / "allowed" / "cat.png").as_uri()  # the same media rules as chat
+    two_parts = [image_part(data_url(two)), {"type": "text", "text": "w3"}, image_part(local)]
+    chat = _chat(client, two_parts)
+    content = [
+        {"type": "input_image", "image_url": data_url(two)},
+        {"type": "input_text", "text": "w3"},
+        {"type": "input_image", "image_url": local},
+    ]
+    response = _responses(client, content)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_responses_bad_images_are_400(client, media_dir):
+    for name, parts in _bad_cases(media_dir).items():
+        if name == "unknown part":
+            content = [{"type": "input_file", "file_id": "f"}]
+        else:
+            content = [{"type": "input_image", "image_url": p["image_url"]["url"]} for p in parts]
+        with pytest.raises(openai.BadRequestError) as err:
+            _responses(client, content)
+        assert err.value.status_code == 400, name
+        assert err.value.body["message"], name  # OpenAI's error shape
+    good = [{"type": "input_image", "image_url": data_url(_png(make_image(32)))}]
+    assert _responses(client, good).output_text is not None
+
+
+def _message(server, content: list) -> httpx.Response:
+    body = {
+        "model": "ignored-by-one-model-servers",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content}],
+    }
+    models = httpx.get(server.url + "/v1/models", timeout=30).json()
+    body["model"] = models["data"][0]["id"]
+    return httpx.post(server.url + "/v1/messages", json=body, timeout=60)
+
+
+def _image_block(data: bytes, media_type: str = "image/png") -> dict:
+    source = {"type": "base64", "media_type": media_type, "data": base64.b64encode(data).decode()}
+    return {"type": "image", "source": source}
+
+
+def test_messages_image_block_equals_chat(client, server):
+    one = _png(make_image(33))
+    chat = _chat(client, [image_part(data_url(one)), {"type": "text", "text": "w6"}])
+    r = _message(server, [_image_block(one), {"type": "text", "text": "w6"}])
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    text = "".join(b["text"] for b in reply["content"] if b["type"] == "text")
+    assert text == chat.choices[0].message.content
+    assert reply["usage"]["input_tokens"] == chat.usage.prompt_tokens
+
+
+def test_messages_bad_images_are_400(server):
+    png = _png(make_image(34))
+    bad = {
+        "truncated": [_image_block(png[: len(png) // 2])],
+        "not an image": [_image_block(b"hello, world")],
+        "not image/*": [_image_block(png, "text/plain")],
+        "too many pixels": [_image_block(_png(make_image(35, 200, 200)))],
+        "too many images": [_image_block(png)] * 3,
+        "remote host": [
+            {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:1/a"}}
+        ],
+    }
+    for name, content in bad.items():
+        r = _message(server, content)
+        assert r.status_code == 400, (name, r.text)
+        body = r.json()  # the Messages routes answer in Anthropic's error shape
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", name
+    assert _message(server, [_image_block(png), {"type": "text", "text": "w1"}]).status_code == 200

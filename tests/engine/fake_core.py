@@ -29,6 +29,10 @@ class FakeRequest:
     prompt_token_ids: list[int]
     max_tokens: int = 4
     logprobs: bool = False
+    # What the data-parallel router hashes a prompt's blocks with.
+    cache_salt: str | None = None
+    lora_request: Any = None
+    mm_features: Any = None
 
 
 class FakeEngineCore(EngineCore):

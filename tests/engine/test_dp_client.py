@@ -13,6 +13,7 @@ from tests.engine.fake_core import FakeConfig, FakeEngineCoreProc
 from tests.engine.test_dp_router import _req
 from xlm.config import KVEventsConfig
 from xlm.core.outputs import SchedulerStats
+from xlm.engine import kv_events_subscriber
 from xlm.engine.dp_client import (
     DPAsyncMPClient,
     DPSyncMPClient,
@@ -24,6 +25,12 @@ from xlm.engine.dp_client import (
 from xlm.engine.exceptions import EngineDeadError
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _short_kv_events_join(monkeypatch):
+    """The stand-in cores publish no KV events: no use waiting long for their sockets."""
+    monkeypatch.setattr(kv_events_subscriber, "JOIN_TIMEOUT_MS", 200)
 
 
 def test_ranks_get_their_own_kv_events_endpoints_by_default():
@@ -131,3 +138,45 @@ def test_sync_dp_client_merges_both_ranks_outputs():
     finally:
         client.shutdown()
     assert not any(e.engine.proc.is_alive() for e in client.engines)
+
+
+def test_sync_dp_client_fails_only_a_dead_ranks_requests():
+    client = DPSyncMPClient(FakeConfig(step_sleep=0.01), True, FakeEngineCoreProc)
+    try:
+        client.add_request(_req("long0", [1], max_tokens=10_000))
+        client.add_request(_req("long1", [2], max_tokens=10_000))
+        dead = client.router.rank_of("long1")
+        assert client.router.rank_of("long0") == 1 - dead
+        client.get_output()  # both run
+        os.kill(client.engines[dead].engine.proc.pid, signal.SIGKILL)
+        failed = None
+        while failed is None:
+            for out in client.get_output().outputs:
+                if out.finish_reason:
+                    failed = out
+        assert (failed.request_id, failed.finish_reason) == ("long1", "error")
+        assert f"data-parallel engine {dead} died" in failed.stop_reason
+        assert client.dead_engines == [dead] and not client.engine_dead
+        # The live rank finishes its request and takes every new one.
+        client.add_request(_req("after", [50], max_tokens=2))
+        assert client.router.rank_of("after") == 1 - dead
+        finished: dict[str, list[int]] = {}
+        tokens: list[int] = []
+        while "after" not in finished:
+            for out in client.get_output().outputs:
+                if out.request_id == "after":
+                    tokens.extend(out.new_token_ids)
+                    if out.finish_reason:
+                        finished["after"] = tokens
+        assert finished["after"] == [51, 52]
+        assert client.call_utility("echo", 2) == [2]
+        assert [s.num_running_reqs for s in client.get_stats_per_engine()][dead] == 0
+        os.kill(client.engines[1 - dead].engine.proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            for _ in range(10_000):
+                client.get_output()
+        assert client.engine_dead
+        with pytest.raises(EngineDeadError):
+            client.add_request(_req("late", [1]))
+    finally:
+        client.shutdown()

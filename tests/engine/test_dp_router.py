@@ -17,11 +17,7 @@ BS = 4
 
 
 def _req(request_id: str, tokens: list[int], **kw) -> FakeRequest:
-    request = FakeRequest(request_id, tokens, **kw)
-    request.cache_salt = None
-    request.lora_request = None
-    request.mm_features = None
-    return request
+    return FakeRequest(request_id, tokens, **kw)
 
 
 def test_router_balances_load_and_rotates_ties():

@@ -291,3 +291,52 @@ def test_steps_update_the_cache_in_place_for_any_head_width(tmp_path, topology, 
     # A decode step moves far less than one layer's cache (a copy reads and writes it whole).
     one_layer = small["cache"] // LLAMA["num_hidden_layers"]
     assert big["programs"][1].bytes_accessed < one_layer / 4
+
+
+def llava_encoder_bytes(path: str, itemsize: int) -> int:
+    """Bytes of the vision tower layers LLaVA runs (up to vision_feature_layer) and the
+    projector, counted on transformers' model of the same config."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig.from_pretrained(path)
+    layers = config.vision_config.num_hidden_layers
+    feature = config.vision_feature_layer
+    run = layers + 1 + feature if feature < 0 else feature
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    vision = model.model.vision_tower  # CLIPVisionModel
+    vision = getattr(vision, "vision_model", vision)  # older transformers nest it
+    kept = [vision.embeddings, vision.pre_layrnorm, *vision.encoder.layers[:run]]
+    kept.append(model.model.multi_modal_projector)
+    return itemsize * sum(p.numel() for module in kept for p in module.parameters())
+
+
+def test_tiny_llava_counts_the_encoders_programs_weights_and_cache(tmp_path, capsys):
+    from tests.multimodal_fixtures import TOKENS_PER_IMAGE, write_llava_config
+
+    model = write_llava_config(str(tmp_path / "llava"), LLAMA)
+    code, r, _ = run_plan(capsys, model, "--target-topology", "v5e:2x2", "-tp", "1", *ENGINE)
+    assert code == 0 and r["fits"] is True
+    # The encoder is one program per image-count bucket up to the pool's slots: 64 batched
+    # tokens are 4 images of 16 tokens, plus 2 (a chunk may start and end inside one).
+    slots = 64 // TOKENS_PER_IMAGE + 2
+    assert r["num_programs_by_kind"]["encoder"] == len((1, 2, 4, slots))
+    assert sum(r["num_programs_by_kind"].values()) == r["num_programs"]
+    names = {p["name"] for p in r["programs"]}
+    assert {"encoder[1]", f"encoder[{slots}]", "model[64]"} <= names
+    for p in r["programs"]:
+        assert p["flops"] > 0 and p["bytes_accessed"] > 0
+    # Its weights (replicated) are in the chip's weights, beside the text model's.
+    pc = r["per_chip"]
+    encoder = llava_encoder_bytes(model, 2)  # bfloat16 on the TPU
+    assert pc["encoder_weight_bytes"] == encoder
+    assert pc["weight_bytes"] == llama_weight_bytes_per_chip(LLAMA, 1) + encoder
+    # The encoder cache's pool comes out of the chip's budget before the KV cache is sized.
+    assert pc["encoder_cache_bytes"] == (1 + slots * TOKENS_PER_IMAGE) * LLAMA["hidden_size"] * 2
+    taken = pc["weight_bytes"] + pc["encoder_cache_bytes"] + pc["max_temp_bytes"]
+    assert pc["total_bytes"] == taken + pc["kv_cache_bytes"]
+    block_bytes = pc["kv_cache_bytes"] // (pc["kv_cache_tokens"] // r["block_size"])
+    assert 0 <= pc["budget_bytes"] - pc["total_bytes"] < block_bytes
+    text = format_report(r)
+    assert "encoder cache" in text and "encoder[1]" in text

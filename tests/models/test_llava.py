@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import xlm
+from tests.conftest import fake_devices_env
 from tests.multimodal_fixtures import (
     TOKENS_PER_IMAGE,
     make_image,
@@ -167,7 +168,7 @@ def test_tensor_parallel_replicates_the_encoder(tiny_llava, tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = fake_devices_env(2)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     prompt = _prompt("<image>", "w5 w9 w13")

@@ -8,14 +8,19 @@ import sys
 
 import numpy as np
 
+from tests.conftest import fake_devices_env
+
 SCRIPT = """
 import sys
 import jax
 import numpy as np
+
+from tests.conftest import fake_devices_env
 from jax.sharding import AxisType
 from tests.models.logits_check import run_schedule
 from xlm.config import ModelConfig, XlmConfig
 from xlm.models.loader import get_model
+from tests.conftest import fake_devices_env
 
 model_dir, out = sys.argv[1], sys.argv[2]
 mesh = jax.make_mesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
@@ -38,7 +43,7 @@ np.savez(out, **results)
 
 
 def test_tensor_parallel_logits_equal_single_device(tmp_path, tiny_checkpoint):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = fake_devices_env(2)
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

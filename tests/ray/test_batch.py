@@ -29,22 +29,6 @@ REPLICA_CPUS = 0.5
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster for the module, on 127.0.0.1, shut down (processes too) after."""
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=128 * 1024**2,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model(tiny_checkpoint):
     return tiny_checkpoint("llama")
 

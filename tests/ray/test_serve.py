@@ -15,7 +15,7 @@ import xlm  # noqa: E402
 from tests.ports import free_ports  # noqa: E402
 from tests.ray.tiny_engine import ENGINE  # noqa: E402
 from xlm.entrypoints.openai.admission import default_max_waiting  # noqa: E402
-from xlm.ray.serve import build_openai_app, serve_args  # noqa: E402
+from xlm.ray.serve import build_openai_app, replica_placement, serve_args  # noqa: E402
 
 PROMPTS = [f"w{i} w{i + 3} w{2 * i + 5}" for i in range(6)]
 MAX_TOKENS = 8
@@ -59,7 +59,9 @@ def served(model) -> str:
 
 
 @pytest.mark.slow
-def test_two_replicas_answer_the_openai_client_with_the_local_greedy_text(served, model, expected):
+def test_two_replicas_answer_the_openai_client_with_the_local_greedy_text(expected, served, model):
+    # `expected` first: its engine compiles the programs that both replicas then load from
+    # the suite's program cache instead of compiling them at once on the same cores.
     status = serve.status().applications["xlm"].deployments["xlm"]
     assert status.replica_states == {"RUNNING": 2}
     client = openai.OpenAI(base_url=served + "/v1", api_key=API_KEY, max_retries=0)
@@ -125,3 +127,44 @@ def test_bad_options_fail_when_the_app_is_built(model):
         build_openai_app({"model": model}, num_replicas=2, autoscaling_config={"max_replicas": 2})
     with pytest.raises(ValueError, match="num_replicas=0 is invalid"):
         build_openai_app({"model": model}, num_replicas=0)
+
+
+@pytest.mark.parametrize("accelerator,resource", [("tpu", "TPU"), ("gpu", "GPU")])
+def test_each_replica_is_placed_on_its_tensor_parallel_devices(model, accelerator, resource):
+    app = build_openai_app(
+        {"model": model, "tensor_parallel_size": 4}, num_replicas=2, accelerator=accelerator
+    )
+    deployment = app._bound_deployment
+    # One bundle per replica: its 4 chips (or GPUs) and a CPU for its front end, packed on
+    # one host; the replica's actor takes that bundle whole.
+    assert deployment._deployment_config.num_replicas == 2
+    options = deployment._replica_config
+    assert options.placement_group_bundles == [{"CPU": 1.0, resource: 4.0}]
+    assert options.placement_group_strategy == "STRICT_PACK"
+    if resource == "GPU":
+        assert deployment.ray_actor_options["num_gpus"] == 4.0
+    else:
+        assert deployment.ray_actor_options["resources"] == {"TPU": 4.0}
+    # Two data-parallel engines in a replica take twice the devices.
+    args = serve_args({"model": model, "tensor_parallel_size": 2, "data_parallel_size": 2})
+    placement = replica_placement(args, accelerator)
+    assert placement["placement_group_bundles"] == [{"CPU": 1.0, resource: 4.0}]
+    # `serve run` builder: accelerator=tpu places from the engine options too.
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    built = call_user_app_builder_with_args_if_necessary(
+        import_attr("xlm.ray.serve:build_app"),
+        {"model": model, "tensor_parallel_size": "4", "accelerator": accelerator},
+    )
+    assert built._bound_deployment._replica_config.placement_group_bundles == [
+        {"CPU": 1.0, resource: 4.0}
+    ]
+
+
+def test_a_replica_larger_than_a_host_is_refused(model):
+    args = serve_args({"model": model, "tensor_parallel_size": 16})
+    with pytest.raises(ValueError, match="tensor_parallel_size=16 .* at most 8 per replica"):
+        replica_placement(args, "tpu")
+    with pytest.raises(ValueError, match="accelerator='npu' is invalid"):
+        replica_placement(args, "npu")

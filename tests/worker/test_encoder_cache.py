@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from xlm.multimodal.inputs import MultiModalFeature
-from xlm.worker.encoder_cache import EncoderCache, EncoderRunner, image_count_buckets
+from xlm.worker.encoder_cache import (
+    EncoderCache,
+    EncoderRunner,
+    ImageCountLayout,
+    image_count_buckets,
+)
 
 
 def _feature(identifier: str, offset: int, length: int = 4) -> MultiModalFeature:
@@ -63,3 +68,14 @@ def test_text_requests_read_no_rows():
     runner = _runner()
     rows, to_encode = runner.step_rows([None, []], np.array([0, 5]), np.array([3, 1]), 8)
     assert not rows.any() and to_encode == []
+
+
+def test_image_count_layout_pads_to_the_bucket():
+    layout = ImageCountLayout(5, (3, 2, 2), 4)
+    assert layout.take([object()] * 3) == (4, 3)
+    assert layout.take([object()] * 7) == (5, 5)
+    feature = MultiModalFeature("image", "a", 0, 4, np.ones((3, 2, 2), np.float32))
+    inputs, rows = layout.arrays(2, [(feature, 9)])
+    assert inputs["pixel_values"].shape == (2, 3, 2, 2)
+    assert inputs["pixel_values"][1].sum() == 0  # the padding image
+    np.testing.assert_array_equal(rows, [[9, 10, 11, 12], [0, 0, 0, 0]])

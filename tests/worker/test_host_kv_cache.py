@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.conftest import fake_devices_env
 from tests.engine.reference import TINY_ENGINE, tiny_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -154,7 +155,7 @@ open(sys.argv[2], "w").write(json.dumps(run))
 
 
 def test_tensor_parallel_keeps_each_devices_shard(llama, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = fake_devices_env(8)
     env.update(JAX_PLATFORMS="cpu", XLM_LOGGING_LEVEL="WARNING")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     out = tmp_path / "tp.json"

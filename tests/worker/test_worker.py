@@ -40,3 +40,39 @@ def test_kv_sizing_without_memory_statistics(
     )
     assert worker.num_blocks == int(gib * (1 << 30) // per_block)
     assert config.cache_config.num_blocks == worker.num_blocks
+
+
+class FixedMemoryPlatform(NoMemoryStatsPlatform):
+    """The CPU backend reporting a fixed 64 MiB device, 8 MiB of it in use."""
+
+    device_name = "fixed-memory"
+
+    def get_device_memory_stats(self, device_id: int = 0) -> dict:
+        return {"bytes_limit": 64 << 20, "bytes_in_use": 8 << 20}
+
+
+def test_kv_cache_is_sized_after_the_encoder_cache(
+    tiny_checkpoint, tiny_llava, monkeypatch, on_platform
+):
+    """From device memory, the KV cache gets what is left after the encoder cache's pool:
+    the tiny LLaVA (its text model the tiny Llama's, same K/V per block) gets the pool's
+    worth of blocks fewer than the tiny Llama at the same memory figures."""
+    on_platform(FixedMemoryPlatform)
+    workers = {}
+    for name, model in (("text", tiny_checkpoint("llama")), ("llava", tiny_llava)):
+        args = EngineArgs(
+            model=model, max_model_len=128, max_num_batched_tokens=64, startup_programs="used"
+        )
+        config = args.create_config()
+        config.cache_config.kv_cache_memory = None
+        workers[name] = Worker(config)
+    text, llava = workers["text"], workers["llava"]
+    block_size = llava.config.cache_config.block_size
+    per_block = kv_cache_bytes_per_block(llava.model, block_size, jnp.dtype(llava.kv_dtype))
+    assert per_block == kv_cache_bytes_per_block(text.model, block_size, jnp.dtype(text.kv_dtype))
+    pool = llava.model_runner.mm_pool  # the pool the runner allocated
+    pool_bytes = pool.size * pool.dtype.itemsize
+    assert llava.encoder_cache_bytes() == pool_bytes and text.encoder_cache_bytes() == 0
+    drop = text.num_blocks - llava.num_blocks
+    assert pool_bytes // per_block <= drop <= pool_bytes // per_block + 1
+    assert drop > 0

@@ -303,6 +303,13 @@ class ParallelConfig:
     data_parallel_size: int = 1
     # This engine's rank among them (the data-parallel client sets it per engine).
     data_parallel_rank: int = 0
+    # Ranks on other hosts: this host runs data_parallel_size_local of the ranks (None:
+    # all), from data_parallel_start_rank on; the front end (start rank 0) listens for the
+    # others at data_parallel_address:data_parallel_rpc_port (xlm/engine/dp_remote.py).
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
     # "uni": one process drives all local devices; "multihost": jax.distributed, one
     # process per host, process 0 schedules and the others follow.
     executor_backend: Literal["uni", "multihost"] = "uni"
@@ -354,6 +361,7 @@ class ParallelConfig:
                 self.coordinator_address,
                 "'host:port'",
             )
+        self._check_data_parallel_hosts(owner)
         _require(
             self.data_parallel_size == 1 or self.executor_backend == "uni",
             owner,
@@ -369,6 +377,51 @@ class ParallelConfig:
                 self.num_processes,
                 "1 with executor_backend='uni' (use 'multihost' for several processes)",
             )
+
+    def _check_data_parallel_hosts(self, owner: str) -> None:
+        """This host's share of the ranks, and where the others meet the front end."""
+        size = self.data_parallel_size
+        local = self.data_parallel_local_size
+        _require(
+            isinstance(local, int) and 1 <= local <= size,
+            owner,
+            "data_parallel_size_local",
+            self.data_parallel_size_local,
+            f"an integer in [1, {size}] (data_parallel_size={size})",
+        )
+        start = self.data_parallel_start_rank
+        _require(
+            isinstance(start, int) and 0 <= start <= size - local,
+            owner,
+            "data_parallel_start_rank",
+            start,
+            f"an integer in [0, {size - local}] (data_parallel_size - data_parallel_size_local)",
+        )
+        if local == size:
+            return
+        _require(
+            bool(self.data_parallel_address),
+            owner,
+            "data_parallel_address",
+            self.data_parallel_address,
+            "the front end host's address when ranks run on other hosts "
+            f"(data_parallel_size_local={local} < data_parallel_size={size})",
+        )
+        port = self.data_parallel_rpc_port
+        _require(
+            isinstance(port, int) and 0 <= port < 65536,
+            owner,
+            "data_parallel_rpc_port",
+            port,
+            "a port in [0, 65535] when ranks run on other hosts (0: any free port, "
+            "logged by the front end)",
+        )
+
+    @property
+    def data_parallel_local_size(self) -> int:
+        """Data-parallel ranks this host runs."""
+        local = self.data_parallel_size_local
+        return self.data_parallel_size if local is None else local
 
     @property
     def world_size(self) -> int:

@@ -97,12 +97,14 @@ _HELP = {
     "data_parallel_size": "engine cores behind one front end, each its own process on its "
     "own group of tensor_parallel_size devices; requests go to the least loaded rank or the "
     "one holding their prompt's first block in its prefix cache",
-    "data_parallel_size_local": "data-parallel ranks on this host (default: all of them; "
-    "fewer, with ranks on other hosts, is not supported yet)",
-    "data_parallel_address": "address the front end binds for ranks on other hosts (not "
-    "supported yet)",
-    "data_parallel_rpc_port": "port the front end binds for ranks on other hosts (not "
-    "supported yet)",
+    "data_parallel_size_local": "data-parallel ranks on this host (default: all of them); "
+    "fewer: the others run on other hosts (xlm serve --headless there)",
+    "data_parallel_start_rank": "the first data-parallel rank this host runs (0 on the API "
+    "server's host; --headless hosts: their first rank)",
+    "data_parallel_address": "the API server host's address, where ranks on other hosts "
+    "register (needed with --data-parallel-size-local below --data-parallel-size)",
+    "data_parallel_rpc_port": "the port the API server listens on for ranks on other hosts "
+    "(0 on the API server: any free port, logged)",
     "distributed_executor_backend": "uni (this process, all local devices) or multihost "
     "(jax.distributed, one process per host) (env XLM_DISTRIBUTED_EXECUTOR_BACKEND)",
     "coordinator_address": "multihost: host:port of process 0's jax.distributed coordinator "
@@ -227,6 +229,7 @@ class EngineArgs:
     tensor_parallel_size: int = field(default_factory=lambda: envs.XLM_TENSOR_PARALLEL_SIZE or 1)
     data_parallel_size: int = 1
     data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
     distributed_executor_backend: str = field(
@@ -339,7 +342,6 @@ class EngineArgs:
         Under multihost, what the options and XLM_* leave unset comes from the pod's own
         environment (a TPU VM, a Kubernetes Indexed Job or LeaderWorkerSet), so the same
         command runs on every host."""
-        self._check_data_parallel_hosts()
         coordinator, count, process_id = (
             self.coordinator_address,
             self.num_processes,
@@ -353,24 +355,16 @@ class EngineArgs:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size,
+            data_parallel_size_local=self.data_parallel_size_local,
+            data_parallel_start_rank=self.data_parallel_start_rank,
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
             executor_backend=self.distributed_executor_backend,
             coordinator_address=coordinator,
             num_processes=count,
             process_id=process_id,
             target_topology=self.target_topology,
         )
-
-    def _check_data_parallel_hosts(self) -> None:
-        """Every data-parallel rank runs on this host (ranks elsewhere are not built yet)."""
-        local = self.data_parallel_size_local
-        if local is not None and local != self.data_parallel_size:
-            raise ValueError(
-                f"data_parallel_size_local={local} is not supported: allowed "
-                f"{self.data_parallel_size} (= data_parallel_size; every rank on this host)"
-            )
-        for name in ("data_parallel_address", "data_parallel_rpc_port"):
-            if getattr(self, name) is not None:
-                logger.warning("%s is ignored: every data-parallel rank runs on this host", name)
 
     def _model_config(
         self, model: str, tokenizer: str | None, runner: str, convert: str = "none"

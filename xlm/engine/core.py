@@ -66,7 +66,9 @@ class EngineCore:
         # two: step N runs while step N+1 is scheduled and dispatched behind it).
         self.async_scheduling = config.scheduler_config.async_scheduling
         slots = encoder_cache_slots(
-            config.model_config.hf_config, config.scheduler_config.max_num_batched_tokens
+            config.model_config.hf_config,
+            config.scheduler_config.max_num_batched_tokens,
+            config.model_config.model,
         )
         if slots:  # a step covers no more images than the runner's encoder cache holds
             self.scheduler.max_images_per_step = slots

@@ -36,8 +36,11 @@ logger = init_logger(__name__)
 _NOT_UTILITIES = frozenset({"add_request", "abort_requests", "step", "shutdown"})
 
 
-def error_file_path(output_address: str) -> str:
-    """Where a failing engine leaves its error, beside its ipc sockets."""
+def error_file_path(output_address: str) -> str | None:
+    """Where a failing engine leaves its error, beside its ipc sockets (None over TCP: a
+    rank on another host reports only through its socket)."""
+    if not output_address.startswith("ipc://"):
+        return None
     return os.path.join(os.path.dirname(output_address.removeprefix("ipc://")), "engine_error")
 
 
@@ -181,9 +184,11 @@ class EngineCoreProc(EngineCore):
     def _send_error(self, message: str) -> None:
         self.output_queue.put((OutputType.ENGINE_ERROR, message))
         # Also on disk: the process exits right after, and ZeroMQ may not have sent it yet.
+        path = error_file_path(self._output_address)
         try:
-            with open(error_file_path(self._output_address), "w") as f:
-                f.write(message)
+            if path is not None:
+                with open(path, "w") as f:
+                    f.write(message)
         except OSError:
             pass
 

@@ -10,8 +10,9 @@ and look like one engine to `LLMEngine` (`DPSyncMPClient`) and `AsyncLLM`
 `DataParallelRouter` (xlm.engine.dp_router) picks each request's rank by prefix affinity
 and load. KV events are on by default: the client gives its ranks an events config of its
 own when the user gave none (`router_kv_events_config`), each rank publishes on its own
-endpoint (`KVEventsConfig.for_rank`), and the client follows all of them into the router's
-`PrefixCacheIndex` (xlm.engine.kv_events_subscriber). A rank that dies fails only its own
+endpoint (`KVEventsConfig.for_rank`; a rank on another host on its host's tcp endpoint,
+sent when it registers: xlm.engine.dp_remote), and the client follows all of them into the
+router's `PrefixCacheIndex` (xlm.engine.kv_events_subscriber). A rank that dies fails only its own
 requests (finish reason "error"); the others keep serving.
 """
 
@@ -19,19 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import os
 import queue
 import secrets
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
+from xlm import envs
 from xlm.config import KVEventsConfig, XlmConfig
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
 from xlm.engine.core_proc import EngineCoreProc
+from xlm.engine.dp_remote import RankRegistry, RemoteEngine, rank_config
 from xlm.engine.dp_router import DataParallelRouter, affinity_slack
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.kv_events_subscriber import KVEventSubscriber, PrefixCacheIndex
@@ -55,50 +58,70 @@ def router_kv_events_config(xlm_config: XlmConfig) -> KVEventsConfig | None:
     )
 
 
-def rank_config(
-    xlm_config: XlmConfig, rank: int, kv_events: KVEventsConfig | None = None
-) -> XlmConfig:
-    """The config of one rank's engine: the same, with its data_parallel_rank and its own
-    KV events endpoint (`kv_events`: the events config of all ranks; None: unchanged)."""
-    config = copy.copy(xlm_config)
-    config.parallel_config = dataclasses.replace(
-        xlm_config.parallel_config, data_parallel_rank=rank
-    )
-    if kv_events is not None:
-        config.kv_events_config = kv_events.for_rank(rank)
-    return config
-
-
 def _start_engines(
     client_class: type,
     xlm_config: XlmConfig,
     kv_events: KVEventsConfig | None = None,
+    rank_kwargs: Callable[[int], dict[str, Any]] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Start one client (and engine process) per rank, all at once; all or none."""
+    """Start one client (and engine process) per rank, all at once; all or none.
+    `kv_events`: the events config of all ranks (each local rank publishes on its own
+    endpoint; a remote rank on its host's, which it sends when it registers);
+    `rank_kwargs(rank)`: more client arguments of one rank."""
     from xlm.platforms import current_platform
 
     parallel = xlm_config.parallel_config
     dp, tp = parallel.data_parallel_size, parallel.tensor_parallel_size
+    start_rank, local = parallel.data_parallel_start_rank, parallel.data_parallel_local_size
+    # Ranks on other hosts register with us over TCP (xlm serve --headless there).
+    remote = {
+        rank: RemoteEngine(rank, parallel.data_parallel_address or "127.0.0.1")
+        for rank in range(dp)
+        if not start_rank <= rank < start_rank + local
+    }
+    registry = (
+        RankRegistry(
+            parallel.data_parallel_address or "", parallel.data_parallel_rpc_port or 0, remote
+        )
+        if remote
+        else None
+    )
 
     def start(rank: int) -> Any:
+        if rank in remote:
+            remote[rank].wait_until_ready(envs.XLM_ENGINE_READY_TIMEOUT_S or 600.0)
+            place: dict[str, Any] = {"engine": remote[rank]}
+        else:
+            index = rank - start_rank
+            place = {
+                "rank_env": current_platform.data_parallel_env(index, tp),
+                "rank_cpus": current_platform.data_parallel_cpus(index, local),
+            }
         return client_class(
             rank_config(xlm_config, rank, kv_events),
             engine_index=rank,
-            rank_env=current_platform.data_parallel_env(rank, tp),
-            rank_cpus=current_platform.data_parallel_cpus(rank, dp),
+            **place,
             **kwargs,
+            **(rank_kwargs(rank) if rank_kwargs else {}),
         )
 
     with ThreadPoolExecutor(max_workers=dp, thread_name_prefix="xlm-dp-start") as pool:
         futures = [pool.submit(start, rank) for rank in range(dp)]
+        if any(f.exception() for f in wait(futures, return_when=FIRST_EXCEPTION).done):
+            for engine in remote.values():  # no use waiting for the others to register
+                engine.cancelled.set()
         engines, error = [], None
         for future in futures:
             try:
                 engines.append(future.result())
             except BaseException as e:  # the others started: stop them, report the first
                 error = error or e
+    if registry is not None:
+        registry.close()
     if error is not None:
+        for engine in remote.values():
+            engine.close()
         for engine in engines:
             engine.shutdown()
         raise error
@@ -127,6 +150,17 @@ def merge_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     return merged
 
 
+class _RankQueue:
+    """One rank's view of the shared outputs queue: what it puts is tagged with its rank."""
+
+    def __init__(self, shared: queue.Queue[tuple[int, Any]], rank: int) -> None:
+        self.shared, self.rank = shared, rank
+
+    def put(self, item: Any) -> None:
+        """Queue one item of this rank."""
+        self.shared.put((self.rank, item))
+
+
 class _DPClientBase:
     """What both data-parallel clients share: the engines, the router, per-rank state."""
 
@@ -149,7 +183,12 @@ class _DPClientBase:
         events, index = self.kv_events_config, self.router.prefix_index
         if events is None or index is None:
             return
-        endpoints = [events.for_rank(r).connect_endpoint for r in range(len(self.engines))]
+        endpoints = [
+            engine.engine.kv_events_endpoint  # its host's, sent when it registered
+            if isinstance(engine.engine, RemoteEngine)
+            else events.for_rank(rank).connect_endpoint
+            for rank, engine in enumerate(self.engines)
+        ]
         self.kv_event_subscriber = KVEventSubscriber(endpoints, events.topic, index)
 
     def _stop_kv_events(self) -> None:
@@ -191,6 +230,46 @@ class _DPClientBase:
         if self.engine_dead:
             raise EngineDeadError(self.dead_message or "every data-parallel engine is dead")
 
+    def _on_engine_dead(self, rank: int, message: str) -> None:
+        """Fail the rank's requests in flight (finish reason "error"); the front end dies
+        with the last rank."""
+        if rank in self._reported_dead:
+            return
+        self._reported_dead.add(rank)
+        lost = self.router.mark_dead(rank)
+        logger.error(
+            "Data-parallel engine %d died (%s); %d request(s) on it failed, %d rank(s) serve",
+            rank,
+            message,
+            len(lost),
+            len(self.engines) - len(self._reported_dead),
+        )
+        if lost:
+            reason = f"data-parallel engine {rank} died: {message}"
+            failed = [
+                EngineCoreOutput(r, [], finish_reason="error", stop_reason=reason) for r in lost
+            ]
+            self._deliver(EngineCoreOutputs(failed, None, time.time(), rank))
+        if len(self._reported_dead) == len(self.engines):
+            self._deliver(EngineDeadError(self.dead_message or message))
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        """Queue outputs (or the error that ends them) for the reader."""
+        raise NotImplementedError
+
+    def _live_engines(self) -> list[Any]:
+        """The engines of the ranks still serving."""
+        return [e for r, e in enumerate(self.engines) if self.router.alive[r] and not e.engine_dead]
+
+    def _choose_live(self, request: EngineCoreRequest) -> int:
+        """The router's rank for a request, skipping ranks found dead meanwhile."""
+        while True:
+            rank = self.router.choose(request)  # EngineDeadError when none is left
+            if not self.engines[rank].engine_dead:
+                return rank
+            self.router.finish(request.request_id)
+            self._on_engine_dead(rank, self.engines[rank].dead_message or "its process exited")
+
     def _note_finished(self, outputs: EngineCoreOutputs) -> None:
         for output in outputs.outputs:
             if output.finished:
@@ -217,21 +296,26 @@ class DPSyncMPClient(_DPClientBase):
         engine_core_proc_class: type[EngineCoreProc] = EngineCoreProc,
     ) -> None:
         self._init_router(xlm_config)
-        self.outputs_queue: queue.Queue[Any] = queue.Queue()
+        # (rank, item): a rank's outputs or the error that ended it; rank -1: ours.
+        self.outputs_queue: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.engines: list[SyncMPClient] = _start_engines(
             SyncMPClient,
             xlm_config,
             self.kv_events_config,
             log_stats=log_stats,
             engine_core_proc_class=engine_core_proc_class,
-            outputs_queue=self.outputs_queue,
+            rank_kwargs=lambda rank: {"outputs_queue": _RankQueue(self.outputs_queue, rank)},
         )
         self.ready_info = merge_ready_info([e.ready_info for e in self.engines])
+        self._reported_dead: set[int] = set()
         self._subscribe_kv_events()
 
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        self.outputs_queue.put((-1, item))
+
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Send a request to the rank the router picks."""
-        rank = self.router.choose(request)
+        """Send a request to the rank the router picks (a live one)."""
+        rank = self._choose_live(request)
         try:
             self.engines[rank].add_request(request)
         except BaseException:
@@ -244,38 +328,53 @@ class DPSyncMPClient(_DPClientBase):
             self.engines[rank].abort_requests(ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        """The next outputs of any rank (EngineDeadError once one died: an offline run
-        cannot finish the dead rank's prompts)."""
-        result = self.outputs_queue.get()
-        if isinstance(result, BaseException):
-            self.outputs_queue.put(result)
-            raise result
-        self._note_finished(result)
-        return result
+        """The next outputs of any rank. A rank that died fails its requests in flight
+        (finish reason "error"); EngineDeadError once every rank died."""
+        while True:
+            rank, item = self.outputs_queue.get()
+            if isinstance(item, BaseException):
+                if rank >= 0:  # one rank's end: its requests fail, the others go on
+                    self._on_engine_dead(rank, str(item))
+                    continue
+                self.outputs_queue.put((rank, item))  # every later caller fails the same way
+                raise item
+            if rank >= 0 and rank in self._reported_dead:
+                continue  # a dead rank's last outputs: its requests already failed
+            self._note_finished(item)
+            return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        """Call an engine-core method on every rank; rank 0's result."""
-        return [engine.call_utility(method, *args) for engine in self.engines][0]
+        """Call an engine-core method on every live rank; the first one's result."""
+        return [engine.call_utility(method, *args) for engine in self._live_or_raise()][0]
+
+    def _live_or_raise(self) -> list[SyncMPClient]:
+        live = self._live_engines()
+        if not live:
+            raise EngineDeadError(self.dead_message or "every data-parallel engine is dead")
+        return live
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every rank's prefix cache."""
-        return all([engine.reset_prefix_cache() for engine in self.engines])
+        """Forget every live rank's prefix cache."""
+        return all([engine.reset_prefix_cache() for engine in self._live_or_raise()])
 
     def get_num_compilations(self) -> int:
-        """Step programs compiled by all ranks together (flat after warm-up)."""
-        return sum(engine.get_num_compilations() for engine in self.engines)
+        """Step programs compiled by the live ranks together (flat after warm-up)."""
+        return sum(engine.get_num_compilations() for engine in self._live_or_raise())
 
     def wait_for_programs(self, timeout: float | None = None) -> bool:
-        """Wait for every rank's background compilation."""
-        return all([engine.wait_for_programs(timeout) for engine in self.engines])
+        """Wait for every live rank's background compilation."""
+        return all([engine.wait_for_programs(timeout) for engine in self._live_or_raise()])
 
     def get_stats(self) -> SchedulerStats:
         """All ranks' scheduler counters together."""
         return merge_stats(self.get_stats_per_engine())
 
     def get_stats_per_engine(self) -> list[SchedulerStats]:
-        """Each rank's scheduler counters, by rank."""
-        return [engine.get_stats() for engine in self.engines]
+        """Each rank's scheduler counters, by rank (zeros for a dead rank)."""
+        live = self._live_engines()
+        return [
+            engine.get_stats() if engine in live else SchedulerStats() for engine in self.engines
+        ]
 
     def shutdown(self) -> None:
         """Stop every rank's engine process."""
@@ -328,28 +427,9 @@ class DPAsyncMPClient(_DPClientBase):
         except Exception as e:
             self._on_engine_dead(rank, str(e))
 
-    def _on_engine_dead(self, rank: int, message: str) -> None:
-        """Fail the rank's requests in flight; the front end dies with the last rank."""
-        if rank in self._reported_dead:
-            return
-        self._reported_dead.add(rank)
-        lost = self.router.mark_dead(rank)
-        logger.error(
-            "Data-parallel engine %d died (%s); %d request(s) on it failed, %d rank(s) serve",
-            rank,
-            message,
-            len(lost),
-            len(self.engines) - len(self._reported_dead),
-        )
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         queue_ = self._ensure_pumps()
-        if lost:
-            reason = f"data-parallel engine {rank} died: {message}"
-            failed = [
-                EngineCoreOutput(r, [], finish_reason="error", stop_reason=reason) for r in lost
-            ]
-            queue_.put_nowait((EngineCoreOutputs(failed, None, time.time(), rank), []))
-        if len(self._reported_dead) == len(self.engines):
-            queue_.put_nowait(EngineDeadError(self.dead_message or message))
+        queue_.put_nowait(item if isinstance(item, BaseException) else (item, []))
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next outputs of any rank (their `engine_index` names it)."""
@@ -370,12 +450,7 @@ class DPAsyncMPClient(_DPClientBase):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         """Send a request to the rank the router picks (a live one)."""
         self._ensure_pumps()
-        while True:
-            rank = self.router.choose(request)  # EngineDeadError when none is left
-            if not self.engines[rank].engine_dead:
-                break
-            self.router.finish(request.request_id)
-            self._on_engine_dead(rank, self.engines[rank].dead_message or "its process exited")
+        rank = self._choose_live(request)
         try:
             await self.engines[rank].add_request_async(request)
         except BaseException:
@@ -389,7 +464,7 @@ class DPAsyncMPClient(_DPClientBase):
 
     async def call_utility_async(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
         """Call an engine-core method on every live rank; the first rank's result."""
-        live = [e for r, e in enumerate(self.engines) if self.router.alive[r] and not e.engine_dead]
+        live = self._live_engines()
         if not live:
             raise EngineDeadError(self.dead_message or "every data-parallel engine is dead")
         results = await asyncio.gather(
@@ -399,7 +474,7 @@ class DPAsyncMPClient(_DPClientBase):
 
     async def reset_prefix_cache_async(self) -> bool:
         """Forget every live rank's prefix cache."""
-        live = [e for r, e in enumerate(self.engines) if self.router.alive[r] and not e.engine_dead]
+        live = self._live_engines()
         return all(await asyncio.gather(*(e.reset_prefix_cache_async() for e in live)))
 
     def shutdown(self) -> None:

@@ -104,14 +104,17 @@ class PrefixCacheIndex:
 class KVEventSubscriber:
     """A thread subscribed to every rank's KV events endpoint, feeding a PrefixCacheIndex."""
 
-    def __init__(self, endpoints: list[str], topic: str, index: PrefixCacheIndex) -> None:
+    def __init__(self, endpoints: list[str | None], topic: str, index: PrefixCacheIndex) -> None:
         import zmq
 
         self._zmq = zmq
         self.index = index
         self._context = zmq.Context()
         self._sockets = []
-        for endpoint in endpoints:
+        self._ranks: dict[Any, int] = {}  # socket -> rank (endpoint None: a rank unheard)
+        for rank, endpoint in enumerate(endpoints):
+            if endpoint is None:
+                continue
             socket = self._context.socket(zmq.SUB)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -119,6 +122,7 @@ class KVEventSubscriber:
             socket.connect(endpoint)
             self._wait_joined(socket, monitor, endpoint)
             self._sockets.append(socket)
+            self._ranks[socket] = rank
         self._next_seq: list[int | None] = [None] * len(endpoints)
         self.num_batches = 0  # batches applied (tests wait on it)
         self._stop = threading.Event()
@@ -140,14 +144,14 @@ class KVEventSubscriber:
         poller = zmq.Poller()
         for socket in self._sockets:
             poller.register(socket, zmq.POLLIN)
-        rank_of = {socket: rank for rank, socket in enumerate(self._sockets)}
+        rank_of = self._ranks
         try:
             while not self._stop.is_set():
                 for socket, _ in poller.poll(POLL_MS):
                     self._drain(socket, rank_of[socket])
         except Exception:  # the router falls back to load; serving goes on
             logger.exception("KV event subscriber stopped; routing by load from now on")
-            for rank in range(len(self._sockets)):
+            for rank in self._ranks.values():
                 self.index.clear_rank(rank)
         finally:
             for socket in self._sockets:

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
@@ -39,6 +40,42 @@ logger = init_logger(__name__)
 
 # Seconds between noticing the engine process exit and declaring it dead without a cause.
 _DEATH_GRACE_S = 0.5
+
+
+def wait_for_ready(
+    output_socket: zmq.Socket, check_alive: Callable[[], None], timeout: float | None = None
+) -> dict[str, Any]:
+    """Wait for an engine's READY message on its output socket and return its payload;
+    `check_alive` raises while nothing arrives once the engine is known to be gone."""
+    timeout = timeout or envs.XLM_ENGINE_READY_TIMEOUT_S or 600.0
+    deadline = time.monotonic() + timeout
+    decoder = MsgpackDecoder()
+    poller = zmq.Poller()
+    poller.register(output_socket, zmq.POLLIN)
+    while time.monotonic() < deadline:
+        if poller.poll(100):
+            frames = output_socket.recv_multipart(copy=False)
+            kind, payload = frames[0].bytes, decoder.decode(frames[1:])
+            if kind == OutputType.READY:
+                logger.info("Engine core process %s ready: %s", payload.get("pid"), payload)
+                return payload
+            if kind == OutputType.ENGINE_ERROR:
+                raise RuntimeError(f"engine core failed to start: {payload}")
+            logger.warning("Unexpected message %r before READY", kind)
+        else:
+            check_alive()
+    raise RuntimeError(f"engine core was not ready within {timeout:.0f} s")
+
+
+def push_engine_dead(ctx: zmq.Context, output_address: str, message: str) -> None:
+    """Push ENGINE_DEAD into a client's own output socket so a blocked reader returns."""
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(output_address)
+        sock.send_multipart([OutputType.ENGINE_DEAD, *MsgpackEncoder().encode(message)])
+        sock.close(linger=1000)
+    except zmq.ZMQError:
+        pass
 
 
 class _EngineProcess:
@@ -82,27 +119,14 @@ class _EngineProcess:
         self._monitor.start()
 
     def _wait_for_ready(self) -> dict[str, Any]:
-        timeout = envs.XLM_ENGINE_READY_TIMEOUT_S or 600.0
-        deadline = time.monotonic() + timeout
-        decoder = MsgpackDecoder()
-        poller = zmq.Poller()
-        poller.register(self.output_socket, zmq.POLLIN)
-        while time.monotonic() < deadline:
-            if poller.poll(100):
-                frames = self.output_socket.recv_multipart(copy=False)
-                kind, payload = frames[0].bytes, decoder.decode(frames[1:])
-                if kind == OutputType.READY:
-                    logger.info("Engine core process %d ready: %s", self.proc.pid, payload)
-                    return payload
-                if kind == OutputType.ENGINE_ERROR:
-                    raise RuntimeError(f"engine core failed to start: {payload}")
-                logger.warning("Unexpected message %r before READY", kind)
-            elif not self.proc.is_alive():
+        def check_alive() -> None:
+            if not self.proc.is_alive():
                 raise RuntimeError(
                     f"engine core process exited with code {self.proc.exitcode} before it "
                     "was ready; see its log above"
                 )
-        raise RuntimeError(f"engine core was not ready within {timeout:.0f} s")
+
+        return wait_for_ready(self.output_socket, check_alive)
 
     def _monitor_process(self) -> None:
         wait_for_sentinels([self.proc.sentinel])
@@ -153,13 +177,7 @@ class _EngineProcess:
 
     def wake_reader(self, message: str) -> None:
         """Push ENGINE_DEAD into our own output socket so a blocked reader returns."""
-        try:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.connect(self.output_address)
-            sock.send_multipart([OutputType.ENGINE_DEAD, *MsgpackEncoder().encode(message)])
-            sock.close(linger=1000)
-        except zmq.ZMQError:
-            pass
+        push_engine_dead(self.ctx, self.output_address, message)
 
     def close_sockets(self) -> None:
         """Close the sockets and remove the socket directory."""
@@ -179,7 +197,8 @@ class _MPClientBase:
 
     `engine_index`, `rank_env` and `rank_cpus`: the data-parallel rank this engine is
     (its outputs carry the index) and its process's environment and cores
-    (`xlm.engine.dp_client` sets them)."""
+    (`xlm.engine.dp_client` sets them). `engine`: an engine already started elsewhere
+    (a rank on another host, `xlm.engine.dp_remote.RemoteEngine`) instead of spawning one."""
 
     def __init__(
         self,
@@ -189,12 +208,13 @@ class _MPClientBase:
         engine_index: int = 0,
         rank_env: dict[str, str] | None = None,
         rank_cpus: set[int] | None = None,
+        engine: Any = None,
     ) -> None:
         self.xlm_config = xlm_config
         self.engine_index = engine_index
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder()
-        self.engine = _EngineProcess(
+        self.engine = engine or _EngineProcess(
             xlm_config, log_stats, engine_core_proc_class, rank_env, rank_cpus
         )
         self.ready_info = self.engine.ready_info

@@ -126,6 +126,15 @@ def format_report(r: dict[str, Any]) -> str:
         "",
         "per chip:",
         f"  weights            {_gb(pc['weight_bytes'])}",
+        *(
+            [
+                f"    of which encoder {_gb(pc['encoder_weight_bytes'])} (vision tower and "
+                "projector, replicated)",
+                f"  encoder cache      {_gb(pc['encoder_cache_bytes'])}",
+            ]
+            if pc.get("encoder_weight_bytes")
+            else []
+        ),
         f"  KV cache           {_gb(pc['kv_cache_bytes'])} ({pc['kv_cache_tokens']} tokens)",
         f"  largest temp       {_gb(pc['max_temp_bytes'])}",
         f"  total              {_gb(pc['total_bytes'])} of {_gb(pc['hbm_bytes'])} "

@@ -10,7 +10,12 @@ import argparse
 from typing import Any
 
 from xlm.entrypoints.openai import api_server
-from xlm.entrypoints.openai.cli_args import expand_config_file, make_arg_parser, settle_args
+from xlm.entrypoints.openai.cli_args import (
+    create_engine_config,
+    expand_config_file,
+    make_arg_parser,
+    settle_args,
+)
 
 
 def expand_argv(argv: list[str]) -> list[str]:
@@ -29,5 +34,21 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> argparse.ArgumentP
 def _run(args: argparse.Namespace) -> int:
     # `xlm` expanded --config FILE before parsing (see xlm.entrypoints.cli.main).
     args = settle_args(args._parser, args)
-
+    if args.headless:
+        return _run_headless(args)
     return api_server.run_server(args)
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    """`xlm serve --headless`: this host's data-parallel ranks, no API server."""
+    from xlm.engine.dp_remote import run_headless
+
+    config = create_engine_config(args)
+    parallel = config.parallel_config
+    if parallel.data_parallel_start_rank == 0 or parallel.data_parallel_address is None:
+        raise ValueError(
+            f"--headless with --data-parallel-start-rank={parallel.data_parallel_start_rank} "
+            f"and --data-parallel-address={parallel.data_parallel_address}: allowed a start "
+            "rank >= 1 (rank 0 runs beside the API server) and the API server's address"
+        )
+    return run_headless(config, log_stats=not args.disable_log_stats)

@@ -425,7 +425,7 @@ def rope_parameters(
         scaling = getattr(hf_config, "rope_scaling", None) or params
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # "mrope": Qwen2-VL's older name for default
         return float(theta), None
     return float(theta), {k: v for k, v in scaling.items() if k != "rope_theta"}
 
@@ -441,6 +441,9 @@ def rotary_from_config(
         original = getattr(hf_config, "original_max_position_embeddings", None)
         if original is not None:
             scaling = {**scaling, "original_max_position_embeddings": original}
+    # Qwen2-VL's M-RoPE bands (transformers 5's rope_parameters or 4's rope_scaling).
+    legacy = getattr(hf_config, "rope_scaling", None) or {}
+    mrope = params.get("mrope_section") or legacy.get("mrope_section")
     return RotaryEmbedding(
         head_dim,
         int(head_dim * partial),
@@ -448,4 +451,5 @@ def rotary_from_config(
         theta,
         is_neox_style=True,
         rope_scaling=scaling,
+        mrope_section=tuple(mrope) if mrope else None,
     )

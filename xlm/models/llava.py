@@ -64,6 +64,9 @@ class LlavaMultiModalProjector(nnx.Module):
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     """LLaVA-1.5: the Llama decoder plus the vision tower and projector."""
 
+    # The submodules the encoder programs run (xlm plan counts their weights apart).
+    encoder_modules = ("vision_tower", "multi_modal_projector")
+
     def __init__(self, hf_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         super().__init__(hf_config.text_config, dtype=dtype, rngs=rngs)
         vision = hf_config.vision_config

@@ -20,6 +20,10 @@ _BUILTIN_MODELS: dict[str, str] = {
     "OPTForCausalLM": "xlm.models.opt:OPTForCausalLM",
     "Phi3ForCausalLM": "xlm.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "xlm.models.qwen2:Qwen2ForCausalLM",
+    "Qwen2VLForConditionalGeneration": "xlm.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": (
+        "xlm.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration"
+    ),
     "Qwen3ForCausalLM": "xlm.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "xlm.models.qwen3_moe:Qwen3MoeForCausalLM",
 }

@@ -17,7 +17,9 @@ class MultiModalFeature:
     identifier: str  # hex sha256 of the processed pixels: the encoder cache's key
     offset: int
     length: int
-    pixel_values: np.ndarray  # float32 [C, H, W], the family's processor's output
+    pixel_values: np.ndarray  # float32, the family's processor's output ([C, H, W], or
+    # Qwen2-VL's patches [h * w, C * T * p * p])
+    grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: its patch grid (t, h, w)
 
     @property
     def end(self) -> int:

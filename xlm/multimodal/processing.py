@@ -10,15 +10,15 @@ placeholders go) registered by the config's model_type in PROCESSORS.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from typing import Any
 
 import numpy as np
 
 from xlm.engine.exceptions import RequestValidationError
+from xlm.multimodal.budget import read_preprocessor_config
 from xlm.multimodal.image import MediaPolicy, check_image
 from xlm.multimodal.inputs import MultiModalFeature
+from xlm.multimodal.qwen2_vl import Qwen2VLImagePreprocessor
 
 _RESAMPLE_DEFAULT = 3  # PIL bicubic, CLIP's
 
@@ -84,15 +84,6 @@ class CLIPImagePreprocessor:
         return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
 
 
-def read_preprocessor_config(model_dir: str) -> dict[str, Any]:
-    """The checkpoint's preprocessor_config.json (an empty dict when it has none)."""
-    path = os.path.join(model_dir, "preprocessor_config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
 def content_hash(modality: str, pixels: np.ndarray) -> str:
     """The encoder cache's key: sha256 over the modality, shape, dtype and pixel bytes."""
     h = hashlib.sha256(f"{modality}:{pixels.shape}:{pixels.dtype}:".encode())
@@ -115,6 +106,10 @@ class MultiModalProcessor:
         """An RGB PIL image -> the encoder's input pixels."""
         raise NotImplementedError
 
+    def pixels_and_grid(self, image: Any) -> tuple[np.ndarray, tuple[int, ...] | None]:
+        """The encoder's input pixels and, for images of varying size, their patch grid."""
+        return self.pixels(image), None
+
     def num_image_tokens(self, pixels: np.ndarray) -> int:
         """How many placeholder tokens (and encoder embeddings) an image becomes."""
         raise NotImplementedError
@@ -136,12 +131,11 @@ class MultiModalProcessor:
         features = []
         prev = 0
         for i, (mark, image) in enumerate(zip(marks, images, strict=True)):
-            pixels = self.pixels(check_image(image, self.policy, f"image[{i}]"))
+            pixels, grid = self.pixels_and_grid(check_image(image, self.policy, f"image[{i}]"))
             n = self.num_image_tokens(pixels)
             out.extend(token_ids[prev:mark])
-            features.append(
-                MultiModalFeature("image", content_hash("image", pixels), len(out), n, pixels)
-            )
+            key = content_hash("image" if grid is None else f"image:{grid}", pixels)
+            features.append(MultiModalFeature("image", key, len(out), n, pixels, grid))
             out.extend([self.placeholder_token_id] * n)
             prev = mark + 1
         out.extend(token_ids[prev:])
@@ -173,8 +167,46 @@ class LlavaProcessor(MultiModalProcessor):
         return self.tokens
 
 
+class Qwen2VLProcessor(MultiModalProcessor):
+    """Qwen2-VL / Qwen2.5-VL: smart_resize preprocessing (xlm.multimodal.qwen2_vl); an
+    image of h x w patches becomes h * w / merge_size^2 tokens."""
+
+    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
+        super().__init__(hf_config, model_dir, policy)
+        self.preprocess = Qwen2VLImagePreprocessor(read_preprocessor_config(model_dir))
+        vision = hf_config.vision_config
+        if (self.preprocess.patch_size, self.preprocess.merge_size) != (
+            vision.patch_size,
+            vision.spatial_merge_size,
+        ):
+            raise ValueError(
+                "preprocessor_config.json's patch_size/merge_size "
+                f"{self.preprocess.patch_size}/{self.preprocess.merge_size} differ from the "
+                f"vision config's {vision.patch_size}/{vision.spatial_merge_size}"
+            )
+        self.unit = vision.spatial_merge_size**2
+        self.max_tokens = self.preprocess.max_tokens()
+
+    def pixels_and_grid(self, image: Any) -> tuple[np.ndarray, tuple[int, ...] | None]:
+        patches, grid = self.preprocess(image)
+        if len(patches) // self.unit > self.max_tokens:  # only at extreme aspect ratios
+            raise RequestValidationError(
+                f"image of {image.width}x{image.height} becomes {len(patches) // self.unit} "
+                f"tokens: allowed at most {self.max_tokens} (max_pixels)",
+                "image",
+            )
+        return patches, grid
+
+    def num_image_tokens(self, pixels: np.ndarray) -> int:
+        return len(pixels) // self.unit
+
+
 # model_type -> processor class: a family's entry makes its checkpoints accept images.
-PROCESSORS: dict[str, type[MultiModalProcessor]] = {"llava": LlavaProcessor}
+PROCESSORS: dict[str, type[MultiModalProcessor]] = {
+    "llava": LlavaProcessor,
+    "qwen2_vl": Qwen2VLProcessor,
+    "qwen2_5_vl": Qwen2VLProcessor,
+}
 
 
 def get_mm_processor(

@@ -49,7 +49,7 @@ class AttentionMetadata:
     and one block table per group, stacked first: [G, T] and [G, R, max_blocks_per_req].
     """
 
-    positions: jax.Array  # [T]
+    positions: jax.Array  # [T]; M-RoPE models (Qwen2-VL): [3, T], one row per stream
     slot_mapping: jax.Array  # [T] block_id * block_size + offset; padding -> null block
     query_start_loc: jax.Array  # [R + 1]
     seq_lens: jax.Array  # [R]

@@ -94,6 +94,7 @@ class RotaryEmbedding(CustomOp):
         is_neox_style: bool = True,
         rope_scaling: dict[str, Any] | None = None,
         *,
+        mrope_section: tuple[int, ...] | None = None,
         enforce_enable: bool = False,
     ) -> None:
         super().__init__(enforce_enable=enforce_enable)
@@ -111,6 +112,14 @@ class RotaryEmbedding(CustomOp):
         self.base = float(base)
         self.is_neox_style = is_neox_style
         self.rope_type = rope_type
+        # M-RoPE (Qwen2-VL): positions [3, T]; frequency band i of mrope_section rotates
+        # by position stream i % 3 (temporal, height, width).
+        self.mrope_section = tuple(mrope_section) if mrope_section else None
+        if self.mrope_section and sum(self.mrope_section) != rotary_dim // 2:
+            raise ValueError(
+                f"mrope_section={list(self.mrope_section)} must sum to rotary_dim / 2 = "
+                f"{rotary_dim // 2}"
+            )
         # Hashable: lists (LongRoPE's per-frequency factors) become tuples.
         self.scaling = tuple(
             sorted(
@@ -149,6 +158,13 @@ class RotaryEmbedding(CustomOp):
 
     def _freqs(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         inv_freq, attention_factor = self._inv_freq()
+        if positions.ndim == 2:  # M-RoPE: each frequency reads its band's position stream
+            if self.mrope_section is None:
+                raise ValueError("positions [3, T] need a rotary embedding with mrope_section")
+            stream = np.repeat(np.arange(len(self.mrope_section)) % 3, self.mrope_section)
+            pos = positions.astype(jnp.float32)[stream].T  # [T, rotary_dim / 2]
+            freqs = pos * jnp.asarray(inv_freq, dtype=jnp.float32)[None, :]
+            return jnp.cos(freqs) * attention_factor, jnp.sin(freqs) * attention_factor
         pos = positions.astype(jnp.float32)[:, None]
         if self.rope_type == "dynamic":
             # NTK-aware base grows with the sequence length once it exceeds the original

@@ -2,7 +2,8 @@
 
 Ray Data builds one LLMReplica per actor (`map_batches(LLMReplica,
 compute=ActorPoolStrategy(size=N))`), so the engine is built, loaded and compiled once per
-replica. Rows carry one of `prompt` (text), `messages` (chat messages) or
+replica. Rows carry one of `prompt` (text), `messages` (chat messages, whose content parts
+may hold images as `image_url` parts, as in chat completions) or
 `prompt_token_ids`, and optionally `sampling_params` (a dict of SamplingParams fields);
 every input column is passed through, and the outputs add `generated_text`,
 `generated_token_ids`, `finish_reason`, `num_input_tokens`, `num_generated_tokens` and
@@ -22,6 +23,7 @@ from typing import Any
 
 from xlm.entrypoints.llm import LLM
 from xlm.logger import init_logger
+from xlm.multimodal.chat import extract_images, with_images
 from xlm.ray.engine_loop import EngineLoop
 from xlm.sampling_params import SamplingParams
 from xlm.tokenizer import apply_chat_template
@@ -216,8 +218,16 @@ class LLMReplica:
             return row["prompt"]
         if given[0] == "prompt_token_ids":
             return {"prompt_token_ids": [int(t) for t in row["prompt_token_ids"]]}
-        messages = _drop_nulls(list(row["messages"]))
-        return {"prompt_token_ids": apply_chat_template(self.llm.get_tokenizer(), messages)}
+        # Images in content parts (image_url: data URLs, or files and hosts the engine's
+        # media policy allows) are loaded and checked as LLM.chat and the server do.
+        processor = self.llm.llm_engine.processor
+        messages, images = extract_images(
+            _drop_nulls(list(row["messages"])),
+            processor.media_policy,
+            processor.mm_processor is not None,
+        )
+        ids = apply_chat_template(self.llm.get_tokenizer(), messages)
+        return with_images({"prompt_token_ids": ids}, images)
 
     def _params(self, row: dict[str, Any]) -> Any:
         fields = {**self.default_sampling_params, **_drop_nulls(row.get("sampling_params") or {})}

@@ -32,7 +32,11 @@ REPLICA_KEYS = (
     "replica_cpus",
     "replica_gpus",
     "replica_tpu_chips",
+    "accelerator",
 )
+
+# Accelerators a replica's placement can be derived for, and Ray's resource name of each.
+ACCELERATORS = {"gpu": "GPU", "tpu": "TPU"}
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -79,11 +83,47 @@ class OpenAIServer:
             engine.shutdown()
 
 
+def replica_placement(
+    args: argparse.Namespace, accelerator: str, devices_per_host: int = 8
+) -> dict[str, Any]:
+    """One replica's placement for its engine options: `ray_actor_options` and a
+    one-bundle placement group holding the devices its engines use (tensor_parallel_size
+    x data_parallel_size GPUs or TPU chips) and a CPU for the replica's front end.
+
+    The replica's devices are on one host (its engines are local processes): more than
+    `devices_per_host` is refused."""
+    resource = ACCELERATORS.get(accelerator)
+    if resource is None:
+        raise ValueError(
+            f"accelerator={accelerator!r} is invalid: allowed {sorted(ACCELERATORS)} or None"
+        )
+    tp = int(args.tensor_parallel_size or 1)
+    devices = tp * int(args.data_parallel_size or 1)
+    if devices > devices_per_host:
+        raise ValueError(
+            f"tensor_parallel_size={tp} x data_parallel_size={args.data_parallel_size} = "
+            f"{devices} {resource}s is more than one host has (devices_per_host="
+            f"{devices_per_host}): allowed at most {devices_per_host} per replica"
+        )
+    actor: dict[str, Any] = {"num_cpus": 1.0}
+    if resource == "GPU":
+        actor["num_gpus"] = float(devices)
+    else:
+        actor["resources"] = {resource: float(devices)}
+    return {
+        "ray_actor_options": actor,
+        "placement_group_bundles": [{"CPU": 1.0, resource: float(devices)}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
 def build_openai_app(
     engine_args: dict[str, Any],
     *,
     num_replicas: int | None = None,
     autoscaling_config: dict[str, Any] | None = None,
+    accelerator: str | None = None,
+    devices_per_host: int = 8,
     ray_actor_options: dict[str, Any] | None = None,
     placement_group_bundles: list[dict[str, float]] | None = None,
     placement_group_strategy: str | None = None,
@@ -93,10 +133,12 @@ def build_openai_app(
     """A Ray Serve application of xlm replicas for `serve.run(app)`.
 
     `engine_args` holds `xlm serve` options by name (`model`, `max_num_seqs`, `api_key`,
-    ...). Give `num_replicas` or `autoscaling_config`; place each replica's devices with
-    `ray_actor_options` ({"num_gpus": 8} or {"resources": {"TPU": 4}}) or with
-    `placement_group_bundles` (the replica's actor takes the first bundle). Other keywords
-    go to `serve.deployment` (max_ongoing_requests, health_check_period_s, ...).
+    ...). Give `num_replicas` or `autoscaling_config`. `accelerator` ("gpu" or "tpu")
+    places each replica from its engine options (`replica_placement`: its
+    tensor_parallel_size x data_parallel_size devices in one bundle on one host); or place
+    it yourself with `ray_actor_options` ({"num_gpus": 8} or {"resources": {"TPU": 4}})
+    and `placement_group_bundles` (the replica's actor takes the first bundle), which win.
+    Other keywords go to `serve.deployment` (max_ongoing_requests, ...).
     """
     from ray import serve
 
@@ -105,6 +147,11 @@ def build_openai_app(
     if num_replicas is not None and (not isinstance(num_replicas, int) or num_replicas < 1):
         raise ValueError(f"num_replicas={num_replicas!r} is invalid: an integer >= 1")
     args = serve_args(engine_args)  # bad options fail here, not in every replica
+    if accelerator is not None:
+        placement = replica_placement(args, accelerator, devices_per_host)
+        ray_actor_options = ray_actor_options or placement["ray_actor_options"]
+        if placement_group_bundles is None:
+            placement_group_bundles = placement["placement_group_bundles"]
     # Ray Serve's default (5 requests per replica) would starve the continuous batch: let
     # every request the server admits through (its own gate answers 429 beyond that).
     options: dict[str, Any] = {
@@ -136,16 +183,20 @@ def build_app(cli_args: dict[str, Any]) -> Any:
     """The application `serve run xlm.ray.serve:build_app model=M num_replicas=2` builds.
 
     Keys are `xlm serve` options (values as text: "true"/"false" for switches) and the
-    replica keys num_replicas, min_replicas and max_replicas (autoscaling), replica_cpus,
-    replica_gpus and replica_tpu_chips (the resources of each replica).
+    replica keys num_replicas, min_replicas and max_replicas (autoscaling), accelerator
+    (gpu or tpu: each replica placed from its engine options), replica_cpus, replica_gpus
+    and replica_tpu_chips (the resources of each replica, given outright).
     """
     values = {k.replace("-", "_"): _value(v) for k, v in dict(cli_args).items()}
     replica = {k: values.pop(k) for k in REPLICA_KEYS if k in values}
-    actor: dict[str, Any] = {"num_cpus": float(replica.get("replica_cpus", 1))}
+    actor: dict[str, Any] | None = {"num_cpus": float(replica.get("replica_cpus", 1))}
     if replica.get("replica_gpus"):
         actor["num_gpus"] = float(replica["replica_gpus"])
     if replica.get("replica_tpu_chips"):
         actor["resources"] = {"TPU": int(replica["replica_tpu_chips"])}
+    accelerator = replica.get("accelerator")
+    if accelerator and not ({"replica_gpus", "replica_tpu_chips"} & set(replica)):
+        actor = None  # placed from the engine options
     autoscaling = None
     if "min_replicas" in replica or "max_replicas" in replica:
         autoscaling = {
@@ -157,6 +208,7 @@ def build_app(cli_args: dict[str, Any]) -> Any:
         values,
         num_replicas=None if num is None else int(num),
         autoscaling_config=autoscaling,
+        accelerator=accelerator or None,
         ray_actor_options=actor,
     )
 

@@ -5,8 +5,12 @@ scratch row (padding images write there, text tokens read it and ignore it). Eac
 (keyed by its content hash, xlm.multimodal.processing.content_hash) takes one slot, so an
 image shared by requests, or by the chunks of one prefill, is encoded once. Slots are
 evicted least-recently-used, never one the current step reads (the scheduler caps a
-step's images at the slot count). The encoder program is bucketed by image count (powers
-of two): images of one family have one size, so that is its only shape.
+step's images at the slot count; a slot holds the most tokens one image can become).
+
+How images go into the encoder program is the model's layout: LLaVA's images have one
+size, so its program is bucketed by image count (ImageCountLayout, powers of two);
+Qwen2-VL's vary, so its program is bucketed by patch count
+(xlm.multimodal.qwen2_vl.PatchCountLayout).
 """
 
 from __future__ import annotations
@@ -30,6 +34,38 @@ def image_count_buckets(slots: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return (*out, slots)
+
+
+class ImageCountLayout:
+    """Images of one shape, bucketed by how many go into one encoder call."""
+
+    def __init__(self, slots: int, pixel_shape: tuple[int, ...], tokens_per_image: int) -> None:
+        self.buckets = image_count_buckets(slots)
+        self.pixel_shape = pixel_shape
+        self.tokens_per_image = tokens_per_image
+
+    def take(self, pending: list[Any]) -> tuple[int, int]:
+        """(bucket, images) for the next encoder call over `pending` features."""
+        n = len(pending)
+        bucket = next((b for b in self.buckets if b >= n), self.buckets[-1])
+        return bucket, min(n, bucket)
+
+    def arrays(self, bucket: int, batch: list[tuple[Any, int]]) -> tuple[dict, np.ndarray]:
+        """The encoder's inputs for (feature, first pool row) pairs and the pool rows of
+        their tokens (padding images write row 0)."""
+        pixels = np.zeros((bucket, *self.pixel_shape), np.float32)
+        rows = np.zeros((bucket, self.tokens_per_image), np.int32)
+        for j, (feature, base_row) in enumerate(batch):
+            pixels[j] = feature.pixel_values
+            rows[j, : feature.length] = base_row + np.arange(feature.length)
+        return {"pixel_values": pixels}, rows
+
+    def spec(self, bucket: int, shape_of: Any) -> tuple[dict, Any]:
+        """Example arguments (shapes) of the encoder program for `bucket` images."""
+        return (
+            {"pixel_values": shape_of((bucket, *self.pixel_shape), jnp.float32)},
+            shape_of((bucket, self.tokens_per_image), jnp.int32),
+        )
 
 
 class EncoderCache:
@@ -79,10 +115,12 @@ class EncoderRunner:
         tokens_per_image: int,
         hidden: int,
         mesh: jax.sharding.Mesh | None,
+        layout: Any,
     ) -> None:
         self.cache = EncoderCache(slots, tokens_per_image)
         self.graphdef = graphdef
-        self.buckets = image_count_buckets(slots)
+        self.layout = layout
+        self.buckets = layout.buckets
         self.hidden = hidden
         # Under a mesh the pool and the images are replicated: every device runs the
         # whole encoder (docs/multimodal.md).
@@ -91,11 +129,12 @@ class EncoderRunner:
         self.encode_fn = jax.jit(self._encode_step, donate_argnums=(1,))
 
     def _encode_step(
-        self, state: nnx.State, pool: jax.Array, pixels: jax.Array, rows: jax.Array
+        self, state: nnx.State, pool: jax.Array, inputs: dict, rows: jax.Array
     ) -> jax.Array:
-        """Encode images [B, C, H, W] and write their embeddings at rows [B, tokens]."""
+        """Encode a bucket of images (the layout's inputs) and write their embeddings at
+        `rows` (one per embedding, in order)."""
         model = nnx.merge(self.graphdef, state)
-        embeds = model.encode_images(pixels)  # [B, tokens, hidden]
+        embeds = model.encode_images(**inputs)  # [..., hidden]
         flat = embeds.reshape(-1, embeds.shape[-1]).astype(pool.dtype)
         pool = pool.at[rows.reshape(-1)].set(flat)
         if self.mesh is None:
@@ -142,29 +181,22 @@ class EncoderRunner:
         return mm_rows, to_encode
 
     def encode(self, program_for: Any, state: Any, pool: Any, to_encode: list[Any]) -> Any:
-        """Run the encoder program over the images to encode (in bucket-sized batches);
-        returns the updated pool."""
-        n_tok = self.cache.tokens_per_image
-        i = 0
-        while i < len(to_encode):
-            bucket = next((b for b in self.buckets if b >= len(to_encode) - i), self.buckets[-1])
-            batch = to_encode[i : i + bucket]
-            shape = batch[0][0].pixel_values.shape
-            pixels = np.zeros((bucket, *shape), np.float32)
-            rows = np.zeros((bucket, n_tok), np.int32)  # padding images write row 0
-            for j, (feature, slot) in enumerate(batch):
-                pixels[j] = feature.pixel_values
-                rows[j, : feature.length] = self.cache.base_row(slot) + np.arange(feature.length)
-            program = program_for(bucket)
-            pool = program(
-                state, pool, put_replicated(pixels, self.mesh), put_replicated(rows, self.mesh)
+        """Run the encoder program over the images to encode (in batches the layout
+        buckets); returns the updated pool."""
+        pending = list(to_encode)
+        while pending:
+            bucket, n = self.layout.take([f for f, _ in pending])
+            batch = [(f, self.cache.base_row(slot)) for f, slot in pending[:n]]
+            pending = pending[n:]
+            inputs, rows = self.layout.arrays(bucket, batch)
+            pool = program_for(bucket)(
+                state,
+                pool,
+                {k: put_replicated(v, self.mesh) for k, v in inputs.items()},
+                put_replicated(rows, self.mesh),
             )
-            i += bucket
         return pool
 
-    def spec_args(self, bucket: int, pixel_shape: tuple[int, ...], shape_of: Any) -> tuple:
-        """Example arguments of the encoder program for `bucket` images (for lowering)."""
-        return (
-            shape_of((bucket, *pixel_shape), jnp.float32),
-            shape_of((bucket, self.cache.tokens_per_image), jnp.int32),
-        )
+    def spec_args(self, bucket: int, shape_of: Any) -> tuple:
+        """Example arguments of the encoder program for one bucket (for lowering)."""
+        return self.layout.spec(bucket, shape_of)

@@ -12,6 +12,7 @@ xlm.worker.pooling_model_runner's subclass.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from typing import Any
@@ -41,7 +42,7 @@ from xlm.worker.compilation import (
     engine_fingerprint,
     executable_cache_dir,
 )
-from xlm.worker.encoder_cache import EncoderRunner
+from xlm.worker.encoder_cache import EncoderRunner, ImageCountLayout
 from xlm.worker.executable_cache import ExecutableCache
 from xlm.worker.host_kv_cache import HostKVCache
 from xlm.worker.input_batch import InputBatch
@@ -123,7 +124,7 @@ class ModelRunner:
         self.sampling_key = config.model_config.seed << SAMPLING_KEY_SEED_SHIFT
         pooling = config.model_config.is_pooling
         self.programs = StepPrograms(self.graphdef, self.buckets, self._kv_spec, mesh, pooling)
-        self._init_encoder(config)
+        self._init_encoder(config, model)
         # Steps dispatched and not yet collected, oldest first (async scheduling keeps one
         # in flight while the next is scheduled; execute_model collects at once).
         self._in_flight: deque[StepInFlight | None] = deque()
@@ -148,25 +149,28 @@ class ModelRunner:
         keys = {b: self._bucket_keys(b) for b in self.buckets.token_buckets}
         self.readiness = BucketReadiness(self.program_store, self.buckets, keys)
 
-    def _init_encoder(self, config: XlmConfig) -> None:
-        """A multimodal model's encoder cache (xlm.worker.encoder_cache) and its pool."""
-        hf_config = config.model_config.hf_config
-        slots = encoder_cache_slots(hf_config, config.scheduler_config.max_num_batched_tokens)
+    def _init_encoder(self, config: XlmConfig, model: nnx.Module) -> None:
+        """A multimodal model's encoder cache (xlm.worker.encoder_cache) and its pool; an
+        M-RoPE model's step positions ([3, T], from the model's mrope_positions)."""
+        hf_config, model_dir = config.model_config.hf_config, config.model_config.model
+        max_tokens = config.scheduler_config.max_num_batched_tokens
+        slots = encoder_cache_slots(hf_config, max_tokens, model_dir)
         self.encoder: EncoderRunner | None = None
         self.mm_pool: Any = None
         self._to_encode: list[Any] = []
+        self._mrope = getattr(model, "mrope_positions", None)
         if not slots:
             return
+        per_image = tokens_per_image(hf_config, model_dir)
+        if hasattr(model, "encoder_layout"):  # images of varying size (Qwen2-VL)
+            layout = model.encoder_layout(hf_config, model_dir)
+        else:  # images of one size (LLaVA)
+            vision = hf_config.vision_config
+            shape = (vision.num_channels, vision.image_size, vision.image_size)
+            layout = ImageCountLayout(slots, shape, per_image)
         self.encoder = EncoderRunner(
-            self.graphdef,
-            self.state,
-            slots,
-            tokens_per_image(hf_config),
-            self.hidden_size,
-            self.device_mesh,
+            self.graphdef, self.state, slots, per_image, self.hidden_size, self.device_mesh, layout
         )
-        vision = hf_config.vision_config
-        self._pixel_shape = (vision.num_channels, vision.image_size, vision.image_size)
         self.mm_pool = self._device_zeros(self.encoder.pool_shape(), self.encoder.dtype)
 
     def encoder_cache_stats(self) -> dict[str, int]:
@@ -177,9 +181,9 @@ class ModelRunner:
 
     def _encoder_spec(self, bucket: int) -> ProgramSpec:
         pool = self._replicated_shape(self.encoder.pool_shape(), self.encoder.dtype)
-        pixels, rows = self.encoder.spec_args(bucket, self._pixel_shape, self._replicated_shape)
+        inputs, rows = self.encoder.spec_args(bucket, self._replicated_shape)
         out_tree = jax.tree_util.tree_structure(0)
-        args = (self.state, pool, pixels, rows)
+        args = (self.state, pool, inputs, rows)
         return ProgramSpec(self.encoder.encode_fn, args, None, out_tree, self.device_mesh)
 
     def _encoder_program(self, bucket: int) -> Any:
@@ -319,10 +323,14 @@ class ModelRunner:
             batch = self.input_batch
             features = [batch.requests[r].mm_features for r in req_ids]
             starts = batch.num_computed_tokens[batch.slots(req_ids)] if req_ids else []
+            starts, counts = np.asarray(starts), np.asarray(num_scheduled)
             mm_rows, self._to_encode = self.encoder.step_rows(
-                features, np.asarray(starts), np.asarray(num_scheduled), num_tokens_padded
+                features, starts, counts, num_tokens_padded
             )
             out.arrays["mm_rows"] = mm_rows
+            if self._mrope is not None:
+                positions = self._mrope(features, starts, counts, num_tokens_padded)
+                out.arrays["attn"] = dataclasses.replace(out.arrays["attn"], positions=positions)
         return out
 
     def _run_model(self, num_tokens_padded: int, arrays: dict[str, Any]) -> tuple[Any, Any]:

@@ -20,6 +20,7 @@ from xlm.logger import init_logger
 from xlm.lora.request import LoRARequest
 from xlm.metrics import startup
 from xlm.models.loader import get_model, load_hf_config, resolve_dtype
+from xlm.multimodal.budget import encoder_pool_bytes
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
 from xlm.platforms.target import CompileTarget, compile_target
 from xlm.worker.host_kv_cache import host_block_bytes
@@ -187,6 +188,15 @@ class Worker:
         """Bytes of parameters the fullest device holds (its shards, replicas included)."""
         return max(per_device_bytes(nnx.state(self.model)).values())
 
+    def encoder_weight_bytes_per_device(self, elements: bool = False) -> int:
+        """Bytes (or `elements`) of the vision encoder's parameters (a multimodal model's
+        `encoder_modules`, replicated) the fullest device holds; 0 for a text model."""
+        names = getattr(self.model, "encoder_modules", ())
+        if not names:
+            return 0
+        states = [nnx.state(getattr(self.model, name)) for name in names]
+        return max(per_device_bytes(states, elements=elements).values())
+
     def _memory_in_use(self) -> tuple[int, int]:
         """(device memory, bytes in use now): the platform's statistics, or for a compile
         target the chip's HBM with the weights' shards as the bytes in use."""
@@ -195,6 +205,13 @@ class Worker:
         if self.target is not None:
             return total, self.weight_bytes_per_device()
         return total, total - platform.get_device_free_memory()
+
+    def encoder_cache_bytes(self) -> int:
+        """Bytes of the encoder cache's device pool on each device (0: a text model)."""
+        model_config = self.config.model_config
+        itemsize = jnp.dtype(resolve_dtype(model_config.dtype, model_config.hf_config)).itemsize
+        tokens = self.config.scheduler_config.max_num_batched_tokens
+        return encoder_pool_bytes(model_config.hf_config, tokens, itemsize)
 
     def blocks_for_one_request(self) -> int:
         """The fewest blocks that serve one request of max_model_len (and the null block)."""
@@ -234,7 +251,9 @@ class Worker:
             sched = self.config.scheduler_config
             hidden_size = self.config.model_config.hf_config.hidden_size
             activation = sched.max_num_batched_tokens * hidden_size * 4 * 16
-            num_blocks = int(max(budget - activation, 0) // per_block)
+            # The encoder cache's pool (a multimodal model) is allocated beside the cache.
+            encoder = self.encoder_cache_bytes()
+            num_blocks = int(max(budget - activation - encoder, 0) // per_block)
         if cache.num_blocks is None:
             # One global cache needs one size: the smallest of all processes'.
             num_blocks = agree_min("num_blocks", num_blocks)

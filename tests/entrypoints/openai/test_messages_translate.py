@@ -144,6 +144,43 @@ def test_misplaced_blocks_are_400s(messages, says):
     assert e.value.status == 400 and says in e.value.message
 
 
+def test_image_blocks_become_chats_image_url_parts_in_order():
+    image = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+    content = [
+        {"type": "image", "source": image},
+        {"type": "text", "text": "What is it?"},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+    ]
+    chat = chat_request(
+        CountTokensRequest(model="m", messages=[{"role": "user", "content": content}])
+    )
+    assert chat.messages == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                {"type": "text", "text": "What is it?"},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            ],
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ({"type": "base64", "media_type": "text/plain", "data": "aGk="}, "media_type"),
+        ({"type": "base64", "media_type": "image/png"}, "data"),
+        ({"type": "file", "file_id": "f"}, "'file'"),
+    ],
+)
+def test_bad_image_sources_are_400s(source, says):
+    content = [{"type": "image", "source": source}]
+    with pytest.raises(OpenAIError) as e:
+        chat_request(CountTokensRequest(model="m", messages=[{"role": "user", "content": content}]))
+    assert e.value.status == 400 and says in e.value.message
+
+
 def test_stop_reasons_and_tool_inputs():
     assert stop_reason("length", None) == ("max_tokens", None)
     assert stop_reason("tool_calls", None) == ("tool_use", None)

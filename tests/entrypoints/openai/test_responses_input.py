@@ -139,6 +139,26 @@ def test_streaming_asks_chat_for_usage():
     assert chat.stream and chat.stream_options.include_usage
 
 
+def test_input_image_parts_become_chats_image_url_parts_in_order():
+    url = "data:image/png;base64,iVBORw0KGgo="
+    content = [
+        {"type": "input_text", "text": "Compare "},
+        {"type": "input_image", "image_url": url, "detail": "auto"},
+        {"type": "input_image", "image_url": "https://example.com/b.png"},
+    ]
+    chat = _chat(input=[{"role": "user", "content": content}])
+    assert chat.messages == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare "},
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "image_url", "image_url": {"url": "https://example.com/b.png"}},
+            ],
+        }
+    ]
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
@@ -146,6 +166,11 @@ def test_streaming_asks_chat_for_usage():
         ({"input": [{"role": "tool", "content": "x"}]}, "input", "role"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input",
+            "image_url must be a string",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "input",
             "text parts",
         ),

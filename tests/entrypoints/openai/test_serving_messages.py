@@ -29,6 +29,13 @@ anthropic = pytest.importorskip("anthropic")
 KEY = "sekrit"
 BEARER = {"Authorization": f"Bearer {KEY}"}
 MODEL = "m"
+# A 2x2 PNG: a valid image, refused by the text-only model.
+PNG_SOURCE = {
+    "type": "base64",
+    "media_type": "image/png",
+    "data": "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAC0lEQVR4nGNgQAYAAA4AAamRc7EAAAAA"
+    "SUVORK5CYII=",
+}
 SYSTEM = "s"
 USER = "x</think>y"  # the stand-in engine echoes the prompt: its reply crosses </think>
 FLAGS = ["--api-key", KEY, "--reasoning-parser", "deepseek_r1", "--max-n", "4"]
@@ -138,6 +145,12 @@ def _anthropic_error(r, status: int, err_type: str) -> str:
             400,
             "invalid_request_error",
             "image",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": PNG_SOURCE}]}]},
+            400,
+            "invalid_request_error",
+            "text only",
         ),
     ],
 )

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import xlm
-from tests.conftest import VOCAB_SIZE
+from tests.conftest import VOCAB_SIZE, fake_devices_env
 from tests.engine.reference import TINY_ENGINE, hf_greedy
 from tests.quantization.reference import PROJECTIONS, quantize_inputs
 from tests.test_quantization import ATOL, NEW_TOKENS, greedy, log_softmax
@@ -380,7 +380,7 @@ np.savez(out, **results, **logits)
 def test_tp4_replicates_kv_heads_of_the_files_codes(checkpoints, model_runs, tmp_path):
     """fp8 per-tensor at TP=4 (2 KV heads, each held twice): the same logits as one device,
     k_proj's codes and scales the file's, repeated per head replica and split."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = fake_devices_env(4)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     out = str(tmp_path / "tp.npz")

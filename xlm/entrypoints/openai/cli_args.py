@@ -164,6 +164,13 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="name(s) clients use for the model (default: the model argument)",
     )
+    group.add_argument(
+        "--headless",
+        action="store_true",
+        help="no API server: run this host's data-parallel ranks (--data-parallel-size-local "
+        "from --data-parallel-start-rank) for the API server at --data-parallel-address:"
+        "--data-parallel-rpc-port",
+    )
     _add_access_args(group)
     _add_request_limit_args(group)
     _add_responses_store_args(group)

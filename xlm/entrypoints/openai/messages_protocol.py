@@ -41,7 +41,8 @@ class TextBlockParam(AnthropicBaseModel):
 
 
 class ImageBlockParam(AnthropicBaseModel):
-    """An image block: accepted by the schema, refused (400) by a text-only model."""
+    """An image block (source: base64 with media_type and data, or url); the chat path
+    loads it under the media policy and refuses it (400) to a text-only model."""
 
     type: Literal["image"]
     source: dict[str, Any]

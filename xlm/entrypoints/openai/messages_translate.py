@@ -26,7 +26,37 @@ from xlm.entrypoints.openai.messages_protocol import (
 from xlm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_validation
 
-_IMAGES_REFUSED = "image content blocks are not supported: the served model takes text only"
+_IMAGES_REFUSED = "image blocks are not supported in a tool_result: put the image in the user turn"
+
+
+def _image_part(block: ImageBlockParam, where: str) -> dict[str, Any]:
+    """An Anthropic image block as chat's image_url part: a base64 source as a data URL,
+    a url source as it is (the chat path loads and checks the image under the media
+    policy, and refuses images to a text-only model)."""
+    source = block.source
+    kind = source.get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not media_type.startswith("image/"):
+            raise OpenAIError(
+                f"{where}: the image block's source.media_type={media_type!r} is invalid: "
+                "an image/* type "
+                "(image/jpeg, image/png, image/gif, image/webp)",
+                param="messages",
+            )
+        if not isinstance(data, str):
+            raise OpenAIError(
+                f"{where}: the image block's source.data must be a base64 string",
+                param="messages",
+            )
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise OpenAIError(
+        f"{where}: the image block's source of type {kind!r} is invalid: allowed 'base64' "
+        "(with media_type and data) and 'url' (with url)",
+        param="messages",
+    )
 
 
 def _text_of(blocks: str | list[Any] | None, where: str) -> str:
@@ -65,26 +95,29 @@ def _assistant_turn(message: MessageParam, where: str) -> dict[str, Any]:
 
 
 def _user_turns(message: MessageParam, where: str) -> list[dict[str, Any]]:
-    """A user turn: tool_result blocks become "tool" messages, the text a user message."""
+    """A user turn: tool_result blocks become "tool" messages, the text (and images, as
+    image_url parts in order) a user message."""
     if isinstance(message.content, str):
         return [{"role": "user", "content": message.content}]
     turns: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(message.content):
         if isinstance(block, TextBlockParam):
-            texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
         elif isinstance(block, ToolResultBlockParam):
             content = _text_of(block.content, f"{where}.content[{j}]")
             turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
         elif isinstance(block, ImageBlockParam):
-            raise OpenAIError(f"{where}.content[{j}]: {_IMAGES_REFUSED}", param="messages")
+            parts.append(_image_part(block, f"{where}.content[{j}]"))
         else:
             raise OpenAIError(
                 f"{where}.content[{j}]: a {block.type!r} block cannot be in a user turn",
                 param="messages",
             )
-    if texts or not turns:
-        turns.append({"role": "user", "content": "".join(texts)})
+    if any(p["type"] == "image_url" for p in parts):
+        turns.append({"role": "user", "content": parts})
+    elif parts or not turns:
+        turns.append({"role": "user", "content": "".join(p["text"] for p in parts)})
     return turns
 
 

@@ -20,6 +20,7 @@ from xlm.entrypoints.openai.serving_engine import OpenAIError, error_from_valida
 
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_IMAGE_PART = "input_image"
 # Fields handed to the chat request under the same name.
 _SAME_FIELDS = (
     "model",
@@ -47,17 +48,42 @@ def _text_of(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise OpenAIError(f"{where}.content must be a string or a list of parts", param="input")
-    texts = []
+    return "".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+
+
+def _part_text(part: Any, where: str) -> str:
+    """A text part's text (400 for any other part)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        raise OpenAIError(
+            f"{where} of type {kind!r} is not supported: only text parts "
+            f"({', '.join(_TEXT_PARTS)}) with a string 'text', and input_image parts",
+            param="input",
+        )
+    return part["text"]
+
+
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: one string, or with `input_image` parts chat's content parts
+    (text and image_url, in order; the chat path loads and checks the images)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == _IMAGE_PART for p in content
+    ):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") != _IMAGE_PART:
+            parts.append({"type": "text", "text": _part_text(part, f"{where}.content[{j}]")})
+            continue
+        url = part.get("image_url")
+        if not isinstance(url, str):
             raise OpenAIError(
-                f"{where}.content[{j}] of type {kind!r} is not supported: only text parts "
-                f"({', '.join(_TEXT_PARTS)}) with a string 'text'",
+                f"{where}.content[{j}].image_url must be a string (a data URL, or a URL the "
+                "server is allowed to read); file_id is not supported",
                 param="input",
             )
-        texts.append(part["text"])
-    return "".join(texts)
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
 
 
 def _strings(item: dict[str, Any], names: tuple[str, ...], where: str) -> None:
@@ -77,7 +103,8 @@ def normalize_item(item: Any, where: str) -> dict[str, Any] | None:
             raise OpenAIError(
                 f"{where}.role={role!r} is invalid: allowed {list(_MESSAGE_ROLES)}", param="input"
             )
-        return {"type": "message", "role": role, "content": _text_of(item.get("content"), where)}
+        content = _message_content(item.get("content"), where)
+        return {"type": "message", "role": role, "content": content}
     if kind == "function_call":
         _strings(item, ("call_id", "name", "arguments"), where)
         return {k: item[k] for k in ("type", "call_id", "name", "arguments")}
