@@ -242,7 +242,12 @@ class RankRegistry:
             engine.kv_events_endpoint = hello.get("kv_events_endpoint")
             engine.registered.set()
             self.socket.send_multipart([identity, json.dumps(engine.remote_addresses).encode()])
-            logger.info("Data-parallel rank %d registered from %s", rank, host)
+            logger.info(
+                "Data-parallel rank %d registered from %s (KV events at %s)",
+                rank,
+                host,
+                engine.kv_events_endpoint,
+            )
 
     def close(self) -> None:
         """Stop serving and close the socket."""
