@@ -51,3 +51,18 @@ def test_engine_flags():
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.kv_offloading_size == 2.5
     assert KVEventsConfig.from_dict(engine_args.kv_events_config).enable_kv_cache_events
+
+
+def test_each_data_parallel_rank_gets_its_own_endpoint():
+    tcp = KVEventsConfig(True, "zmq", "tcp://*:5557", "kv")
+    assert tcp.for_rank(0) is tcp
+    assert [tcp.for_rank(r).endpoint for r in (1, 3)] == ["tcp://*:5558", "tcp://*:5560"]
+    assert tcp.for_rank(2).topic == "kv" and tcp.for_rank(2).connect_endpoint == (
+        "tcp://127.0.0.1:5559"
+    )
+    assert KVEventsConfig(True, endpoint="tcp://10.0.0.2:7000").connect_endpoint == (
+        "tcp://10.0.0.2:7000"
+    )
+    ipc = KVEventsConfig(True, endpoint="ipc:///tmp/ev")
+    assert [ipc.for_rank(r).endpoint for r in (0, 1)] == ["ipc:///tmp/ev", "ipc:///tmp/ev-dp1"]
+    assert ipc.for_rank(1).connect_endpoint == "ipc:///tmp/ev-dp1"

@@ -4,10 +4,13 @@ a save after the block was overwritten or a recomputed host hit fails here."""
 
 import random
 
+import pytest
+
 from tests.core.sim import FakeModelRunner, make_request, reference_generate, run_to_completion
 from xlm.config import CacheConfig, SchedulerConfig
 from xlm.core.async_scheduler import AsyncScheduler
 from xlm.core.host_kv_tier import HostKVTier
+from xlm.core.kv_cache_groups import KVCacheGroupSpec
 from xlm.core.scheduler import Scheduler
 
 BS = 4
@@ -85,9 +88,15 @@ def test_a_known_block_is_not_saved_twice():
     assert tier.take_transfers() is None and tier.num_saved_blocks == 1
 
 
-def make_sched(num_blocks, host_blocks, cls=Scheduler, budget=32, max_seqs=8, max_len=96):
+def make_sched(
+    num_blocks, host_blocks, cls=Scheduler, budget=32, max_seqs=8, max_len=96, windows=None
+):
+    """`windows`: one KV cache group per window (None: full attention), as Gemma's."""
     sc = SchedulerConfig(budget, max_seqs, max_len, True, 0, "fcfs")
-    cc = CacheConfig(block_size=BS, num_host_blocks=host_blocks, host_block_bytes=10)
+    groups = None if windows is None else [KVCacheGroupSpec(w, (i,)) for i, w in enumerate(windows)]
+    cc = CacheConfig(
+        block_size=BS, num_host_blocks=host_blocks, host_block_bytes=10, kv_cache_groups=groups
+    )
     return cls(sc, cc, num_blocks)
 
 
@@ -142,13 +151,15 @@ def test_a_small_host_tier_keeps_its_cap_and_the_outputs():
         assert len(runner.host) <= 25 and set(runner.host) <= set(range(25))
 
 
-def test_random_mixes_with_a_host_tier_read_only_right_kv():
+@pytest.mark.parametrize("windows", [None, [None, 6]], ids=["one-group", "full+window"])
+def test_random_mixes_with_a_host_tier_read_only_right_kv(windows):
     rng = random.Random(3)
     shared = [rng.randrange(1000) for _ in range(24)]
     loaded = 0
     for trial in range(10):
-        sched = make_sched(num_blocks=24, host_blocks=rng.choice([4, 16, 64]), budget=16)
-        runner = FakeModelRunner(24, BS)
+        host_blocks = rng.choice([4, 16, 64])
+        sched = make_sched(24, host_blocks, budget=16, windows=windows)
+        runner = FakeModelRunner(24, BS, group_windows=windows)
         prompts = []
         for _ in range(20):
             tail = [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
@@ -167,3 +178,32 @@ def test_reset_prefix_cache_clears_the_host_tier():
     assert sched.host_kv_tier.num_used_slots > 0
     assert sched.reset_prefix_cache()
     assert sched.host_kv_tier.num_used_slots == 0
+
+
+def test_several_kv_cache_groups_load_every_groups_blocks_from_the_host():
+    """Gemma's layout (a full-attention group and a sliding-window group over one pool):
+    the second pass loads each group's blocks from the host, reads only right K/V (the fake
+    runner checks every in-window read per group) and recomputes nothing the host holds."""
+    windows = [None, 6]
+    prompts = long_prefix_prompts(16, 40, seed=2)
+    for cls in (Scheduler, AsyncScheduler):
+        sched = make_sched(num_blocks=60, host_blocks=16 * 2 * 10, cls=cls, windows=windows)
+        runner = FakeModelRunner(60, BS, group_windows=windows)
+        run_pass(sched, runner, prompts, "a")
+        tier = sched.host_kv_tier
+        hits_before, loaded_before = tier.num_hit_tokens, tier.num_loaded_blocks
+        device_hits_before = sched.kv_cache_manager.prefix_cache_hits
+        results, scheduled = run_pass(sched, runner, prompts, "b")
+        for i, p in enumerate(prompts):
+            assert results[f"b{i}"][0] == reference_generate(p, 1000, 96, max_tokens=3)[0]
+        full = (41 - 1) // BS * BS
+        host_hits = tier.num_hit_tokens - hits_before
+        device_hits = sched.kv_cache_manager.prefix_cache_hits - device_hits_before
+        assert host_hits > 0 and host_hits + device_hits == 16 * full
+        assert scheduled == 16 * (41 - full) + 16 * 2
+        # The full-attention group loads every host hit block; the windowed group only
+        # those in its window at the hit's end (2 blocks of 4 for a window of 6 at 40).
+        loaded = tier.num_loaded_blocks - loaded_before
+        assert host_hits // BS < loaded <= host_hits // BS + 2 * 16
+        # The host keys are the groups' keys: (group, hash).
+        assert {key[0] for key in tier._slots} == {0, 1}

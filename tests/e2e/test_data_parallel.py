@@ -71,6 +71,60 @@ def test_dp2_tp2_equals_one_engine_for_64_prompts(tiny_checkpoint, monkeypatch):
     assert not any(e.engine.proc.is_alive() for e in core.engines)
 
 
+def test_a_repeated_prefix_goes_to_the_rank_whose_events_show_it(tiny_checkpoint):
+    """The router follows both ranks' KV events: a prefix one rank computed draws every
+    later prompt with it there (its prefix-cache hits, none on the other rank), with no
+    first-block record left to explain it; a prefix-cache reset empties the index."""
+    import os
+    import time
+
+    from xlm.entrypoints.llm import LLM
+    from xlm.sampling_params import SamplingParams
+
+    engine = dict(ENGINE, tensor_parallel_size=1, token_buckets=[16, 128])
+    engine["max_num_batched_tokens"] = 128
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(3, 200, size=64).tolist()  # four full blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    dp = LLM(model=tiny_checkpoint("llama"), data_parallel_size=2, **engine)
+    try:
+        core = dp.llm_engine.engine_core
+        index = core.router.prefix_index
+        assert index is not None and core.kv_event_subscriber is not None
+        dp.generate([{"prompt_token_ids": [*prefix, 7]}], params, use_tqdm=False)
+        deadline = time.monotonic() + 60
+        while max(index.num_blocks(0), index.num_blocks(1)) < 4:
+            sub = core.kv_event_subscriber
+            assert time.monotonic() < deadline, (
+                "no BlockStored events from either rank",
+                sub.num_batches,
+                sub._next_seq,
+                sub._thread.is_alive(),
+            )
+            time.sleep(0.05)
+        holder = 0 if index.num_blocks(0) >= 4 else 1
+        assert not core.router.prefix_rank  # nothing in flight: no record, only events
+        hits_before = [s.prefix_cache_hits for s in dp.llm_engine.get_stats_per_engine()]
+        prompts = [{"prompt_token_ids": [*prefix, 8 + i, 9]} for i in range(4)]
+        dp.generate(prompts, params, use_tqdm=False)
+        hits = [
+            s.prefix_cache_hits - b
+            for s, b in zip(dp.llm_engine.get_stats_per_engine(), hits_before, strict=True)
+        ]
+        assert hits[holder] == 4 * 64 and hits[1 - holder] == 0, hits
+        assert dp.llm_engine.reset_prefix_cache()
+        deadline = time.monotonic() + 60
+        while index.num_blocks(holder):
+            assert time.monotonic() < deadline, "AllBlocksCleared never reached the index"
+            time.sleep(0.05)
+        socket_file = core.kv_events_config.endpoint[len("ipc://") :]
+        assert os.path.exists(socket_file)
+    finally:
+        dp.llm_engine.shutdown()
+    # The router's own ipc endpoints leave no socket file behind.
+    assert not os.path.exists(socket_file) and not os.path.exists(socket_file + "-dp1")
+
+
 def test_a_killed_rank_fails_only_its_own_prompts(tiny_checkpoint):
     """Offline DP=2, rank 1's process killed mid-run: its prompts in flight finish with
     finish reason "error", every other prompt completes with one engine's greedy tokens."""

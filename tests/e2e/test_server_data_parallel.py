@@ -140,7 +140,11 @@ def test_a_rank_on_another_host_serves_and_its_death_leaves_rank_0(tmp_path, tin
     )
     try:
         with RemoteServer([*engine, *hosts, "--disable-log-stats"], model=model) as srv:
-            assert "Data-parallel rank 1 registered" in srv.log_tail(400)
+            log_tail = srv.log_tail(400)
+            assert "Data-parallel rank 1 registered" in log_tail
+            # Its KV events on tcp at its host's address, which the router joined.
+            assert "(KV events at tcp://127.0.0.1:" in log_tail
+            assert "not joined yet" not in log_tail
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
 
             def complete(prompt: str) -> str:

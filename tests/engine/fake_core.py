@@ -29,6 +29,10 @@ class FakeRequest:
     prompt_token_ids: list[int]
     max_tokens: int = 4
     logprobs: bool = False
+    # What the data-parallel router hashes a prompt's blocks with.
+    cache_salt: str | None = None
+    lora_request: Any = None
+    mm_features: Any = None
 
 
 class FakeEngineCore(EngineCore):
@@ -123,3 +127,4 @@ class FakeConfig(dict):
         self.parallel_config = ParallelConfig(data_parallel_size=data_parallel_size)
         self.cache_config = SimpleNamespace(block_size=block_size)
         self.scheduler_config = SimpleNamespace(max_num_seqs=8)
+        self.kv_events_config = None  # the DP client subscribes to events of its own

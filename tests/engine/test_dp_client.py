@@ -1,5 +1,5 @@
-"""Data-parallel clients: the router (load, prefix affinity, a dead rank) on its own, and
-DPAsyncMPClient / DPSyncMPClient over two stand-in cores in real spawned processes."""
+"""Data-parallel clients: DPAsyncMPClient / DPSyncMPClient over two stand-in cores in real
+spawned processes (the router on its own: tests/engine/test_dp_router.py)."""
 
 from __future__ import annotations
 
@@ -9,65 +9,43 @@ import signal
 
 import pytest
 
-from tests.engine.fake_core import FakeConfig, FakeEngineCoreProc, FakeRequest
+from tests.engine.fake_core import FakeConfig, FakeEngineCoreProc
+from tests.engine.test_dp_router import _req
+from xlm.config import KVEventsConfig
 from xlm.core.outputs import SchedulerStats
+from xlm.engine import kv_events_subscriber
 from xlm.engine.dp_client import (
-    DataParallelRouter,
     DPAsyncMPClient,
     DPSyncMPClient,
     affinity_slack,
     merge_stats,
+    rank_config,
+    router_kv_events_config,
 )
 from xlm.engine.exceptions import EngineDeadError
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _req(request_id: str, tokens: list[int], **kw) -> FakeRequest:
-    request = FakeRequest(request_id, tokens, **kw)
-    request.cache_salt = None
-    request.lora_request = None
-    return request
+@pytest.fixture(autouse=True)
+def _short_kv_events_join(monkeypatch):
+    """The stand-in cores publish no KV events: no use waiting long for their sockets."""
+    monkeypatch.setattr(kv_events_subscriber, "JOIN_TIMEOUT_MS", 200)
 
 
-def test_router_balances_load_and_rotates_ties():
-    router = DataParallelRouter(2, block_size=4, slack=2)
-    # Short prompts (no full block) go to the least loaded rank, ties alternating.
-    ranks = [router.choose(_req(f"r{i}", [i])) for i in range(4)]
-    assert ranks == [0, 1, 0, 1] and router.loads == [2, 2]
-    router.finish("r0")
-    router.finish("r2")
-    assert router.choose(_req("r4", [9])) == 0  # the less loaded one
-    router.finish("unknown")  # finishing twice or an unknown id changes nothing
-    assert router.loads == [1, 2]
-
-
-def test_router_sends_a_repeated_first_block_where_it_went_until_too_busy():
-    router = DataParallelRouter(2, block_size=4, slack=2)
-    prefix = [5, 6, 7, 8]
-    first = router.choose(_req("a", [*prefix, 1]))
-    # The same first block goes to `first` while it is at most `slack` busier.
-    assert [router.choose(_req(f"p{i}", [*prefix, i])) for i in range(2)] == [first, first]
-    assert router.loads[first] == 3 and router.loads[1 - first] == 0
-    # Three more in flight than the other rank: the prefix moves to the idle rank.
-    assert router.choose(_req("moved", [*prefix, 9])) == 1 - first
-    assert router.choose(_req("follows", [*prefix, 10])) == 1 - first
-    # The salt is part of the key (a salted prompt never shares the unsalted cache).
-    salted = _req("salted", [*prefix, 1])
-    salted.cache_salt = "s"
-    assert router.prefix_key(salted) != router.prefix_key(_req("x", [*prefix, 1]))
-    assert router.prefix_key(_req("short", prefix[:3])) is None
-
-
-def test_router_marks_a_rank_dead_and_returns_its_requests():
-    router = DataParallelRouter(2, block_size=4, slack=2)
-    for i in range(4):
-        router.choose(_req(f"r{i}", [i]))
-    assert sorted(router.mark_dead(1)) == ["r1", "r3"]
-    assert [router.choose(_req(f"n{i}", [1, 2, 3, 4])) for i in range(3)] == [0, 0, 0]
-    router.mark_dead(0)
-    with pytest.raises(EngineDeadError, match="every data-parallel engine is dead"):
-        router.choose(_req("none", [1]))
+def test_ranks_get_their_own_kv_events_endpoints_by_default():
+    config = FakeConfig()
+    events = router_kv_events_config(config)  # none given: the router's own, published
+    assert events.publishes and events.endpoint.startswith("ipc://")
+    ranks = [rank_config(config, r, events) for r in range(2)]
+    assert [c.parallel_config.data_parallel_rank for c in ranks] == [0, 1]
+    assert ranks[1].kv_events_config.endpoint == events.endpoint + "-dp1"
+    assert config.kv_events_config is None  # the user's config is left alone
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=False)
+    assert router_kv_events_config(config) is None  # turned off: first-block affinity
+    given = KVEventsConfig(True, endpoint="tcp://*:6000")
+    config.kv_events_config = given
+    assert router_kv_events_config(config) is given
 
 
 def test_affinity_slack_and_merged_stats():
@@ -153,6 +131,7 @@ def test_sync_dp_client_merges_both_ranks_outputs():
                     done[out.request_id] = outs.engine_index
         assert sorted(done.values()) == [0, 0, 0, 1, 1, 1]
         assert client.router.loads == [0, 0]
+        assert client.kv_event_subscriber is not None  # following both ranks' events
         assert client.reset_prefix_cache() is True
         assert [s.num_running_reqs for s in client.get_stats_per_engine()] == [0, 0]
         assert client.call_utility("echo", 1) == [1]

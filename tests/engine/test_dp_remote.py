@@ -12,14 +12,27 @@ import json
 import multiprocessing
 import os
 import signal
+import time
 
 import pytest
 import zmq
 
 from tests.engine.fake_core import FakeConfig, FakeEngineCoreProc, FakeRequest
 from tests.ports import free_ports
+from xlm.config import KVEventsConfig
+from xlm.core.kv_events import AllBlocksCleared, BlockStored
+from xlm.engine import kv_events_subscriber
 from xlm.engine.dp_client import DPAsyncMPClient, DPSyncMPClient
-from xlm.engine.dp_remote import RankRegistry, RemoteEngine, bind_host, run_headless
+from xlm.engine.dp_remote import (
+    RankRegistry,
+    RemoteEngine,
+    bind_host,
+    events_endpoint,
+    headless_kv_events,
+    rank_config,
+    run_headless,
+)
+from xlm.engine.kv_events_publisher import ZmqEventPublisher
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,7 +69,27 @@ async def _collect(client, ids: set[str]) -> dict[str, tuple[list[int], str, int
     return done
 
 
-def test_a_headless_rank_registers_serves_and_fails_alone():
+def _check_remote_kv_events(client) -> None:
+    """The router follows the remote rank's KV events at the tcp endpoint it registered
+    (the stand-in core publishes none: a publisher of the test's binds it)."""
+    endpoint = client.engines[1].engine.kv_events_endpoint
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    events = KVEventsConfig(True, endpoint=endpoint)
+    pub = ZmqEventPublisher(events, data_parallel_rank=1)
+    index = client.router.prefix_index
+    try:
+        deadline = time.monotonic() + 20
+        while index.num_blocks(1) == 0:
+            assert time.monotonic() < deadline, "the remote rank's events never arrived"
+            pub.publish([AllBlocksCleared(), BlockStored([b"h" * 32], None, [], 4)])
+            time.sleep(0.05)
+    finally:
+        pub.shutdown()
+
+
+def test_a_headless_rank_registers_serves_and_fails_alone(monkeypatch):
+    # The stand-in cores publish no events: no use waiting long for the subscriber to join.
+    monkeypatch.setattr(kv_events_subscriber, "JOIN_TIMEOUT_MS", 200)
     port = free_ports(1)
     headless = _headless(port)
 
@@ -73,6 +106,7 @@ def test_a_headless_rank_registers_serves_and_fails_alone():
                 f"r{i}": [i * 10 + 1, i * 10 + 2, i * 10 + 3] for i in range(4)
             }
             assert sorted(d[2] for d in done.values()) == [0, 0, 1, 1]  # both ranks served
+            _check_remote_kv_events(client)
             assert await client.call_utility_async("echo", 7) == [7]
             # Rank 1's engine process dies (its host's process goes with it): its request
             # in flight fails, rank 0 keeps serving.
@@ -102,7 +136,9 @@ def test_shutdown_stops_the_headless_ranks():
     port = free_ports(1)
     headless = _headless(port)
     try:
-        client = DPSyncMPClient(_config(port, 0), True, FakeEngineCoreProc)
+        config = _config(port, 0)
+        config.kv_events_config = KVEventsConfig(enable_kv_cache_events=False)  # no waits
+        client = DPSyncMPClient(config, True, FakeEngineCoreProc)
         try:
             for i in range(4):
                 client.add_request(FakeRequest(f"r{i}", [i], max_tokens=2))
@@ -149,3 +185,21 @@ def test_a_local_rank_that_fails_to_start_stops_the_wait_for_remote_ones(monkeyp
     monkeypatch.setenv("XLM_ENGINE_READY_TIMEOUT_S", "600")
     with pytest.raises(RuntimeError, match="boom at start"):
         DPSyncMPClient(_config(free_ports(1), 0, fail_start=True), True, FakeEngineCoreProc)
+
+
+def test_headless_ranks_publish_kv_events_where_the_api_server_can_subscribe():
+    config = _config(free_ports(1), 2, data_parallel_size=4)
+    events, host = headless_kv_events(config, range(2, 4))
+    assert host == "127.0.0.1" and events.endpoint.startswith("tcp://127.0.0.1:")
+    ranks = [rank_config(config, r, events).kv_events_config.endpoint for r in (2, 3)]
+    port = int(ranks[0].rsplit(":", 1)[1])
+    assert ranks == [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"]
+    assert events_endpoint(events, 3, host) == ranks[1]
+    # The host's own config: a wildcard host sent as the host's address, ipc as none.
+    config.kv_events_config = KVEventsConfig(True, endpoint="tcp://*:6000")
+    given, _ = headless_kv_events(config, range(2, 4))
+    assert events_endpoint(given, 3, "10.0.0.3") == "tcp://10.0.0.3:6003"
+    assert events_endpoint(KVEventsConfig(True, endpoint="ipc:///tmp/kv"), 3, host) is None
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=False)
+    assert headless_kv_events(config, range(2, 4))[0] is None
+    assert events_endpoint(None, 3, host) is None

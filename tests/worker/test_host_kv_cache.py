@@ -3,7 +3,8 @@ requests, two passes over them. The second pass loads every block it can from th
 (recomputing only the last token of each prompt), its greedy tokens and logprobs equal the
 first pass's (computed with no cache hit at all) and a tier-less engine's, the host memory
 stays within kv_offloading_size, and no copy compiles after warm-up. The same at TP=2 on
-fake CPU devices (each device's shard on the host) and with an int8 KV cache."""
+fake CPU devices (each device's shard on the host), with an int8 KV cache, and for Gemma 3's
+two KV cache groups (sliding-window and full-attention layers)."""
 
 from __future__ import annotations
 
@@ -127,6 +128,21 @@ def test_a_small_host_tier_keeps_its_cap(llama):
 def test_int8_kv_cache(llama):
     run = run_two_passes(llama, kv_offloading_size=0.01, kv_cache_dtype="int8")
     check_run(run, 0.01, all_held=True)
+
+
+def test_gemma3_sliding_and_full_attention_groups(tiny_checkpoint):
+    """Two KV cache groups (a sliding-window layer and a full-attention layer over one
+    pool): both groups' blocks go out and come back, the tokens equal a tier-less
+    engine's, and nothing is recomputed that the host holds."""
+    path = tiny_checkpoint("gemma3")
+    run = run_two_passes(path, kv_offloading_size=0.01)
+    check_run(run, 0.01, all_held=True)
+    assert run["cache_shape"][1] == TINY_ENGINE["num_gpu_blocks_override"]
+    import xlm
+
+    sp = xlm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    plain = tiny_engine(path).generate(long_prefix_prompts(), sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] == run["passes"][1]["tokens"]
 
 
 TP_SCRIPT = """

@@ -43,6 +43,28 @@ class KVEventsConfig:
         )
         _require(isinstance(self.hwm, int) and self.hwm >= 0, owner, "hwm", self.hwm, ">= 0")
 
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """Data-parallel rank `rank`'s config: each rank binds its own endpoint. Rank 0 keeps
+        the endpoint; rank r > 0 binds port + r (tcp) or the endpoint with "-dp<r>" after
+        it (ipc, inproc)."""
+        if rank == 0:
+            return self
+        if self.endpoint.startswith("tcp://"):
+            host, _, port = self.endpoint.rpartition(":")
+            _require(port.isdigit(), "KVEventsConfig", "endpoint", self.endpoint, "a tcp port")
+            endpoint = f"{host}:{int(port) + rank}"
+        else:
+            endpoint = f"{self.endpoint}-dp{rank}"
+        return dataclasses.replace(self, endpoint=endpoint)
+
+    @property
+    def connect_endpoint(self) -> str:
+        """Where a subscriber on this host connects (a wildcard tcp host becomes 127.0.0.1)."""
+        for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+            if self.endpoint.startswith(wildcard):
+                return "tcp://127.0.0.1:" + self.endpoint[len(wildcard) :]
+        return self.endpoint
+
     @property
     def publishes(self) -> bool:
         """Whether events are recorded and sent at all."""

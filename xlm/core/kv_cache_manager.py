@@ -11,6 +11,7 @@ scheduler passes them through to the runner without looking inside.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from xlm.core.block_pool import BlockPool, KVCacheBlock
 from xlm.core.host_kv_tier import HostKVTier
@@ -22,6 +23,16 @@ from xlm.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, num_
 
 # A request's block ids: one list, or one sequence per KV cache group.
 BlockIds = list[int] | tuple[Sequence[int], ...]
+
+
+@dataclass(slots=True)
+class HostHit:
+    """A host KV tier hit of num_blocks blocks after a device hit: per group, the host slots
+    it loads (in block order) and the first block it needs (past 0 for a window only)."""
+
+    num_blocks: int
+    slots: list[list[int]]
+    first_needed: list[int]
 
 
 class KVCacheManager:
@@ -146,32 +157,86 @@ class KVCacheManager:
             return [], 0
         return tuple(found), k * bs
 
-    def find_host_blocks(self, request: Request, num_hit_tokens: int) -> list[int]:
-        """Host KV tier slots of the blocks right after a device hit of num_hit_tokens
-        (xlm.core.host_kv_tier); [] without a tier. Never the last token's block; one KV
-        cache group only (the worker sizes no tier for several)."""
+    def find_host_blocks(self, request: Request, num_hit_tokens: int) -> HostHit | None:
+        """The host KV tier's hit right after a device hit of num_hit_tokens
+        (xlm.core.host_kv_tier): the longest run of blocks every group can load; None
+        without a tier or a host hit. Never the last token's block.
+
+        One group loads every block of the run (as its device hits keep every block). Of
+        several groups, a windowed one loads only the blocks in its window at the run's end
+        (those before stand as null blocks, as in its device hits; see extend_hit).
+        """
         tier = self.block_pool.host_tier
         if tier is None or not self.enable_caching or request.skip_prefix_cache:
-            return []
-        if len(self.groups) != 1:
-            return []
+            return None
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         start = num_hit_tokens // bs
         if start >= max_blocks:
-            return []
-        return tier.find(update_block_hashes(request, bs, max_blocks), start, max_blocks)
+            return None
+        hashes = update_block_hashes(request, bs, max_blocks)
+        keys = [g.cache_keys(hashes) for g in self.groups]
+        stop, agreed, g = max_blocks, 0, 0
+        found: list[list[int]] = [[] for _ in self.groups]
+        # Each group shortens the run to what it holds from its first needed block (a
+        # missing block i rules out every run past i; a window needs earlier blocks of a
+        # shorter run, so the group that shortened looks again); done when all agree in a row.
+        while agreed < len(self.groups) and stop > start:
+            lo = max(start, self._first_needed_block(g, stop))
+            slots = tier.find(keys[g], lo, stop)
+            if lo + len(slots) < stop:
+                stop, agreed = lo + len(slots), 0
+                continue
+            else:
+                agreed += 1
+            found[g] = slots
+            g = (g + 1) % len(self.groups)
+        if stop <= start:
+            return None
+        firsts = [self._first_needed_block(g, stop) for g in range(len(found))]
+        slots = [s[: stop - max(start, f)] for s, f in zip(found, firsts)]
+        return HostHit(stop - start, slots, firsts)
+
+    def _first_needed_block(self, g: int, stop: int) -> int:
+        """The first block group g needs of a hit of `stop` blocks (0 but for a window of
+        several groups)."""
+        group = self.groups[g]
+        if len(self.groups) == 1 or group.sliding_window is None:
+            return 0
+        return group.first_block_in_window(stop * self.block_size)
+
+    def extend_hit(
+        self, hit_blocks: list[KVCacheBlock] | tuple[list[KVCacheBlock], ...], host: HostHit
+    ) -> list[KVCacheBlock] | tuple[list[KVCacheBlock], ...]:
+        """A device hit extended to the end of the host hit: a windowed group's blocks out
+        of its window there become null blocks (never read, never entered in the prefix
+        cache), the device's and the host's alike; the loaded blocks are allocated after."""
+        if not any(host.first_needed):
+            return hit_blocks
+        hits = hit_blocks or ([],) * len(self.groups)
+        null = self.block_pool.null_block
+        out = []
+        for hit, first in zip(hits, host.first_needed, strict=True):
+            kept = [null] * min(first, len(hit)) + list(hit[first:])
+            out.append(kept + [null] * max(0, first - len(hit)))
+        return tuple(out)
 
     def load_host_blocks(
-        self, request: Request, num_hit_tokens: int, slots: list[int], new_block_ids: BlockIds
+        self, request: Request, num_hit_tokens: int, host: HostHit, new_block_ids: BlockIds
     ) -> None:
-        """Have this step copy the host hits into the first new blocks allocated for them
-        (allocate_slots counted them as new tokens; they are computed by the copy)."""
+        """Have this step copy the host hit into the first new blocks allocated for it in
+        each group (allocate_slots counted them as new tokens; they are computed by the copy)."""
         tier = self.block_pool.host_tier
         start = num_hit_tokens // self.block_size
-        keys = request.block_hashes[start : start + len(slots)]
-        tier.load(keys, slots, list(new_block_ids[: len(slots)]))
-        tier.num_hit_tokens += len(slots) * self.block_size
+        per_group = (new_block_ids,) if len(self.groups) == 1 else new_block_ids
+        groups = zip(self.groups, host.slots, host.first_needed, per_group, strict=True)
+        for g, slots, first_needed, ids in groups:
+            keys = g.cache_keys(request.block_hashes)
+            first = max(start, first_needed)
+            tier.load(
+                [keys[i] for i in range(first, first + len(slots))], slots, list(ids[: len(slots)])
+            )
+        tier.num_hit_tokens += host.num_blocks * self.block_size
 
     def allocate_slots(
         self,

@@ -260,8 +260,8 @@ class Scheduler:
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             # Blocks past the device hit found in the host tier: copied in, not computed.
-            host_slots = kv.find_host_blocks(request, num_hit)
-            num_loaded = len(host_slots) * self.block_size
+            host_hit = kv.find_host_blocks(request, num_hit)
+            num_loaded = 0 if host_hit is None else host_hit.num_blocks * self.block_size
             num_new = request.num_tokens - num_hit - num_loaded
             # A pooling request is pooled from one step's hidden states: never chunked.
             whole = not chunked or request.pooling_params is not None
@@ -276,11 +276,13 @@ class Scheduler:
                 num_new = step.fit_images(request, start, num_new, self.image_rule)
                 if num_new == 0:
                     break  # head of line waits for the encoder cache
+            if host_hit is not None:
+                hit_blocks = kv.extend_hit(hit_blocks, host_hit)
             new_block_ids = allocate_slots(request, num_loaded + num_new, num_hit, hit_blocks)
             if new_block_ids is None:
                 break  # head of line waits for blocks
-            if host_slots:
-                kv.load_host_blocks(request, num_hit, host_slots, new_block_ids)
+            if host_hit is not None:
+                kv.load_host_blocks(request, num_hit, host_hit, new_block_ids)
             waiting.pop_request()
             self._admit(step, request, num_hit + num_loaded)
             if lora is not None:

@@ -58,13 +58,14 @@ class SingleTypeKVCacheManager:
         # Sliding window: how many leading blocks of each request were freed (now null).
         self.num_dropped_block: dict[str, int] = {}
 
-    def _keys(self, hashes: list[BlockHash]) -> list[BlockHash] | GroupKeys:
+    def cache_keys(self, hashes: list[BlockHash]) -> list[BlockHash] | GroupKeys:
+        """This group's prefix-cache (and host tier) keys of a request's block hashes."""
         return hashes if self.group_id is None else GroupKeys(self.group_id, hashes)
 
     def find_cached_prefix(self, hashes: list[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
         """The longest run of cached blocks from the first, at most max_blocks."""
         get = self.block_pool.cached_block_hash_to_block.get
-        keys = self._keys(hashes)
+        keys = self.cache_keys(hashes)
         blocks = []
         for i in range(max_blocks):
             block = get(keys[i])
@@ -82,10 +83,10 @@ class SingleTypeKVCacheManager:
         if self.sliding_window is None:
             return self.find_cached_prefix(hashes, max_blocks)
         get = self.block_pool.cached_block_hash_to_block.get
-        keys = self._keys(hashes)
+        keys = self.cache_keys(hashes)
         k = max_blocks
         while k > 0:
-            first = self._first_block_in_window(k * self.block_size)
+            first = self.first_block_in_window(k * self.block_size)
             tail = []
             for i in range(k - 1, first - 1, -1):
                 block = get(keys[i])
@@ -104,7 +105,7 @@ class SingleTypeKVCacheManager:
         return (
             num_total <= len(self.req_to_blocks[request_id]) * bs
             and (not self.enable_caching or num_total // bs <= self.num_cached_block[request_id])
-            and self._first_block_in_window(num_computed) <= self.num_dropped_block[request_id]
+            and self.first_block_in_window(num_computed) <= self.num_dropped_block[request_id]
         )
 
     def num_new_blocks(self, request_id: str, num_total: int, num_hit: int) -> int:
@@ -154,12 +155,12 @@ class SingleTypeKVCacheManager:
             if num_full > num_cached:
                 hashes = update_block_hashes(request, bs, num_full)
                 pool.cache_full_blocks(
-                    req_blocks, self._keys(hashes), num_cached, num_full, request, bs
+                    req_blocks, self.cache_keys(hashes), num_cached, num_full, request, bs
                 )
                 self.num_cached_block[request_id] = num_full
         return new_ids
 
-    def _first_block_in_window(self, num_computed: int) -> int:
+    def first_block_in_window(self, num_computed: int) -> int:
         """Index of the first block the next query (at position num_computed) can see."""
         if self.sliding_window is None:
             return 0
@@ -172,7 +173,7 @@ class SingleTypeKVCacheManager:
         outside the window by position, so whatever a reused block holds is never read.
         """
         req_blocks = self.req_to_blocks[request_id]
-        first = min(self._first_block_in_window(num_computed), len(req_blocks))
+        first = min(self.first_block_in_window(num_computed), len(req_blocks))
         dropped = self.num_dropped_block[request_id]
         if first <= dropped:
             return

@@ -55,7 +55,9 @@ class EngineCore:
             max_loras=None if config.lora_config is None else config.lora_config.max_loras,
             kv_events=config.kv_events_config is not None and config.kv_events_config.publishes,
         )
-        self.kv_event_publisher = make_kv_event_publisher(config.kv_events_config)
+        self.kv_event_publisher = make_kv_event_publisher(
+            config.kv_events_config, config.parallel_config.data_parallel_rank
+        )
         # Long-lived objects (the block pool: ~65k blocks at 1024 requests) leave the GC's
         # view, so full collections stop rescanning them mid-serving (p99 4x lower).
         gc.collect()

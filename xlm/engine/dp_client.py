@@ -7,125 +7,67 @@ pins it to its share of the cores. The clients here hold one multiprocess client
 and look like one engine to `LLMEngine` (`DPSyncMPClient`) and `AsyncLLM`
 (`DPAsyncMPClient`).
 
-`DataParallelRouter` picks each request's rank: the rank that served the same first full
-prompt block (where its KV is in the prefix cache), unless that rank has more than
-`slack` requests more in flight than the least loaded; otherwise the least loaded rank
-(requests in flight = waiting + running, as the client counts them). A rank that dies
-fails only its own requests (finish reason "error"); the others keep serving.
+`DataParallelRouter` (xlm.engine.dp_router) picks each request's rank by prefix affinity
+and load. KV events are on by default: the client gives its ranks an events config of its
+own when the user gave none (`router_kv_events_config`), each rank publishes on its own
+endpoint (`KVEventsConfig.for_rank`; a rank on another host on its host's tcp endpoint,
+sent when it registers: xlm.engine.dp_remote), and the client follows all of them into the
+router's `PrefixCacheIndex` (xlm.engine.kv_events_subscriber). A rank that dies fails only its own
+requests (finish reason "error"); the others keep serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
 import queue
+import secrets
+import tempfile
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 from xlm import envs
-from xlm.config import XlmConfig
+from xlm.config import KVEventsConfig, XlmConfig
 from xlm.core.outputs import EngineCoreOutput, SchedulerStats
 from xlm.engine.core_proc import EngineCoreProc
 from xlm.engine.dp_remote import RankRegistry, RemoteEngine, rank_config
+from xlm.engine.dp_router import DataParallelRouter, affinity_slack
 from xlm.engine.exceptions import EngineDeadError
+from xlm.engine.kv_events_subscriber import KVEventSubscriber, PrefixCacheIndex
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Prefix -> rank entries the router remembers (least recently used dropped first).
-MAX_PREFIXES = 65536
 
-
-def affinity_slack(max_num_seqs: int) -> int:
-    """How many more requests in flight the prefix's rank may have than the least loaded
-    rank and still get the request: a quarter of a full batch, at least 2."""
-    return max(2, max_num_seqs // 4)
-
-
-class DataParallelRouter:
-    """Chooses a rank per request by prefix affinity and load; tracks requests in flight."""
-
-    def __init__(self, num_engines: int, block_size: int, slack: int) -> None:
-        self.block_size = block_size
-        self.slack = slack
-        self.loads = [0] * num_engines
-        self.alive = [True] * num_engines
-        self.request_rank: dict[str, int] = {}
-        self.prefix_rank: OrderedDict[int, int] = OrderedDict()
-        self._next = 0  # where the least-loaded search starts: ties rotate over ranks
-
-    def prefix_key(self, request: EngineCoreRequest) -> int | None:
-        """The hash of the prompt's first full block (with what else keys the prefix
-        cache: cache salt, LoRA adapter); None for a prompt shorter than a block."""
-        tokens = request.prompt_token_ids
-        if len(tokens) < self.block_size:
-            return None
-        lora = request.lora_request.lora_name if request.lora_request is not None else None
-        return hash((lora, request.cache_salt, tuple(tokens[: self.block_size])))
-
-    def choose(self, request: EngineCoreRequest) -> int:
-        """The rank for a new request (counted in flight there until `finish`)."""
-        live = [r for r, ok in enumerate(self.alive) if ok]
-        if not live:
-            raise EngineDeadError("every data-parallel engine is dead")
-        least = self._least_loaded(live)
-        key = self.prefix_key(request)
-        rank = self.prefix_rank.get(key) if key is not None else None
-        if (
-            rank is None
-            or not self.alive[rank]
-            or self.loads[rank] - self.loads[least] > self.slack
-        ):
-            rank = least
-        if key is not None:
-            self.prefix_rank[key] = rank
-            self.prefix_rank.move_to_end(key)
-            if len(self.prefix_rank) > MAX_PREFIXES:
-                self.prefix_rank.popitem(last=False)
-        self.loads[rank] += 1
-        self.request_rank[request.request_id] = rank
-        return rank
-
-    def _least_loaded(self, live: list[int]) -> int:
-        n = len(self.loads)
-        order = sorted(live, key=lambda r: (self.loads[r], (r - self._next) % n))
-        self._next = (order[0] + 1) % n
-        return order[0]
-
-    def rank_of(self, request_id: str) -> int | None:
-        """The rank a request in flight runs on."""
-        return self.request_rank.get(request_id)
-
-    def finish(self, request_id: str) -> None:
-        """A request finished or was aborted: no longer in flight."""
-        rank = self.request_rank.pop(request_id, None)
-        if rank is not None:
-            self.loads[rank] -= 1
-
-    def mark_dead(self, rank: int) -> list[str]:
-        """Route nothing more to `rank`; returns the requests that were in flight there."""
-        self.alive[rank] = False
-        lost = [r for r, k in self.request_rank.items() if k == rank]
-        for request_id in lost:
-            del self.request_rank[request_id]
-        self.loads[rank] = 0
-        for key in [k for k, r in self.prefix_rank.items() if r == rank]:
-            del self.prefix_rank[key]
-        return lost
+def router_kv_events_config(xlm_config: XlmConfig) -> KVEventsConfig | None:
+    """The KV events the router subscribes to: the user's config when it publishes, one of
+    the router's own (an ipc endpoint in the temp dir) when the user gave none, None (no
+    events: first-block affinity) when the user's config turns them off."""
+    config = xlm_config.kv_events_config
+    if config is not None:
+        return config if config.publishes else None
+    name = f"xlm-kv-events-{os.getpid()}-{secrets.token_hex(4)}"
+    return KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
+    )
 
 
 def _start_engines(
     client_class: type,
     xlm_config: XlmConfig,
+    kv_events: KVEventsConfig | None = None,
     rank_kwargs: Callable[[int], dict[str, Any]] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Start one client (and engine process) per rank, all at once; all or none.
+    `kv_events`: the events config of all ranks (each local rank publishes on its own
+    endpoint; a remote rank on its host's, which it sends when it registers);
     `rank_kwargs(rank)`: more client arguments of one rank."""
     from xlm.platforms import current_platform
 
@@ -157,7 +99,7 @@ def _start_engines(
                 "rank_cpus": current_platform.data_parallel_cpus(index, local),
             }
         return client_class(
-            rank_config(xlm_config, rank),
+            rank_config(xlm_config, rank, kv_events),
             engine_index=rank,
             **place,
             **kwargs,
@@ -226,11 +168,39 @@ class _DPClientBase:
 
     def _init_router(self, xlm_config: XlmConfig) -> None:
         self.xlm_config = xlm_config
+        dp = xlm_config.parallel_config.data_parallel_size
+        self.kv_events_config = router_kv_events_config(xlm_config)
         self.router = DataParallelRouter(
-            xlm_config.parallel_config.data_parallel_size,
+            dp,
             xlm_config.cache_config.block_size,
             affinity_slack(xlm_config.scheduler_config.max_num_seqs),
+            None if self.kv_events_config is None else PrefixCacheIndex(dp),
         )
+        self.kv_event_subscriber: KVEventSubscriber | None = None
+
+    def _subscribe_kv_events(self) -> None:
+        """Once every rank is up: follow each rank's KV events into the router's index."""
+        events, index = self.kv_events_config, self.router.prefix_index
+        if events is None or index is None:
+            return
+        endpoints = [
+            engine.engine.kv_events_endpoint  # its host's, sent when it registered
+            if isinstance(engine.engine, RemoteEngine)
+            else events.for_rank(rank).connect_endpoint
+            for rank, engine in enumerate(self.engines)
+        ]
+        self.kv_event_subscriber = KVEventSubscriber(endpoints, events.topic, index)
+
+    def _stop_kv_events(self) -> None:
+        if self.kv_event_subscriber is not None:
+            self.kv_event_subscriber.shutdown()
+            self.kv_event_subscriber = None
+        events = self.kv_events_config
+        if events is not None and self.xlm_config.kv_events_config is None:
+            # The router's own ipc endpoints: their socket files go with the ranks.
+            for rank in range(self.xlm_config.parallel_config.data_parallel_size):
+                with contextlib.suppress(OSError):
+                    os.unlink(events.for_rank(rank).endpoint[len("ipc://") :])
 
     @property
     def dead_engines(self) -> list[int]:
@@ -331,12 +301,14 @@ class DPSyncMPClient(_DPClientBase):
         self.engines: list[SyncMPClient] = _start_engines(
             SyncMPClient,
             xlm_config,
+            self.kv_events_config,
             log_stats=log_stats,
             engine_core_proc_class=engine_core_proc_class,
             rank_kwargs=lambda rank: {"outputs_queue": _RankQueue(self.outputs_queue, rank)},
         )
         self.ready_info = merge_ready_info([e.ready_info for e in self.engines])
         self._reported_dead: set[int] = set()
+        self._subscribe_kv_events()
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         self.outputs_queue.put((-1, item))
@@ -406,6 +378,7 @@ class DPSyncMPClient(_DPClientBase):
 
     def shutdown(self) -> None:
         """Stop every rank's engine process."""
+        self._stop_kv_events()
         for engine in self.engines:
             engine.shutdown()
 
@@ -424,10 +397,12 @@ class DPAsyncMPClient(_DPClientBase):
         self.engines: list[AsyncMPClient] = _start_engines(
             AsyncMPClient,
             xlm_config,
+            self.kv_events_config,
             log_stats=log_stats,
             engine_core_proc_class=engine_core_proc_class,
         )
         self.ready_info = merge_ready_info([e.ready_info for e in self.engines])
+        self._subscribe_kv_events()
         self._outputs: asyncio.Queue[Any] | None = None
         self._pumps: list[asyncio.Task] = []
         self._queue_times: list[float] = []
@@ -507,6 +482,7 @@ class DPAsyncMPClient(_DPClientBase):
         for task in self._pumps:
             if not task.done():
                 task.cancel()
+        self._stop_kv_events()
         for engine in self.engines:
             engine.shutdown()
 

@@ -11,7 +11,9 @@ sends READY. From then on the rank is one more engine of `DPAsyncMPClient` /
 `DPSyncMPClient`, speaking the same messages; the front end holds it as a `RemoteEngine`
 (the stand-in for a local rank's `_EngineProcess`), which notices the rank's end when
 its output connection drops (a killed process closes it; ZeroMQ heartbeats catch a host
-that vanished).
+that vanished). A headless rank publishes its KV events on tcp at its host's address
+(`headless_kv_events`) and registers that endpoint, which the API server's router
+subscribes to as it does to a local rank's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket as socket_
 import threading
 import time
 from multiprocessing.connection import wait as wait_for_sentinels
@@ -32,7 +35,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from xlm import envs
-from xlm.config import XlmConfig
+from xlm.config import KVEventsConfig, XlmConfig
 from xlm.engine.core_proc import EngineCoreProc
 from xlm.engine.messages import RequestType
 from xlm.engine.mp_client import push_engine_dead, wait_for_ready
@@ -89,6 +92,8 @@ class RemoteEngine:
         # Set when another rank failed to start: stop waiting for this one.
         self.cancelled = threading.Event()
         self.peer: str | None = None
+        # Where the rank publishes its KV events (tcp on its host), from its registration.
+        self.kv_events_endpoint: str | None = None
         self.closing = False
         self.dead_message: str | None = None
         self._connected = False
@@ -234,9 +239,15 @@ class RankRegistry:
                 self.socket.send_multipart([identity, json.dumps({"error": error}).encode()])
                 continue
             engine.peer = host
+            engine.kv_events_endpoint = hello.get("kv_events_endpoint")
             engine.registered.set()
             self.socket.send_multipart([identity, json.dumps(engine.remote_addresses).encode()])
-            logger.info("Data-parallel rank %d registered from %s", rank, host)
+            logger.info(
+                "Data-parallel rank %d registered from %s (KV events at %s)",
+                rank,
+                host,
+                engine.kv_events_endpoint,
+            )
 
     def close(self) -> None:
         """Stop serving and close the socket."""
@@ -245,23 +256,97 @@ class RankRegistry:
         self.ctx.destroy(linger=1000)
 
 
-def rank_config(xlm_config: XlmConfig, rank: int) -> XlmConfig:
-    """The config of one rank's engine: the same, with its data_parallel_rank."""
+def rank_config(
+    xlm_config: XlmConfig, rank: int, kv_events: KVEventsConfig | None = None
+) -> XlmConfig:
+    """The config of one rank's engine: the same, with its data_parallel_rank and its own
+    KV events endpoint (`kv_events`: the events config of all ranks; None: unchanged)."""
     config = copy.copy(xlm_config)
     config.parallel_config = dataclasses.replace(
         xlm_config.parallel_config, data_parallel_rank=rank
     )
+    if kv_events is not None:
+        config.kv_events_config = kv_events.for_rank(rank)
     return config
 
 
-def register_rank(config: XlmConfig, rank: int, timeout: float) -> dict[str, str]:
-    """Register `rank` with the front end; its input and output addresses."""
+def own_address(peer: str, port: int) -> str:
+    """This host's address on the route to `peer` (what the peer can connect back to)."""
+    with socket_.socket(socket_.AF_INET, socket_.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((peer, port))  # no packet sent: it only picks the route
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _free_port_base(host: str, ranks: range) -> int:
+    """A port base such that base + r is free on `host` for every rank r in `ranks`."""
+    for _ in range(20):
+        with socket_.socket() as first:
+            first.bind((host, 0))
+            base = first.getsockname()[1] - ranks.start
+        try:
+            for rank in ranks[1:]:
+                with socket_.socket() as other:
+                    other.bind((host, base + rank))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {len(ranks)} consecutive free ports for KV events on {host}")
+
+
+def headless_kv_events(config: XlmConfig, ranks: range) -> tuple[KVEventsConfig | None, str]:
+    """A headless host's KV events config (`rank_config` gives each rank its endpoint) and
+    the host its subscribers connect to. The user's config when it publishes (None when
+    it turns events off); by default tcp on this host's address toward the API server, on
+    free ports, so that the API server's router can follow these ranks' caches."""
+    parallel = config.parallel_config
+    host = own_address(
+        parallel.data_parallel_address or "127.0.0.1", parallel.data_parallel_rpc_port or 1
+    )
+    events = config.kv_events_config
+    if events is not None:
+        return (events if events.publishes else None), host
+    base = _free_port_base(host, ranks)
+    return KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://{host}:{base}"), host
+
+
+def events_endpoint(events: KVEventsConfig | None, rank: int, host: str) -> str | None:
+    """Where the API server subscribes to `rank`'s events (None: nowhere it can reach)."""
+    if events is None:
+        return None
+    endpoint = events.for_rank(rank).endpoint
+    if not endpoint.startswith("tcp://"):
+        logger.warning(
+            "KV events of rank %d at %s are not reachable from the API server (only tcp is); "
+            "its router goes by its own record for this rank",
+            rank,
+            endpoint,
+        )
+        return None
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{host}:" + endpoint[len(wildcard) :]
+    return endpoint
+
+
+def register_rank(
+    config: XlmConfig, rank: int, timeout: float, kv_events_endpoint: str | None = None
+) -> dict[str, str]:
+    """Register `rank` with the front end (with where it publishes KV events); its input
+    and output addresses."""
     parallel = config.parallel_config
     ctx = zmq.Context()
     try:
         socket = ctx.socket(zmq.DEALER)
         socket.connect(f"tcp://{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}")
-        hello = {"rank": rank, "host": os.uname().nodename, "pid": os.getpid()}
+        hello = {
+            "rank": rank,
+            "host": os.uname().nodename,
+            "pid": os.getpid(),
+            "kv_events_endpoint": kv_events_endpoint,
+        }
         socket.send(json.dumps(hello).encode())
         if not socket.poll(int(timeout * 1000)):
             raise RuntimeError(
@@ -289,16 +374,18 @@ def run_headless(
     start, local = parallel.data_parallel_start_rank, parallel.data_parallel_local_size
     timeout = envs.XLM_ENGINE_READY_TIMEOUT_S or 600.0
     spawn = multiprocessing.get_context("spawn")
+    kv_events, host = headless_kv_events(config, range(start, start + local))
     procs = []
     try:
         for index in range(local):
             rank = start + index
-            addresses = register_rank(config, rank, timeout)
+            endpoint = events_endpoint(kv_events, rank, host)
+            addresses = register_rank(config, rank, timeout, endpoint)
             proc = spawn.Process(
                 target=engine_core_proc_class.run_engine_core,
                 name=f"XlmEngineCore-{rank}",
                 args=(
-                    rank_config(config, rank),
+                    rank_config(config, rank, kv_events),
                     addresses["input_address"],
                     addresses["output_address"],
                     log_stats,

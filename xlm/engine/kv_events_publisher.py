@@ -49,8 +49,10 @@ class ZmqEventPublisher:
         self._context.term()
 
 
-def make_kv_event_publisher(config: KVEventsConfig | None) -> ZmqEventPublisher | None:
+def make_kv_event_publisher(
+    config: KVEventsConfig | None, data_parallel_rank: int = 0
+) -> ZmqEventPublisher | None:
     """The publisher a config asks for, or None (events off)."""
     if config is None or not config.publishes:
         return None
-    return ZmqEventPublisher(config)
+    return ZmqEventPublisher(config, data_parallel_rank)

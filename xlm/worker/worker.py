@@ -283,10 +283,9 @@ class Worker:
         cache = self.config.cache_config
         if cache.kv_offloading_size <= 0 or self.target is not None:
             return 0, 0
-        if not cache.enable_prefix_caching or cache.kv_cache_groups:
+        if not cache.enable_prefix_caching:
             logger.warning(
-                "kv_offloading_size=%s ignored: the host KV tier needs prefix caching and "
-                "one KV cache group (this model's layers use several attention windows).",
+                "kv_offloading_size=%s ignored: the host KV tier needs prefix caching.",
                 cache.kv_offloading_size,
             )
             return 0, 0
