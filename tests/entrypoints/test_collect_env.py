@@ -44,7 +44,9 @@ def test_a_failing_platform_is_reported_not_raised(monkeypatch):
         def devices(self):
             raise RuntimeError("no backend")
 
-    monkeypatch.setattr(platforms, "current_platform", Broken())
+    # The resolved-platform cache, not the module attribute: setting that would leave a real
+    # attribute behind on undo, and later lookups would no longer resolve lazily.
+    monkeypatch.setattr(platforms, "_current_platform", Broken())
     info = collect_env()
     assert info["platform_error"] == "RuntimeError: no backend"
     assert "devices" not in info and info["packages"]["jax"]

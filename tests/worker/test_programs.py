@@ -37,5 +37,6 @@ def test_real_rows_equal_the_full_head(total, real):
     want = np.asarray(h @ w)
     assert got.shape == want.shape
     rows = _tier(total, real)
-    np.testing.assert_allclose(got[:rows], want[:rows], rtol=1e-6)
+    # Float32 rounding only: a dot over fewer rows may sum in another order.
+    np.testing.assert_allclose(got[:rows], want[:rows], rtol=1e-5, atol=1e-5)
     assert np.all(got[rows:] == 0)  # not computed

@@ -70,7 +70,7 @@ def test_kv_cache_is_sized_after_the_encoder_cache(
     block_size = llava.config.cache_config.block_size
     per_block = kv_cache_bytes_per_block(llava.model, block_size, jnp.dtype(llava.kv_dtype))
     assert per_block == kv_cache_bytes_per_block(text.model, block_size, jnp.dtype(text.kv_dtype))
-    pool = llava.model_runner.mm_pool  # the pool the runner allocated
+    pool = llava.model_runner.encoder.pool  # the pool the runner allocated
     pool_bytes = pool.size * pool.dtype.itemsize
     assert llava.encoder_cache_bytes() == pool_bytes and text.encoder_cache_bytes() == 0
     drop = text.num_blocks - llava.num_blocks
