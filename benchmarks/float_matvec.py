@@ -1,6 +1,6 @@
 """One activation row (the decode matvec): XLA's dot against the few-rows float kernel
 (xlm.ops.cpu_kernels.float_matmul) on SmolLM2-135M's projection shapes, float32 and
-bfloat16 weights, alternating call by call in one process.
+bfloat16 weights, alternating program by program in one process.
 
     python benchmarks/float_matvec.py [--repeats 20] [--cold-mib 256]
         [--out benchmarks/float_matvec.json]
