@@ -290,3 +290,21 @@ def gemma3_transformers_greedy(
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, n:].tolist(), inputs["input_ids"][0].tolist()
+
+
+def generate_with_images(llm, prompt: str, images: list, params):
+    """One request of `prompt` with `images` (vLLM's multi_modal_data); its output."""
+    request = {"prompt": prompt, "multi_modal_data": {"image": images}}
+    return llm.generate(request, params, use_tqdm=False)[0]
+
+
+def generate_sharing_one_image(llm, prompts: list[str], image, params) -> list:
+    """Requests that all read one image: it is encoded once (one miss, the other reads
+    hits); their outputs."""
+    before = llm.llm_engine.encoder_cache_stats()
+    requests = [{"prompt": p, "multi_modal_data": {"image": image}} for p in prompts]
+    outs = llm.generate(requests, params, use_tqdm=False)
+    after = llm.llm_engine.encoder_cache_stats()
+    assert after["misses"] - before["misses"] == 1
+    assert after["hits"] - before["hits"] >= 1
+    return outs

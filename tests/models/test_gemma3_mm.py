@@ -12,6 +12,8 @@ from tests.conftest import fake_devices_env
 from tests.multimodal_fixtures import (
     GEMMA3_TOKENS_PER_IMAGE,
     gemma3_transformers_greedy,
+    generate_sharing_one_image,
+    generate_with_images,
     make_blocky_image,
 )
 
@@ -24,9 +26,7 @@ def _prompt(*middle: str) -> str:
 
 
 def _run(llm, prompt: str, images: list) -> xlm.RequestOutput:
-    return llm.generate(
-        {"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False
-    )[0]
+    return generate_with_images(llm, prompt, images, GREEDY)
 
 
 def _check(llm, path: str, prompt: str, images: list, out: xlm.RequestOutput) -> None:
@@ -66,15 +66,7 @@ def test_two_images_equal_transformers(tiny_gemma3_llm, tiny_gemma3):
 def test_shared_image_is_encoded_once(tiny_gemma3_llm, tiny_gemma3):
     image = make_blocky_image(4)
     prompts = [_prompt("<start_of_image>", "w10 w11"), _prompt("w20 <start_of_image>", "w21 w22")]
-    before = tiny_gemma3_llm.llm_engine.encoder_cache_stats()
-    outs = tiny_gemma3_llm.generate(
-        [{"prompt": p, "multi_modal_data": {"image": image}} for p in prompts],
-        GREEDY,
-        use_tqdm=False,
-    )
-    after = tiny_gemma3_llm.llm_engine.encoder_cache_stats()
-    assert after["misses"] - before["misses"] == 1
-    assert after["hits"] - before["hits"] >= 1
+    outs = generate_sharing_one_image(tiny_gemma3_llm, prompts, image, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):
         _check(tiny_gemma3_llm, tiny_gemma3, prompt, [image], out)
 

@@ -10,6 +10,8 @@ import xlm
 from tests.conftest import fake_devices_env
 from tests.multimodal_fixtures import (
     TOKENS_PER_IMAGE,
+    generate_sharing_one_image,
+    generate_with_images,
     make_image,
     transformers_greedy,
 )
@@ -24,9 +26,7 @@ def _prompt(*middle: str) -> str:
 
 
 def _run(llm, prompt: str, images: list) -> xlm.RequestOutput:
-    return llm.generate(
-        {"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False
-    )[0]
+    return generate_with_images(llm, prompt, images, GREEDY)
 
 
 def _reference(llm, path: str, prompt: str, images: list) -> list[int]:
@@ -65,15 +65,7 @@ def test_two_images_equal_transformers(tiny_llava_llm, tiny_llava):
 def test_shared_image_is_encoded_once(tiny_llava_llm, tiny_llava):
     image = make_image(4)
     prompts = [_prompt("<image>", "w10 w11"), _prompt("w20 <image>", "w21 w22 w23")]
-    before = tiny_llava_llm.llm_engine.encoder_cache_stats()
-    outs = tiny_llava_llm.generate(
-        [{"prompt": p, "multi_modal_data": {"image": image}} for p in prompts],
-        GREEDY,
-        use_tqdm=False,
-    )
-    after = tiny_llava_llm.llm_engine.encoder_cache_stats()
-    assert after["misses"] - before["misses"] == 1
-    assert after["hits"] - before["hits"] >= 1
+    outs = generate_sharing_one_image(tiny_llava_llm, prompts, image, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):
         assert list(out.outputs[0].token_ids) == _reference(
             tiny_llava_llm, tiny_llava, prompt, [image]

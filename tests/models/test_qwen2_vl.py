@@ -11,7 +11,7 @@ import pytest
 import xlm
 from tests.conftest import fake_devices_env
 from tests.engine.reference import TINY_ENGINE
-from tests.multimodal_fixtures import make_image
+from tests.multimodal_fixtures import generate_sharing_one_image, generate_with_images, make_image
 from tests.qwen2_vl_fixtures import IMAGE_PART, MERGE_SIZE, transformers_greedy
 
 MAX_TOKENS = 6
@@ -31,9 +31,7 @@ def _prompt(*middle: str) -> str:
 
 
 def _run(llm, prompt: str, images: list) -> xlm.RequestOutput:
-    return llm.generate(
-        {"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False
-    )[0]
+    return generate_with_images(llm, prompt, images, GREEDY)
 
 
 def _tokens(image) -> int:
@@ -76,15 +74,7 @@ def test_two_images_of_different_sizes(qwen_vl_llm, tiny_qwen_vl):
 def test_shared_image_is_encoded_once(qwen_vl_llm, tiny_qwen_vl):
     image = make_image(4, *SIZES[3])
     prompts = [_prompt(IMAGE_PART, "w10 w11"), _prompt("w20", IMAGE_PART, "w21 w22 w23")]
-    before = qwen_vl_llm.llm_engine.encoder_cache_stats()
-    outs = qwen_vl_llm.generate(
-        [{"prompt": p, "multi_modal_data": {"image": image}} for p in prompts],
-        GREEDY,
-        use_tqdm=False,
-    )
-    after = qwen_vl_llm.llm_engine.encoder_cache_stats()
-    assert after["misses"] - before["misses"] == 1
-    assert after["hits"] - before["hits"] >= 1
+    outs = generate_sharing_one_image(qwen_vl_llm, prompts, image, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):
         assert list(out.outputs[0].token_ids) == _reference(
             qwen_vl_llm, tiny_qwen_vl, prompt, [image]

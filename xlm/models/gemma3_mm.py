@@ -20,17 +20,9 @@ from flax import nnx
 from xlm.models.clip import SiglipVisionTransformer
 from xlm.models.gemma2 import NORM_OFFSET, Gemma3ForCausalLM
 from xlm.models.layers import param, unloaded
+from xlm.models.llava import tower_name
 from xlm.models.weights import WeightTarget, default_weight_targets
 from xlm.ops import RMSNorm
-
-# Checkpoint name prefixes (transformers 4's layout and 5's) -> xlm's.
-_PREFIXES = (
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.language_model.", "model."),
-    ("model.vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
 
 
 def pooling_kernel(config: Any) -> int:
@@ -95,13 +87,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     ) -> list[WeightTarget]:
         """Gemma 3's checkpoint names onto the decoder's, the tower's and the projector's
         parameters (the SigLIP pooling head, absent in Gemma 3, is skipped)."""
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        name = name.replace("vision_tower.vision_model.", "vision_tower.", 1)
-        if name.startswith("vision_tower."):
-            rest = name[len("vision_tower.") :]
+        name, rest = tower_name(name)
+        if rest is not None:
             if rest.startswith("head."):
                 return [WeightTarget.skip()]
             name = "vision_tower." + rest.replace("encoder.layers.", "layers.", 1)

@@ -19,7 +19,8 @@ from xlm.models.clip import CLIPVisionTransformer, _linear
 from xlm.models.llama import LlamaForCausalLM
 from xlm.models.weights import WeightTarget, default_weight_targets
 
-# Checkpoint name prefixes (old llava-hf layout and transformers 5's) -> xlm's.
+# Checkpoint name prefixes of a vision-language model (transformers 4's layout, as
+# llava-hf's, and 5's) -> xlm's.
 _PREFIXES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
@@ -27,6 +28,19 @@ _PREFIXES = (
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
+
+
+def tower_name(name: str) -> tuple[str, str | None]:
+    """A vision-language checkpoint's tensor name in xlm's layout, and its name inside
+    the vision tower (None: not a tower tensor)."""
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    name = name.replace("vision_tower.vision_model.", "vision_tower.", 1)
+    if name.startswith("vision_tower."):
+        return name, name[len("vision_tower.") :]
+    return name, None
 
 
 def vision_layers_run(vision_config: Any, feature_layer: Any) -> int:
@@ -101,13 +115,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     ) -> list[WeightTarget]:
         """LLaVA's checkpoint names onto the decoder's and the tower's parameters; vision
         layers past the one read (and the unused post-LayerNorm) are skipped."""
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        name = name.replace("vision_tower.vision_model.", "vision_tower.", 1)
-        if name.startswith("vision_tower."):
-            rest = name[len("vision_tower.") :]
+        name, rest = tower_name(name)
+        if rest is not None:
             if rest.startswith("post_layernorm."):
                 return [WeightTarget.skip()]
             if rest.startswith("encoder.layers."):

@@ -148,17 +148,12 @@ class MultiModalProcessor:
         return out, features
 
 
-class LlavaProcessor(MultiModalProcessor):
-    """LLaVA-1.5: CLIP preprocessing; (image_size / patch_size)^2 tokens an image (plus
-    the class token with vision_feature_select_strategy 'full')."""
+class FixedSizeProcessor(MultiModalProcessor):
+    """Images resized to the vision tower's one size (`image_size`), each the same number
+    of tokens (`tokens`): LLaVA, Gemma 3."""
 
-    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
-        super().__init__(hf_config, model_dir, policy)
-        self.preprocess = CLIPImagePreprocessor(read_preprocessor_config(model_dir))
-        vision = hf_config.vision_config
-        self.image_size, self.patch_size = vision.image_size, vision.patch_size
-        full = getattr(hf_config, "vision_feature_select_strategy", "default") == "full"
-        self.tokens = (self.image_size // self.patch_size) ** 2 + int(full)
+    image_size: int
+    tokens: int
 
     def pixels(self, image: Any) -> np.ndarray:
         pixels = self.preprocess(image)
@@ -171,6 +166,19 @@ class LlavaProcessor(MultiModalProcessor):
 
     def num_image_tokens(self, pixels: np.ndarray) -> int:
         return self.tokens
+
+
+class LlavaProcessor(FixedSizeProcessor):
+    """LLaVA-1.5: CLIP preprocessing; (image_size / patch_size)^2 tokens an image (plus
+    the class token with vision_feature_select_strategy 'full')."""
+
+    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
+        super().__init__(hf_config, model_dir, policy)
+        self.preprocess = CLIPImagePreprocessor(read_preprocessor_config(model_dir))
+        vision = hf_config.vision_config
+        self.image_size, self.patch_size = vision.image_size, vision.patch_size
+        full = getattr(hf_config, "vision_feature_select_strategy", "default") == "full"
+        self.tokens = (self.image_size // self.patch_size) ** 2 + int(full)
 
 
 def newline_token_ids(model_dir: str) -> dict[int, int]:
@@ -188,7 +196,7 @@ def newline_token_ids(model_dir: str) -> dict[int, int]:
     return {len(piece): int(i) for piece, i in pieces.items() if piece and set(piece) == {"\n"}}
 
 
-class Gemma3Processor(MultiModalProcessor):
+class Gemma3Processor(FixedSizeProcessor):
     """Gemma 3: the image resized to the tower's size (no crop, no pan-and-scan), and
     each `<start_of_image>` placeholder expanded as transformers' Gemma3Processor does:
     "\n\n", `<start_of_image>`, mm_tokens_per_image image tokens, `<end_of_image>`,
@@ -215,18 +223,6 @@ class Gemma3Processor(MultiModalProcessor):
         self.tokens = int(hf_config.mm_tokens_per_image)
         self.newlines = newline_token_ids(model_dir)
         self.run_of = {i: n for n, i in self.newlines.items()}
-
-    def pixels(self, image: Any) -> np.ndarray:
-        pixels = self.preprocess(image)
-        if pixels.shape[1:] != (self.image_size, self.image_size):
-            raise ValueError(
-                f"preprocessor_config.json makes {pixels.shape[1:]} images, but the vision "
-                f"tower takes {self.image_size}x{self.image_size}"
-            )
-        return pixels
-
-    def num_image_tokens(self, pixels: np.ndarray) -> int:
-        return self.tokens
 
     def process(
         self, token_ids: list[int], images: list[Any]
