@@ -79,3 +79,22 @@ def test_engine_fingerprint_follows_cpu_kernel_availability(monkeypatch, tiny_ch
     with_kernels = engine_fingerprint(config, 16, jnp.float32)
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert engine_fingerprint(config, 16, jnp.float32) != with_kernels
+
+
+def test_engine_fingerprint_follows_xla_flags_but_not_the_device_count(
+    monkeypatch, tiny_checkpoint
+):
+    """A program compiled under other XLA options (the test suite's optimisation level, a
+    user's flags) is not loaded; the fake device count is the mesh's business."""
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.worker.compilation import engine_fingerprint
+
+    config = EngineArgs(model=tiny_checkpoint("llama")).create_config()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    level0 = engine_fingerprint(config, 16, jnp.float32)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    default = engine_fingerprint(config, 16, jnp.float32)
+    assert default != level0
+    flags = "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert engine_fingerprint(config, 16, jnp.float32) == level0

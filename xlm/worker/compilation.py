@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import enum
 import os
+import re
 import threading
 import time
 import weakref
@@ -135,6 +136,9 @@ def engine_fingerprint(
             mesh,
             _cpu_kernels_in_use(),
             FloatMatmul.float32_kernel,  # whether float32 projections call the kernel
+            # XLA's own options (an optimisation level, a CPU feature set): a program
+            # compiled under other flags is another program (the device count is the mesh's).
+            re.sub(r"--xla_force_host_platform_device_count=\S*", "", envs.xla_flags()).split(),
         )
     )
 
