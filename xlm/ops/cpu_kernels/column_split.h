@@ -1,8 +1,8 @@
 // Splitting a kernel's output columns over the calling thread and XLA's intra-op pool (the
 // FFI's ThreadPool context): chunks of whole tiles claimed from an atomic counter, so a
-// thread that starts late or runs slowly hands its share over. The same scheme as
-// quant_matmul.cc's RunMatmul (whose measurements its comments give), for any kernel
-// that computes columns [c0, c1) independently.
+// thread that starts late or runs slowly hands its share over, for any kernel that
+// computes columns [c0, c1) independently (quant_matmul.cc's comments give the
+// measurements behind the constants).
 #pragma once
 
 #include <algorithm>
@@ -48,10 +48,11 @@ inline double split_seconds_since(SplitClock::time_point t) {
 
 // compute(c0, c1) over [0, n) in chunks of `tile_cols`-column tiles, on up to max_workers
 // threads (0: all of the pool's, plus the caller); `work` (multiply-adds) below ~10 us of
-// one core runs on the caller alone.
+// one core runs on the caller alone. `page_tiles` > 0 (tall weights): chunks at least
+// that many tiles wide where the balance allows, since every row of a chunk is a page walk.
 template <class Compute>
 void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_t work,
-                int64_t max_workers, Compute compute) {
+                int64_t max_workers, Compute compute, int64_t page_tiles = 0) {
   constexpr int64_t kMinParallelWork = 1 << 18;
   const int64_t tiles = (n + tile_cols - 1) / tile_cols;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -63,7 +64,11 @@ void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_
     compute(0, n);
     return;
   }
-  const int64_t chunks = workers * 4;
+  int64_t chunks = workers * 4;
+  if (page_tiles > 0) {
+    const int64_t per_worker_pages = (tiles + workers * page_tiles - 1) / (workers * page_tiles);
+    chunks = std::min(chunks, workers * per_worker_pages);
+  }
   const int64_t chunk_tiles = (tiles + chunks - 1) / chunks;
   auto job = std::make_shared<ColumnJob<Compute>>(std::move(compute));
   job->n = n;

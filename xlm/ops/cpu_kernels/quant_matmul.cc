@@ -47,6 +47,7 @@
 #include <thread>
 #include <vector>
 
+#include "column_split.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -550,46 +551,11 @@ void compute_columns(const Problem& p, int64_t c0, int64_t c1) {
 #endif
 }
 
-// Chunks of columns, claimed by the calling thread and the pool tasks. The state is
-// shared-owned: a task the pool starts late finds no chunk left and only drops its ref.
-struct Job {
-  Problem p;
-  int64_t chunk_cols = 0;
-  int64_t num_chunks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  // Computes unclaimed chunks until none is left; returns how many it computed.
-  int64_t run() {
-    for (int64_t count = 0;; ++count) {
-      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= num_chunks) return count;
-      compute_columns(p, c * chunk_cols, std::min(p.n, (c + 1) * chunk_cols));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// When the other cores are busy with other processes, a pool thread can be descheduled
-// holding a chunk, and the caller then waits for it for a scheduler time slice
-// (milliseconds). After such a wait, calls run on the caller alone for kBackoff.
-using Clock = std::chrono::steady_clock;
-constexpr Clock::duration kBackoff = std::chrono::milliseconds(100);
-std::atomic<Clock::rep> g_single_thread_until{0};
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 // Below this many multiply-adds (~10 us on one core) a second thread costs more than it
-// saves: waking a parked pool thread took ~4 us here, and the Schedule call ~1 us.
-constexpr int64_t kMinParallelWork = 1 << 18;
+// saves: waking a parked pool thread took ~4 us here, and the Schedule call ~1 us
+// (column_split.h's kMinParallelWork). When the other cores are busy with other
+// processes, a pool thread can be descheduled holding a chunk; after such a wait, calls
+// run on the caller alone for 100 ms (column_split.h).
 constexpr int64_t kTallRows = 1024;  // from this many rows, chunks of about a page of w
 constexpr int64_t kPageTiles = 4096 / kTileCols;
 
@@ -710,53 +676,15 @@ ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_worker
     return ffi::Error::Success();
   }
 
-  const int64_t tiles = (n + kTileCols - 1) / kTileCols;
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (max_workers > 0) threads = std::min(threads, max_workers);
-  int64_t workers = m * k * n < kMinParallelWork ? 1 : std::min(threads, tiles);
-  const Clock::rep now = Clock::now().time_since_epoch().count();
-  if (workers > 1 && now < g_single_thread_until.load(std::memory_order_relaxed)) workers = 1;
-  if (workers <= 1) {
-    compute_columns(p, 0, n);
-    return ffi::Error::Success();
-  }
   // A few chunks per worker, so that a thread that starts late (a parked pool thread
   // started ~40 us after Schedule here, a spinning one ~0.3 us) or runs slowly hands its
   // share over. For tall w, chunks about a page of columns wide (a multiple of the
   // workers): every row of a chunk is a page walk, and with 4096 rows narrow chunks cost
   // more in TLB misses than the balancing gains (measured).
-  int64_t chunks = workers * 4;
-  if (k >= kTallRows) {
-    const int64_t per_worker_pages = (tiles + workers * kPageTiles - 1) / (workers * kPageTiles);
-    chunks = std::min(chunks, workers * per_worker_pages);
-  }
-  const int64_t chunk_tiles = (tiles + chunks - 1) / chunks;
-  auto job = std::make_shared<Job>();
-  job->p = p;
-  job->chunk_cols = chunk_tiles * kTileCols;
-  job->num_chunks = (n + job->chunk_cols - 1) / job->chunk_cols;
-  for (int64_t t = 1; t < workers; ++t) pool.Schedule([job] { job->run(); });
-  const auto start = Clock::now();
-  const int64_t own_chunks = job->run();
-  if (job->done.load(std::memory_order_acquire) == job->num_chunks) {
-    return ffi::Error::Success();
-  }
-  // The remaining chunks are being computed by threads that already claimed them.
-  const double own_seconds = seconds_since(start);
-  const auto wait_start = Clock::now();
-  for (int spins = 0; job->done.load(std::memory_order_acquire) < job->num_chunks; ++spins) {
-    if (spins < 4096) {
-      cpu_relax();
-    } else {
-      std::this_thread::yield();
-    }
-  }
-  // Longer than a chunk takes, with margin: the helper was descheduled.
-  const double chunk_seconds = own_seconds / std::max<int64_t>(own_chunks, 1);
-  if (seconds_since(wait_start) > 2 * chunk_seconds + 50e-6) {
-    const Clock::time_point until = Clock::now() + kBackoff;
-    g_single_thread_until.store(until.time_since_epoch().count(), std::memory_order_relaxed);
-  }
+  xlm::RunColumns(
+      pool, n, kTileCols, m * k * n, max_workers,
+      [&p](int64_t c0, int64_t c1) { compute_columns(p, c0, c1); },
+      k >= kTallRows ? kPageTiles : 0);
   return ffi::Error::Success();
 }
 
