@@ -304,6 +304,18 @@ def smollm2_hf_dir(smollm2_gguf, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_transformers_model(smollm2_hf_dir):
+    """transformers' SmolLM2 (float32, eval mode) on xlm's safetensors conversion of the
+    GGUF, which tests/models/loader/test_gguf.py checks tensor by tensor against
+    transformers' own GGUF dequantization: the same weights as `smollm2_transformers_gguf_
+    model` in about a second (that load dequantizes in Python: tens of seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_transformers_gguf_model(smollm2_gguf):
     """transformers' own load of the GGUF (float32, eval mode): the reference."""
     import torch

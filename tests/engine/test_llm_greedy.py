@@ -17,7 +17,7 @@ from tests.engine.reference import (
 )
 
 TINY_NEW_TOKENS = 24
-SMOLLM2_NEW_TOKENS = 64
+SMOLLM2_NEW_TOKENS = 32
 BATCH_SIZE = 32
 # Where the reference requests sit inside the batch of 32.
 REFERENCE_SLOTS = (0, 13, 31)
@@ -160,7 +160,7 @@ def assert_greedy_matches(got: list[int], ref_tokens: list[int], ref_logits: np.
 
 
 @pytest.fixture(scope="module")
-def smollm2_case(smollm2_llm, smollm2_transformers_gguf_model):
+def smollm2_case(smollm2_llm, smollm2_transformers_model):
     tokenizer = smollm2_llm.get_tokenizer()
     prompts = [
         tokenizer.encode(
@@ -171,7 +171,7 @@ def smollm2_case(smollm2_llm, smollm2_transformers_gguf_model):
         )
         for q in SMOLLM2_QUESTIONS
     ]
-    refs = [hf_greedy(smollm2_transformers_gguf_model, p, SMOLLM2_NEW_TOKENS) for p in prompts]
+    refs = [hf_greedy(smollm2_transformers_model, p, SMOLLM2_NEW_TOKENS) for p in prompts]
     return smollm2_llm, prompts, refs
 
 

@@ -268,10 +268,13 @@ def _model_programs(model: str, topology: str, num_blocks: int, sizes: tuple[int
     return dict(programs=programs, weights=worker.weight_bytes_per_device(), cache=cache)
 
 
-# Head widths of small models (SmolLM2, Llama-3.2-1B: 64; others 80) and of large ones (128).
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_steps_update_the_cache_in_place_for_any_head_width(tmp_path, topology, head_dim):
+# Head widths of small models (SmolLM2, Llama-3.2-1B: 64; others 80) and of large ones
+# (128); 64, the width issue 46 was about, on both chips, the others on one each.
+@pytest.mark.parametrize(
+    ("head_dim", "topology"),
+    [(64, "v5e:2x2"), (64, "v6e:2x2"), (80, "v5e:2x2"), (128, "v6e:2x2")],
+)
+def test_steps_update_the_cache_in_place_for_any_head_width(tmp_path, head_dim, topology):
     """A step compiled for the TPU reads the weights and its own rows of the cache, never a
     copy of the whole cache: bytes and temporaries stay put when the cache grows 4 times
     (issue 46: 64-wide heads made the compiler lay the cache out blocks-minor and copy it

@@ -17,7 +17,7 @@ TEXTS = {
 }
 
 
-def test_smollm2_gguf_logits_equal_transformers(smollm2_gguf, smollm2_transformers_gguf_model):
+def test_smollm2_gguf_logits_equal_transformers(smollm2_gguf, smollm2_transformers_model):
     tokenizer = get_tokenizer(smollm2_gguf)
     fed = {r: sum(plan.get(r, 0) for plan in SCHEDULE) for r in PROMPT_LENS}
     token_ids = {r: tokenizer.encode(TEXTS[r])[: fed[r]] for r in PROMPT_LENS}
@@ -27,7 +27,7 @@ def test_smollm2_gguf_logits_equal_transformers(smollm2_gguf, smollm2_transforme
     got = run_schedule(model, token_ids, seed=7)
     for r, ids in token_ids.items():
         with torch.no_grad():
-            ref = smollm2_transformers_gguf_model(torch.tensor([ids])).logits[0].numpy()
+            ref = smollm2_transformers_model(torch.tensor([ids])).logits[0].numpy()
         np.testing.assert_allclose(
             got[r], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=f"request {r}"
         )

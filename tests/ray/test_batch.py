@@ -297,8 +297,10 @@ def test_row_that_kills_its_replica_ends_as_error_record(ray_cluster, model, loc
     rows = [{"idx": i, "prompt": prompt_text(i)} for i in range(40)]
     rows[17]["prompt"] = "crash me"
     params = {"max_tokens": 4, "temperature": 0}
+    # One replica (the two-replica paths are the other tests'): it dies with its batch,
+    # again alone on the retry, and is restarted each time.
     processor = build_llm_processor(
-        config(model, batch_size=10), sampling_params=params, replica_cls=CrashOnRow
+        config(model, batch_size=10, replicas=1), sampling_params=params, replica_cls=CrashOnRow
     )
     out = processor(ray.data.from_items(rows)).take_all()
 
@@ -318,18 +320,19 @@ def test_row_that_kills_its_replica_ends_as_error_record(ray_cluster, model, loc
 
 @pytest.mark.slow
 def test_run_batch_ray_embeddings_to_parquet_lists(ray_cluster, model, tmp_path):
-    """200 /v1/embeddings lines over two replicas: every line once, LLM.embed's vectors,
-    and the Parquet result keeps them as a list column."""
+    """100 /v1/embeddings lines on one replica (the two-replica merge is the JSONL test's):
+    every line once, LLM.embed's vectors, and the Parquet result keeps them as a list
+    column."""
     from tests.e2e.test_run_batch import check_embedding_results, embedding_records
     from xlm.ray.batch import run_batch_on_ray
 
-    records = embedding_records(200)
+    records = embedding_records(100)
     infile = tmp_path / "in.jsonl"
     infile.write_text("".join(json.dumps(r) + "\n" for r in records))
     outfile = tmp_path / "out.parquet"
     extra = ("--runner", "pooling", "--served-model-name", "m")
-    summary = run_batch_on_ray(run_batch_args(model, infile, outfile, *extra))
-    assert summary["records"] == 200 and summary["failed"] == 0
+    summary = run_batch_on_ray(run_batch_args(model, infile, outfile, *extra, replicas=1))
+    assert summary["records"] == 100 and summary["failed"] == 0
 
     rows = pq.read_table(outfile).to_pylist()
     results = [
