@@ -1,11 +1,19 @@
 """Native CPU kernels called from jitted programs through XLA's FFI.
 
-The C++ source is compiled with the system compiler on first use into a shared library
-cached under XLM_CACHE_ROOT (keyed on the source, the flags, jax's version, the
-compiler's version and this CPU, since the library is built for the CPU it runs on), then
-loaded with ctypes and registered as an FFI target once per process. Without a compiler,
-when the build fails, or with XLM_CPU_KERNELS=0, `available()` is False, one line is
-logged and the ops fall back to their plain-jnp path.
+The C++ sources are compiled into one shared library by `build.build_library`, at one of
+two times:
+- at install: the package build (setup.py's build_ext, best effort) leaves
+  `prebuilt_<key>*.so` beside the sources, named by `build.library_key` (the sources,
+  headers and flags, the XLA FFI C API version of the jaxlib headers it was compiled
+  against, this CPU since it is built with -march=native). The runtime computes the key
+  with its own jaxlib and loads that library only when the keys match, with no compiler
+  run (XLM_CPU_KERNELS_PREBUILT=0 ignores it);
+- otherwise on first use, with the system compiler (CXX, else c++ or g++), into a cache
+  entry under XLM_CACHE_ROOT keyed on the same key plus jax's version and the compiler's.
+
+The library is loaded with ctypes and registered as an FFI target once per process.
+Without a compiler, when the build fails, or with XLM_CPU_KERNELS=0, `available()` is
+False, one line is logged and the ops fall back to their plain-jnp path.
 
 `start_build()` begins that work in a background thread (the ops call it when they are
 built, the loader when it starts), so the compiler runs while the weights load;
