@@ -227,6 +227,11 @@ def main() -> int:
         parser.error(f"--models {unknown} unknown: allowed {list(MODELS)}")
     import jax
 
+    import xlm.platforms
+
+    # xlm's platform first: on a host without an accelerator it pins JAX to its CPU
+    # backend, so jax.devices() starts no installed plugin's (libtpu logs errors there).
+    xlm.platforms.current_platform  # noqa: B018
     results: dict = {
         "machine": {
             "platform": platform.platform(),

@@ -2,7 +2,9 @@
 to its first completion, each in its own process, by phase (issue 24).
 
 Cold: a fresh XLM_CACHE_ROOT (no dequantized weights, no saved programs, no tokenizer
-conversion). Warm: the same root again. The harness imports neither jax nor xlm; every
+conversion; the CPU kernel library is the install's when `pip install -e .` built it, and
+each run's JSON says whether the run compiled it: `cpu_kernels_compiled`).
+Warm: the same root again. The harness imports neither jax nor xlm; every
 figure is a separate `xlm` process. The time to the first token of `xlm generate` is from the
 process's start until its output (one token: `--max-tokens 1`) reaches stdout; the time to
 its exit is reported too. The built-in model runs with the README's flags (its default
@@ -59,7 +61,8 @@ def _env(cache_root: str) -> dict[str, str]:
 
 def _phases(log: str) -> dict:
     """The start-up lines' phases ('Engine ready in T s: imports 1.2 s, ...')."""
-    out: dict = {}
+    # False where the install's kernel library (setup.py) served, or the cache's.
+    out: dict = {"cpu_kernels_compiled": "Compiling xlm CPU kernels" in log}
     for line in log.splitlines():
         m = READY.search(line)
         if m:

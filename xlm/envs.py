@@ -67,6 +67,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Use xlm's native CPU kernels (built with the system C++ compiler on first use);
     # 0 keeps every op on its plain-jnp path.
     "XLM_CPU_KERNELS": _get_bool("XLM_CPU_KERNELS", True),
+    # Load the CPU kernel library the package build made (when its key matches this
+    # runtime's); 0 always uses the one built at run time (into XLM_CACHE_ROOT).
+    "XLM_CPU_KERNELS_PREBUILT": _get_bool("XLM_CPU_KERNELS_PREBUILT", True),
     # Directory holding the ipc:// socket files of the engine's ZeroMQ sockets.
     "XLM_RPC_BASE_PATH": lambda: os.environ.get("XLM_RPC_BASE_PATH", "/tmp"),
     # Seconds the engine-core client waits for the engine process to start.

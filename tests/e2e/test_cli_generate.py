@@ -11,7 +11,7 @@ import time
 import pytest
 
 import xlm
-from tests.engine.reference import TINY_ENGINE, cli_engine_flags, tiny_engine
+from tests.engine.reference import SMOLLM2_ENGINE, TINY_ENGINE, cli_engine_flags, tiny_engine
 
 PROMPT = "w10 w20 w30 w40 w50"
 
@@ -89,6 +89,29 @@ def test_generate_imports_no_server_or_cluster_modules(tiny_path):
     assert result.returncode == 0, result.stderr
     assert "loaded: []" in result.stdout, result.stdout
     assert "E0000" not in result.stderr  # no backend of an absent accelerator started
+
+
+@pytest.mark.slow
+def test_a_cold_gguf_start_writes_its_dequantized_cache_after_the_first_token(
+    smollm2_gguf, tmp_path
+):
+    """Cold: the GGUF is dequantized in memory and its cache written after the first step
+    (before the process exits); warm: loaded from that cache, the same greedy token."""
+    env = dict(os.environ, XLM_CACHE_ROOT=str(tmp_path / "cache"), XLM_DISABLE_PROGRESS_BARS="1")
+    argv = [sys.executable, "-m", "xlm.entrypoints.cli", "generate", "--model", smollm2_gguf]
+    argv += ["The capital of France is", "--max-tokens", "1", "--temperature", "0"]
+    argv += cli_engine_flags(SMOLLM2_ENGINE)
+    runs = [
+        subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env) for _ in range(2)
+    ]
+    for result in runs:
+        assert result.returncode == 0, result.stderr
+    cold, warm = (r.stderr for r in runs)
+    assert "GGUF dequantized; cached after the first step" in cold
+    assert cold.index("First step (") < cold.index("Dequantizing")
+    assert "dequantized GGUF from the cache" in warm and "Dequantizing" not in warm
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
+    assert not list((tmp_path / "cache" / "gguf_weights").glob(".tmp-*"))
 
 
 def parse_startup_line(stderr: str) -> tuple[float, dict[str, float]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from xlm.metrics import startup
@@ -51,3 +52,32 @@ def test_a_second_engine_times_only_its_own_phases():
 def test_process_start_is_in_the_past():
     started = startup.process_start_time()
     assert started is not None and started < time.time()
+
+
+def test_deferred_work_runs_once_in_the_background_and_a_failure_is_a_warning(caplog, monkeypatch):
+    monkeypatch.setattr(startup, "_deferred", [])
+    ran = []
+    started = threading.Event()
+
+    def job():
+        started.wait(5)
+        ran.append(threading.current_thread().name)
+
+    def broken():
+        raise OSError("disk full")
+
+    startup.defer("a cache", job)
+    startup.defer("another cache", broken)
+    xlm_logger = logging.getLogger("xlm")
+    xlm_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="xlm"):
+            thread = startup.run_deferred()
+            assert ran == []  # run_deferred returned before the job ran
+            started.set()
+            thread.join(10)
+    finally:
+        xlm_logger.removeHandler(caplog.handler)
+    assert ran == ["xlm-deferred"]
+    assert "Deferred start-up work failed: another cache" in caplog.text
+    assert startup.run_deferred() is None  # nothing left: a second step runs nothing

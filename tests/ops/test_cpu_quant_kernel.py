@@ -146,7 +146,14 @@ def test_int4_handler_rejects_inconsistent_shapes() -> None:
 
 
 def _run(code: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "XLM_CACHE_ROOT": str(tmp_path / "cache"), **env}
+    # XLM_CPU_KERNELS_PREBUILT=0: the runtime build is under test, not a library an
+    # install left in the tree.
+    environ = {
+        **os.environ,
+        "XLM_CACHE_ROOT": str(tmp_path / "cache"),
+        "XLM_CPU_KERNELS_PREBUILT": "0",
+        **env,
+    }
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=environ,
@@ -190,6 +197,43 @@ def test_disabled_by_environment(tmp_path) -> None:
     proc = _run(FALLBACK, tmp_path, XLM_CPU_KERNELS="0")
     assert proc.returncode == 0, proc.stderr
     assert "CPU kernels are unavailable" not in proc.stderr
+
+
+PREBUILT = """
+    import os, pathlib
+    from xlm.ops import cpu_kernels
+    cpu_kernels.PREBUILT_DIR = pathlib.Path(os.environ["PREBUILT"])
+    print("available", cpu_kernels.available())
+"""
+
+
+def _prebuilt(tmp_path, key: str) -> Path:
+    """This process's library copied into a package-like folder under `key`."""
+    folder = tmp_path / "package"
+    folder.mkdir()
+    shutil.copy(cpu_kernels._library._name, folder / f"prebuilt_{key}.cpython-311-x.so")
+    return folder
+
+
+def test_a_prebuilt_library_with_this_runtimes_key_loads_without_a_compiler(tmp_path) -> None:
+    key = cpu_kernels.build.library_key(jax.ffi.include_dir())
+    folder = _prebuilt(tmp_path, key)
+    env = dict(PREBUILT=str(folder), XLM_CPU_KERNELS_PREBUILT="1", XLM_LOGGING_LEVEL="INFO")
+    proc = _run(PREBUILT, tmp_path, CXX=str(tmp_path / "no-such-compiler"), **env)
+    assert proc.returncode == 0, proc.stderr
+    assert "available True" in proc.stdout, proc.stderr
+    assert "Compiling" not in proc.stderr
+    assert not (tmp_path / "cache").exists()  # nothing built into the cache
+
+
+def test_a_prebuilt_library_with_another_key_is_ignored(tmp_path) -> None:
+    folder = _prebuilt(tmp_path, "0" * 24)
+    env = dict(PREBUILT=str(folder), XLM_CPU_KERNELS_PREBUILT="1")
+    proc = _run(PREBUILT, tmp_path, CXX=str(tmp_path / "no-such-compiler"), **env)
+    assert proc.returncode == 0, proc.stderr
+    # It went on to build (and had no compiler) rather than load the other key's library.
+    assert "available False" in proc.stdout
+    assert "no-such-compiler" in proc.stderr
 
 
 BACKGROUND = """
@@ -241,6 +285,7 @@ def test_concurrent_processes_build_the_library_once(tmp_path) -> None:
         "XLM_CACHE_ROOT": str(tmp_path / "cache"),
         "CXX": str(compiler),
         "XLM_LOGGING_LEVEL": "INFO",
+        "XLM_CPU_KERNELS_PREBUILT": "0",
     }
     argv = [sys.executable, "-c", textwrap.dedent(CONCURRENT)]
     kw = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -20,6 +20,7 @@ from xlm.executor import executor_class_for
 from xlm.executor.abstract import Executor
 from xlm.logger import init_logger
 from xlm.lora.request import LoRARequest
+from xlm.metrics import startup
 from xlm.multimodal.budget import encoder_cache_slots, images_in_one_step
 from xlm.structured_output.manager import StructuredOutputManager
 from xlm.tokenizer import get_eos_token_ids, get_tokenizer
@@ -187,6 +188,7 @@ class EngineCore:
             scheduler_output.total_num_scheduled_tokens,
             1e3 * (time.perf_counter() - start),
         )
+        startup.run_deferred()  # what the start left for after the first token
 
     def _stats(self) -> SchedulerStats | None:
         return self.make_stats() if self.log_stats else None

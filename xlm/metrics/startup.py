@@ -6,13 +6,20 @@ programs) with `startup.phase(name)` after `startup.begin()`, and `startup.repor
 them once the engine is ready, beginning with the interpreter and imports (process start
 to `begin`). The first step is timed apart: its cost is
 part of the first request's latency, not of start-up.
+
+Work a start owes but the first token does not need (writing the dequantized GGUF's
+cache) is `defer`red: the engine core calls `run_deferred` after its first step, which
+runs it in a background thread that the process waits for at exit. A process that never
+runs a step leaves the work to the next start.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from xlm.logger import init_logger
@@ -24,6 +31,7 @@ _phases: dict[str, float] = {}
 _notes: dict[str, str] = {}
 _imports_timed = False  # only the first engine of a process timed the imports
 _reported = False
+_deferred: list[tuple[str, Callable[[], object]]] = []  # (what, job), run after a first step
 
 
 def process_start_time() -> float | None:
@@ -86,3 +94,30 @@ def report(what: str) -> None:
         extra = f" ({_notes[name]})" if name in _notes else ""
         parts.append(f"{name} {seconds:.2f} s{extra}")
     logger.info("%s ready in %.1f s: %s.", what, sum(timed.values()), ", ".join(parts))
+
+
+def defer(what: str, job: Callable[[], object]) -> None:
+    """Run `job` (`what` names it in a failure's warning) after the first step instead of
+    before the first token."""
+    _deferred.append((what, job))
+
+
+def run_deferred() -> threading.Thread | None:
+    """Start the deferred jobs in one background thread, waited for at exit; the thread,
+    or None when nothing was deferred."""
+    jobs = list(_deferred)
+    _deferred.clear()
+    if not jobs:
+        return None
+    thread = threading.Thread(target=_run_jobs, args=(jobs,), name="xlm-deferred", daemon=True)
+    thread.start()
+    atexit.register(thread.join)  # a job may be writing a cache entry: let it finish
+    return thread
+
+
+def _run_jobs(jobs: list[tuple[str, Callable[[], object]]]) -> None:
+    for what, job in jobs:
+        try:
+            job()
+        except Exception:
+            logger.warning("Deferred start-up work failed: %s.", what, exc_info=True)

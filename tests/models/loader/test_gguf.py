@@ -234,12 +234,19 @@ def test_missing_and_invalid_files(tmp_path):
 
 
 def test_dequantized_weights_are_cached_once(tmp_path, monkeypatch):
+    from xlm.metrics import startup
     from xlm.models.loader import _dequantized_gguf_dir, _tensor_source
 
     monkeypatch.setenv("XLM_CACHE_ROOT", str(tmp_path / "cache"))
     sd = random_hf_state_dict("llama")
     path = write_gguf(str(tmp_path / "tiny.gguf"), "llama", sd)
     direct = dict(iter_gguf_tensors(path))
+    monkeypatch.setattr(startup, "_deferred", [])
+    # Cold: the GGUF itself, the cache written only once the deferred work runs.
+    tensors, total = _tensor_source(path, "gguf")
+    assert total is None and not (tmp_path / "cache").exists()
+    assert {name: np.array(t) for name, t in tensors}.keys() == direct.keys()
+    startup.run_deferred().join(60)
     tensors, total = _tensor_source(path, "gguf")
     via_cache = {name: np.array(t) for name, t in tensors}
     assert total == len(direct) and via_cache.keys() == direct.keys()

@@ -139,22 +139,26 @@ def _tensor_source(
     if load_format == "gguf" and keep_quantized:  # decoding is fast: no cached copy
         return iter_gguf_tensors(model, keep_quantized=True), None
     if load_format == "gguf":
-        cached = _dequantized_gguf_dir(model)
+        cached = _dequantized_gguf_dir(model, write=False)
         if cached is not None:
             return iter_safetensors_tensors(cached), count_safetensors_tensors(cached)
-
+        # Writing the copy (and fsyncing it) is not needed for the first token: the GGUF
+        # is dequantized in memory now and the copy written after the first step.
+        startup.note("weights", "GGUF dequantized; cached after the first step")
+        startup.defer("the dequantized GGUF's cache", lambda: _dequantized_gguf_dir(model))
         return iter_gguf_tensors(model), None
     raise ValueError(f"load_format={load_format!r} has no tensor source")
 
 
-def _dequantized_gguf_dir(path: str) -> str | None:
+def _dequantized_gguf_dir(path: str, write: bool = True) -> str | None:
     """A float32 safetensors copy of a GGUF's weights under XLM_CACHE_ROOT (made once).
 
     Dequantizing a GGUF takes seconds on every start; the saved copy is memory-mapped.
     Keyed by xlm's version, the converter's source, and the file's path, size and mtime;
     written and checked through xlm.disk_cache (atomic, 0700, a manifest of sizes), plus
     a check of the safetensors header, so a truncated or corrupt copy is rebuilt. None
-    (load the GGUF directly) when the cache cannot be written.
+    (load the GGUF directly) when the cache cannot be written, or is not there and not
+    `write`.
     """
     from xlm import disk_cache, envs
     from xlm.models.loader import gguf
@@ -171,13 +175,14 @@ def _dequantized_gguf_dir(path: str) -> str | None:
             return cache_dir
         logger.warning("Rebuilding the corrupt dequantized-weights cache %s.", cache_dir)
         disk_cache.discard(cache_dir)
+    if not write:
+        return None
     try:
         logger.info("Dequantizing %s once into %s.", path, cache_dir)
         with disk_cache.atomic_directory(cache_dir) as tmp:
             gguf.gguf_to_safetensors(path, str(tmp))
-        startup.note("weights", "GGUF dequantized and cached")
     except OSError as e:
-        logger.warning("Could not cache the dequantized GGUF weights (%s); loading the GGUF.", e)
+        logger.warning("Could not cache the dequantized GGUF weights (%s).", e)
         return cache_dir if disk_cache.check_directory(cache_dir) else None
     return cache_dir
 

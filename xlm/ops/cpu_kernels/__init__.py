@@ -1,11 +1,19 @@
 """Native CPU kernels called from jitted programs through XLA's FFI.
 
-The C++ source is compiled with the system compiler on first use into a shared library
-cached under XLM_CACHE_ROOT (keyed on the source, the flags, jax's version, the
-compiler's version and this CPU, since the library is built for the CPU it runs on), then
-loaded with ctypes and registered as an FFI target once per process. Without a compiler,
-when the build fails, or with XLM_CPU_KERNELS=0, `available()` is False, one line is
-logged and the ops fall back to their plain-jnp path.
+The C++ sources are compiled into one shared library by `build.build_library`, at one of
+two times:
+- at install: the package build (setup.py's build_ext, best effort) leaves
+  `prebuilt_<key>*.so` beside the sources, named by `build.library_key` (the sources,
+  headers and flags, the XLA FFI C API version of the jaxlib headers it was compiled
+  against, this CPU since it is built with -march=native). The runtime computes the key
+  with its own jaxlib and loads that library only when the keys match, with no compiler
+  run (XLM_CPU_KERNELS_PREBUILT=0 ignores it);
+- otherwise on first use, with the system compiler (CXX, else c++ or g++), into a cache
+  entry under XLM_CACHE_ROOT keyed on the same key plus jax's version and the compiler's.
+
+The library is loaded with ctypes and registered as an FFI target once per process.
+Without a compiler, when the build fails, or with XLM_CPU_KERNELS=0, `available()` is
+False, one line is logged and the ops fall back to their plain-jnp path.
 
 `start_build()` begins that work in a background thread (the ops call it when they are
 built, the loader when it starts), so the compiler runs while the weights load;
@@ -27,10 +35,6 @@ import ctypes
 import fcntl
 import hashlib
 import math
-import platform
-import shlex
-import shutil
-import subprocess
 import threading
 from pathlib import Path
 
@@ -41,10 +45,10 @@ import numpy as np
 from pallas_kernels.ragged_paged_attention.kv_quant import row_head_dim
 from xlm import disk_cache, envs
 from xlm.logger import init_logger
+from xlm.ops.cpu_kernels import build
 
 logger = init_logger(__name__)
 
-_HERE = Path(__file__).parent
 # kernel -> (its C++ source, the handler symbol it defines); one library holds them all.
 _KERNELS = {
     "int8": ("quant_matmul.cc", "XlmInt8Matmul"),
@@ -53,10 +57,9 @@ _KERNELS = {
     "float": ("float_matmul.cc", "XlmFloatMatmul"),
     "paged_attention": ("paged_attention.cc", "XlmPagedAttention"),
 }
-# Headers the sources include: copied beside them and part of the build's key.
-_HEADERS = ("column_split.h",)
 _LIBRARY = "xlm_cpu_kernels.so"
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
+# Where the package build leaves its library (build.find_prebuilt).
+PREBUILT_DIR = build.HERE
 
 _lock = threading.Lock()
 _start_lock = threading.Lock()
@@ -64,10 +67,6 @@ _available: bool | None = None
 _builder: threading.Thread | None = None
 _library: ctypes.CDLL | None = None  # kept referenced: XLA holds pointers into it
 _targets: dict[str, str] = {}  # kernel -> its registered FFI target name
-
-
-class _Unavailable(Exception):
-    """Why the kernels cannot be built or loaded."""
 
 
 def available() -> bool:
@@ -96,9 +95,8 @@ def _load() -> bool:
         logger.info("XLM_CPU_KERNELS=0: CPU kernels are off; ops use their jnp path.")
         return False
     try:
-        sources = {file: (_HERE / file).read_text() for file, _ in _KERNELS.values()}
-        headers = {file: (_HERE / file).read_text() for file in _HEADERS}
-        path = _build(sources, headers)
+        sources, headers = build.read_texts()
+        path = _library_path()
         library = ctypes.CDLL(str(path))
         targets = {}
         for kind, (file, symbol) in _KERNELS.items():
@@ -109,54 +107,26 @@ def _load() -> bool:
             digest = hashlib.sha256(text.encode()).hexdigest()[:12]
             targets[kind] = f"xlm_{kind}_{digest}"
             jax.ffi.register_ffi_target(targets[kind], jax.ffi.pycapsule(handler), platform="cpu")
-    except (_Unavailable, OSError, AttributeError, RuntimeError, ValueError) as e:
+    except (build.BuildError, OSError, AttributeError, RuntimeError, ValueError) as e:
         logger.warning("xlm CPU kernels are unavailable, ops use their jnp path: %s", e)
         return False
     _library, _targets = library, targets
     return True
 
 
-def _compiler() -> tuple[str, str]:
-    """The C++ compiler to use and its `--version` text."""
-    name = envs.cxx_compiler() or shutil.which("c++") or shutil.which("g++")
-    if not name:
-        raise _Unavailable("no C++ compiler found (set CXX or install c++/g++)")
-    argv = shlex.split(name)
-    try:
-        proc = subprocess.run(
-            [*argv, "--version"], capture_output=True, text=True, timeout=60, check=False
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        raise _Unavailable(f"C++ compiler {name!r} does not run: {e}") from e
-    if proc.returncode != 0:
-        raise _Unavailable(f"{name} --version exited with {proc.returncode}: {proc.stderr}")
-    return name, proc.stdout
-
-
-def cpu_fingerprint() -> str:
-    """This CPU's vendor, model and feature flags (what -march=native builds for)."""
-    try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
-    except OSError:
-        return f"{platform.machine()}|{platform.processor()}"
-    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part")
-    fields = []
-    for line in first.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in wanted:
-            fields.append(f"{name.strip()}={value.strip()}")
-    return f"{platform.machine()}|" + "|".join(fields)
-
-
-def _build(sources: dict[str, str], headers: dict[str, str]) -> Path:
-    """The path of the shared library, compiled into the cache if not there yet."""
-    compiler, version = _compiler()
-    texts = [sources[name] for name in sorted(sources)]
-    texts += [headers[name] for name in sorted(headers)]
-    key = disk_cache.cache_key(
-        *texts, FLAGS, jax.__version__, compiler, version, cpu_fingerprint(), length=24
-    )
-    directory = Path(envs.XLM_CACHE_ROOT) / "cpu_kernels" / f"xlm-{key}"
+def _library_path() -> Path:
+    """The package build's library when its key is this runtime's, else one compiled into
+    the cache if not there yet."""
+    include_dir = jax.ffi.include_dir()
+    key = build.library_key(include_dir)
+    if envs.XLM_CPU_KERNELS_PREBUILT:
+        prebuilt = build.find_prebuilt(PREBUILT_DIR, key)
+        if prebuilt is not None:
+            logger.debug("Using the CPU kernels built at install: %s", prebuilt)
+            return prebuilt
+    compiler, version = build.find_compiler(envs.cxx_compiler())
+    entry = f"xlm-{cache_key(key, compiler, version)}"
+    directory = Path(envs.XLM_CACHE_ROOT) / "cpu_kernels" / entry
     if disk_cache.check_directory(directory):
         return directory / _LIBRARY
     disk_cache.make_private_dir(directory.parent)
@@ -165,57 +135,15 @@ def _build(sources: dict[str, str], headers: dict[str, str]) -> Path:
     with open(directory.parent / f"{directory.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not disk_cache.check_directory(directory):
-            _compile(compiler, sources, headers, directory)
+            logger.info("Compiling xlm CPU kernels into %s", directory)
+            with disk_cache.atomic_directory(directory) as tmp:
+                build.build_library(tmp / _LIBRARY, include_dir, compiler)
     return directory / _LIBRARY
 
 
-def _compile(
-    compiler: str, sources: dict[str, str], headers: dict[str, str], directory: Path
-) -> None:
-    logger.info("Compiling xlm CPU kernels into %s", directory)
-    with disk_cache.atomic_directory(directory) as tmp:
-        for file, text in headers.items():  # found beside the sources that include them
-            (tmp / file).write_text(text)
-        argv = [*shlex.split(compiler), *FLAGS]
-        objects = []
-        compiles = []
-        # One compiler per source, at once: each takes seconds, mostly in the FFI headers.
-        for file, text in sources.items():
-            (tmp / file).write_text(text)
-            objects.append(str(tmp / f"{file}.o"))
-            # -isystem: the FFI headers warn under -Wall; they are not ours to fix.
-            cmd = [*argv, "-isystem", jax.ffi.include_dir(), "-c", str(tmp / file)]
-            compiles.append(_start(cmd + ["-o", objects[-1]]))
-        try:
-            for cmd, proc in compiles:
-                _finish(cmd, proc)
-        finally:
-            for _, proc in compiles:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        _finish(*_start([*argv, *objects, "-o", str(tmp / _LIBRARY)]))
-        for obj in objects:
-            Path(obj).unlink()
-
-
-def _start(cmd: list[str]) -> tuple[list[str], subprocess.Popen]:
-    try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    except OSError as e:
-        raise _Unavailable(f"{shlex.join(cmd)} did not run: {e}") from e
-    return cmd, proc
-
-
-def _finish(cmd: list[str], proc: subprocess.Popen) -> None:
-    try:
-        _, stderr = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired as e:
-        proc.kill()
-        proc.communicate()
-        raise _Unavailable(f"{shlex.join(cmd)} timed out") from e
-    if proc.returncode != 0:
-        raise _Unavailable(f"{shlex.join(cmd)} failed:\n{stderr[-4000:]}")
+def cache_key(key: str, compiler: str, version: str) -> str:
+    """The cache entry's key: the library's, jax's version and the compiler's."""
+    return disk_cache.cache_key(key, jax.__version__, compiler, version, length=24)
 
 
 def _check_int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
