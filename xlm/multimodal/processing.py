@@ -232,7 +232,8 @@ class Gemma3Processor(FixedSizeProcessor):
         if config.get("do_pan_and_scan"):
             logger.warning(
                 "preprocessor_config.json asks for pan-and-scan, which xlm does not apply: "
-                "each image is resized whole to the vision tower's size"
+                "each image is resized whole to the vision tower's size (--mm-processor-kwargs "
+                "'{\"do_pan_and_scan\": false}' says so and drops this warning)"
             )
         size = hf_config.vision_config.image_size
         self.preprocess = CLIPImagePreprocessor(
