@@ -112,8 +112,8 @@ def apply_mm_processor_kwargs(
     high = kwargs.get("max_pixels") or size.get("longest_edge") or high
     if low > high:
         raise ValueError(
-            f"mm_processor_kwargs gives min_pixels={low} above max_pixels={high}: allowed "
-            "min_pixels <= max_pixels"
+            f"mm_processor_kwargs leaves min_pixels={low} above max_pixels={high} (each "
+            "from the kwargs, else the checkpoint's config): allowed min_pixels <= max_pixels"
         )
     return _with_pixel_limits(config, low, high)
 
