@@ -12,6 +12,9 @@ PATCH_SIZE = 4
 MERGE_SIZE = 2
 MIN_PIXELS = 8 * 8 * 4  # 4 tokens
 MAX_PIXELS = 8 * 8 * 36  # 36 tokens, 144 patches
+# The real checkpoints' default (Qwen2-VL, Qwen2.5-VL preprocessor_config.json): up to
+# 16384 tokens an image at patch 14, 200704 at this suite's patch 4.
+REAL_MAX_PIXELS = 12845056
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 IMAGE_PART = "<|vision_start|> <|image_pad|> <|vision_end|>"
 CHAT_TEMPLATE = (
@@ -126,6 +129,28 @@ def write_tiny_qwen_vl(path: str, v25: bool, seed: int = 0) -> str:
     return path
 
 
+def write_real_style_processor_config(path: str, max_pixels: int = REAL_MAX_PIXELS) -> str:
+    """Overwrite `path`'s preprocessor_config.json in the real checkpoints' form (the
+    min_pixels / max_pixels keys, no `size`) at the tiny patch size."""
+    import json
+    import os
+
+    config = {
+        "min_pixels": MIN_PIXELS,
+        "max_pixels": max_pixels,
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": 2,
+        "merge_size": MERGE_SIZE,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+    }
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
 def image_processor(min_pixels: int, max_pixels: int, **kwargs):
     """transformers' PIL Qwen2-VL image processor at the tiny patch size."""
     from transformers import Qwen2VLImageProcessorPil
@@ -139,9 +164,16 @@ def image_processor(min_pixels: int, max_pixels: int, **kwargs):
     )
 
 
-def transformers_greedy(path: str, token_ids: list[int], images: list, max_new_tokens: int):
+def transformers_greedy(
+    path: str,
+    token_ids: list[int],
+    images: list,
+    max_new_tokens: int,
+    processor_kwargs: dict | None = None,
+):
     """The reference: transformers' model generating greedily on its own processor's
-    pixels, the prompt's image placeholder expanded to h * w / 4 tokens."""
+    pixels (loaded with `processor_kwargs`), the prompt's image placeholder expanded to
+    h * w / 4 tokens."""
     import torch
     from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
 
@@ -152,7 +184,8 @@ def transformers_greedy(path: str, token_ids: list[int], images: list, max_new_t
     kwargs = {}
     ids = list(token_ids)
     if images:
-        processed = Qwen2VLImageProcessorPil.from_pretrained(path)(images, return_tensors="np")
+        reference = Qwen2VLImageProcessorPil.from_pretrained(path, **(processor_kwargs or {}))
+        processed = reference(images, return_tensors="np")
         grids = np.asarray(processed["image_grid_thw"])
         kwargs["pixel_values"] = torch.tensor(np.asarray(processed["pixel_values"]))
         kwargs["image_grid_thw"] = torch.tensor(grids)

@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "xlm.lora.request",
         "xlm.multimodal.inputs",
         "xlm.multimodal.budget",
+        "xlm.multimodal.processor_config",
         "xlm.outputs",
         "xlm.disk_cache",
         "xlm.quantization",

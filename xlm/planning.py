@@ -27,6 +27,7 @@ from xlm.config import XlmConfig
 from xlm.distributed.mesh import per_device_bytes
 from xlm.logger import init_logger
 from xlm.multimodal.budget import tokens_per_image
+from xlm.multimodal.processor_config import resolve_processor_config
 from xlm.platforms.target import CompileTarget, compile_target
 from xlm.quantization import SCHEMES
 from xlm.worker.compilation import ProgramKey, ProgramKind, ProgramSpec
@@ -139,13 +140,16 @@ def counted_cost(worker: Worker) -> Callable[[ProgramKey], tuple[float, float]]:
     hf = worker.config.model_config.hf_config
     encoder_bytes = worker.encoder_weight_bytes_per_device()
     encoder_elements = worker.encoder_weight_bytes_per_device(elements=True)
+    # An image-count bucket's images each bring tokens_per_image patches; a patch-count
+    # bucket (Qwen2-VL's encoder_layout) counts its patches itself.
+    by_patches = hasattr(worker.model, "encoder_layout")
+    per_image = 1 if by_patches else tokens_per_image(hf, resolve_processor_config(worker.config))
 
     def count(key: ProgramKey) -> tuple[float, float]:
         if key.kind == ProgramKind.MODEL:
             return 2.0 * weights * key.size, float(weight_bytes)
         if key.kind == ProgramKind.ENCODER:  # each image's patches through every weight
-            patches = tokens_per_image(hf) or 1
-            return 2.0 * encoder_elements * patches * key.size, float(encoder_bytes)
+            return 2.0 * encoder_elements * (per_image or 1) * key.size, float(encoder_bytes)
         width = hf.hidden_size if key.kind == ProgramKind.POOLER else hf.vocab_size
         return 8.0 * key.size * width, 4.0 * 4 * key.size * width
 

@@ -44,3 +44,37 @@ def test_version_and_no_eager_imports(capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out == f"xlm {xlm.__version__}\n"
+
+
+@pytest.fixture
+def qwen_vl_config_dir(tmp_path):
+    """A Qwen2-VL config.json (no weights: start-up fails before they are read)."""
+    from tests.qwen2_vl_fixtures import _configs
+
+    _configs(False).save_pretrained(str(tmp_path))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "run-batch"])
+def test_bad_mm_processor_kwargs_stop_start_up_in_one_line(
+    command, qwen_vl_config_dir, tmp_path, capsys
+):
+    """Every engine command takes --mm-processor-kwargs; a key the model's processor does
+    not take stops start-up with one line naming it and the allowed ones (no server runs,
+    so no request ever gets a 400 for it)."""
+    if command == "serve":
+        argv = [command, qwen_vl_config_dir]
+    else:
+        argv = [command, "--model", qwen_vl_config_dir]
+    if command == "run-batch":
+        batch = tmp_path / "in.jsonl"
+        batch.write_text(
+            '{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
+            '"body": {"model": "m", "prompt": "w1"}}\n'
+        )
+        argv += ["-i", str(batch), "-o", str(tmp_path / "out.jsonl")]
+    argv += ["--mm-processor-kwargs", '{"max_pixel": 4096}']
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"xlm {command}: error: ") and err.count("\n") == 1
+    assert "'max_pixel'" in err and "allowed min_pixels, max_pixels, size" in err

@@ -343,3 +343,38 @@ def test_tiny_llava_counts_the_encoders_programs_weights_and_cache(tmp_path, cap
     assert 0 <= pc["budget_bytes"] - pc["total_bytes"] < block_bytes
     text = format_report(r)
     assert "encoder cache" in text and "encoder[1]" in text
+
+
+def test_qwen2_vl_plan_follows_the_pixel_cap_and_mm_processor_kwargs(tmp_path, capsys):
+    """The encoder's patch buckets and the encoder cache's pool follow the engine's
+    preprocessor config: the real default max_pixels capped to the step budget (64
+    tokens), or the --mm-processor-kwargs max_pixels (16 tokens)."""
+    from tests.qwen2_vl_fixtures import (
+        MERGE_SIZE,
+        MIN_PIXELS,
+        PATCH_SIZE,
+        _configs,
+        write_real_style_processor_config,
+    )
+    from xlm.models.qwen2_vl_inputs import patch_buckets
+
+    path = str(tmp_path / "qwen2_vl")
+    config = _configs(False)
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    config.save_pretrained(path)
+    write_real_style_processor_config(path)
+    flags = ["--target-topology", "v5e:2x2", "-tp", "1", *ENGINE, "--max-model-len", "256"]
+    hidden = config.text_config.hidden_size
+    rows = {}
+    for tokens, extra in ((64, []), (16, ["--mm-processor-kwargs", '{"max_pixels": 1024}'])):
+        code, r, _ = run_plan(capsys, path, *flags, *extra)
+        assert code == 0
+        buckets = patch_buckets(MIN_PIXELS // PATCH_SIZE**2, tokens * MERGE_SIZE**2)
+        assert r["num_programs_by_kind"]["encoder"] == len(buckets)
+        names = {p["name"] for p in r["programs"]}
+        assert f"encoder[{buckets[-1]}]" in names
+        slots = max(4, 64 // tokens + 2)
+        rows[tokens] = 1 + slots * tokens
+        per_row = r["per_chip"]["encoder_cache_bytes"] / (rows[tokens] * hidden)
+        assert per_row in (2, 4)  # one element of the model's dtype a row entry
+    assert (rows[64], rows[16]) == (257, 97)

@@ -191,3 +191,59 @@ def test_outer_config_ties_the_embeddings():
     assert model.lm_head is None
     # A checkpoint's lm_head copy (if any) is skipped, not loaded.
     assert model.hf_weight_targets("lm_head.weight", {})[0].param == ""
+
+
+@pytest.fixture(scope="module")
+def real_pixels_qwen_vl(tmp_path_factory):
+    """A tiny Qwen2.5-VL whose preprocessor_config.json is in the real checkpoints' form
+    with their default max_pixels (12845056: 200704 tokens an image at patch 4)."""
+    from tests.qwen2_vl_fixtures import write_real_style_processor_config, write_tiny_qwen_vl
+
+    path = str(tmp_path_factory.mktemp("real_pixels") / "qwen2_5_vl")
+    return write_real_style_processor_config(write_tiny_qwen_vl(path, v25=True))
+
+
+# Big enough that the real default would keep more tokens than the cap (90x90: 121).
+CAP_SIZES = [(90, 90), (120, 40), (40, 33)]
+
+
+def _generate_equals_transformers(llm, path: str, processor_kwargs: dict) -> list[int]:
+    """Each CAP_SIZES image alone, then two in one prompt: greedy ids equal transformers'
+    given `processor_kwargs`, nothing compiled after warm-up; each prompt's image tokens."""
+    compiled = llm.llm_engine.num_compilations
+    images = [make_image(30 + i, *size) for i, size in enumerate(CAP_SIZES)]
+    cases = [(_prompt(IMAGE_PART, "w5 w9"), [image]) for image in images]
+    cases.append((_prompt("w3", IMAGE_PART, "w4", IMAGE_PART), images[:2]))
+    lengths = []
+    for prompt, pair in cases:
+        out = _run(llm, prompt, pair)
+        ids = llm.get_tokenizer().encode(prompt)
+        want = transformers_greedy(path, ids, pair, MAX_TOKENS, processor_kwargs)
+        assert list(out.outputs[0].token_ids) == want, (prompt, [im.size for im in pair])
+        lengths.append(len(out.prompt_token_ids) - len(ids) + len(pair))
+    assert llm.llm_engine.num_compilations == compiled
+    return lengths
+
+
+def test_real_default_max_pixels_is_capped_to_the_step_budget(real_pixels_qwen_vl):
+    """The checkpoint's max_pixels would make an encoder bucket of 802816 patches; the
+    engine caps it to max_num_batched_tokens' worth (64 tokens: 64 * 8^2 pixels), and its
+    outputs equal transformers' processor given that max_pixels."""
+    llm = xlm.LLM(model=real_pixels_qwen_vl, **TINY_ENGINE)
+    capped = 64 * (4 * MERGE_SIZE) ** 2
+    assert llm.llm_engine.config.model_config.mm_processor_config["max_pixels"] == capped
+    image_tokens = _generate_equals_transformers(llm, real_pixels_qwen_vl, {"max_pixels": capped})
+    assert image_tokens[0] == 64  # 90x90 capped (121 tokens under the checkpoint's limit)
+
+
+def test_mm_processor_kwargs_reach_the_engine(real_pixels_qwen_vl):
+    """LLM(mm_processor_kwargs=...) sets the pixels the engine and transformers both use."""
+    kwargs = {"max_pixels": 20 * (4 * MERGE_SIZE) ** 2, "min_pixels": 12 * (4 * MERGE_SIZE) ** 2}
+    llm = xlm.LLM(model=real_pixels_qwen_vl, mm_processor_kwargs=kwargs, **TINY_ENGINE)
+    image_tokens = _generate_equals_transformers(llm, real_pixels_qwen_vl, kwargs)
+    assert all(12 <= n <= 20 for n in image_tokens[:-1])  # one image a prompt
+
+
+def test_bad_mm_processor_kwargs_fail_at_construction(real_pixels_qwen_vl):
+    with pytest.raises(ValueError, match="key 'max_pixel' .* allowed min_pixels, max_pixels"):
+        xlm.LLM(model=real_pixels_qwen_vl, mm_processor_kwargs={"max_pixel": 4096})

@@ -98,3 +98,20 @@ def test_engine_fingerprint_follows_xla_flags_but_not_the_device_count(
     flags = "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
     monkeypatch.setenv("XLA_FLAGS", flags)
     assert engine_fingerprint(config, 16, jnp.float32) == level0
+
+
+def test_engine_fingerprint_follows_the_image_processor_config(tiny_qwen_vl):
+    """Programs saved under another max_pixels (mm_processor_kwargs, the engine's cap) have
+    other encoder buckets and another pool: they are not loaded."""
+    from xlm.engine.arg_utils import EngineArgs
+    from xlm.worker.compilation import engine_fingerprint
+
+    fingerprints = {
+        engine_fingerprint(
+            EngineArgs(model=tiny_qwen_vl, mm_processor_kwargs=kwargs).create_config(),
+            16,
+            jnp.float32,
+        )
+        for kwargs in (None, {"max_pixels": 1024}, '{"max_pixels": 2048}')
+    }
+    assert len(fingerprints) == 3

@@ -83,6 +83,13 @@ class ModelConfig:
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     max_image_pixels: int | None = None
+    # Options of the model's image processor over its preprocessor_config.json (vLLM's
+    # mm_processor_kwargs: Qwen2-VL's {"min_pixels": ..., "max_pixels": ...}); the keys a
+    # family takes are checked once the checkpoint's config is read.
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # Set with the scheduler's budget (xlm.multimodal.processor_config): the preprocessor
+    # config the engine runs with, the kwargs applied and Qwen2-VL's max_pixels fit.
+    mm_processor_config: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     hf_config: Any = field(default=None, repr=False, compare=False)
     # The pooling a pooling runner applies when a request does not say (set with runner).
     default_pooling: Any = field(default=None, repr=False, compare=False)
@@ -121,6 +128,15 @@ class ModelConfig:
             "limit_mm_per_prompt",
             limits,
             'a dict like {"image": N} with N >= 0',
+        )
+        kwargs = self.mm_processor_kwargs
+        _require(
+            kwargs is None
+            or (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)),
+            owner,
+            "mm_processor_kwargs",
+            kwargs,
+            'a JSON object of the image processor\'s options, like {"max_pixels": 1003520}',
         )
         _require(
             self.quantization is None or self.quantization in QUANTIZATION_METHODS,

@@ -36,6 +36,11 @@ HELP = {
     "allowed_media_domains": "comma-separated hosts whose http(s) image URLs the server "
     "fetches (default: none; remote URLs are refused)",
     "max_image_pixels": "most pixels (width x height) of one input image (default: 64 Mpx)",
+    "mm_processor_kwargs": "options of the model's image processor over its "
+    "preprocessor_config.json, a JSON object; Qwen2-VL / Qwen2.5-VL: min_pixels, max_pixels "
+    "(or size: shortest_edge, longest_edge), e.g. '{\"max_pixels\": 1003520}'; without "
+    "max_pixels, images are capped to min(max_num_batched_tokens, max_model_len) tokens "
+    "(docs/multimodal.md)",
     "generation_config": "'auto' (use generation_config.json defaults), 'xlm' or a directory",
     "runner": "generate (text), pooling (embeddings: one vector per input), or auto (pooling "
     "when the checkpoint is an embedder: sentence-transformers files or a *Model "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,11 +31,25 @@ from xlm.models.pooling_config import (
     resolve_convert,
     resolve_runner,
 )
+from xlm.multimodal.processor_config import resolve_processor_config
 
 logger = init_logger(__name__)
 
 # Deprecated option -> (the startup_programs it means when set, the value that sets it).
 DEPRECATED_STARTUP_OPTIONS = {"compile_all_first": ("all", True), "warmup": ("used", False)}
+
+
+def _json_object(name: str, value: Any) -> dict[str, Any] | None:
+    """A dict option given as a dict or its JSON text (the CLI's); None passes."""
+    if not isinstance(value, str):
+        return value
+    try:
+        value = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}={value!r} is invalid: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={value!r} is invalid: allowed a JSON object")
+    return value
 
 
 def _gguf_quant_layout(model_path: str, load_format: str) -> Any:
@@ -69,6 +84,8 @@ class EngineArgs:
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     max_image_pixels: int | None = None
+    # A dict (or its JSON text) of the image processor's options (vLLM's name).
+    mm_processor_kwargs: dict[str, Any] | str | None = None
     runner: str = "auto"
     convert: str = "auto"
     block_size: int = CacheConfig.block_size
@@ -203,6 +220,7 @@ class EngineArgs:
             allowed_local_media_path=self.allowed_local_media_path,
             allowed_media_domains=self.allowed_media_domains,
             max_image_pixels=self.max_image_pixels,
+            mm_processor_kwargs=_json_object("mm_processor_kwargs", self.mm_processor_kwargs),
         )
         model_config.hf_config = load_hf_config(model_path, self.load_format)
         # A compressed-tensors checkpoint runs in the scheme it is stored in.
@@ -288,6 +306,9 @@ class EngineArgs:
             )
         config.set_max_model_len(max_model_len)
         platforms.current_platform.check_and_update_config(config)
+        # The image processor's config with mm_processor_kwargs and the engine's cap, now
+        # that the step budget is known (a bad key or value fails here, at construction).
+        resolve_processor_config(config)
         return config
 
     def _speculative_config(self, model_config: ModelConfig) -> SpeculativeConfig | None:

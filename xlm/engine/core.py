@@ -22,6 +22,7 @@ from xlm.logger import init_logger
 from xlm.lora.request import LoRARequest
 from xlm.metrics import startup
 from xlm.multimodal.budget import encoder_cache_slots, images_in_one_step
+from xlm.multimodal.processor_config import resolve_processor_config
 from xlm.structured_output.manager import StructuredOutputManager
 from xlm.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -70,7 +71,7 @@ class EngineCore:
         slots = encoder_cache_slots(
             config.model_config.hf_config,
             config.scheduler_config.max_num_batched_tokens,
-            config.model_config.model,
+            resolve_processor_config(config),
         )
         if slots:  # a step covers no more images than the runner's encoder cache holds
             self.scheduler.image_rule = ImageRule(slots, images_in_one_step(config))

@@ -15,6 +15,7 @@ from xlm.lora.request import LoRARequest
 from xlm.models.pooling_config import label_names
 from xlm.multimodal.image import DEFAULT_MAX_IMAGE_PIXELS, MediaPolicy
 from xlm.multimodal.processing import MultiModalProcessor, get_mm_processor
+from xlm.multimodal.processor_config import resolve_processor_config
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import MAX_DEVICE_LOGPROBS, RequestOutputKind, SamplingParams
 from xlm.structured_output.backend import validate as validate_structured_outputs
@@ -91,7 +92,10 @@ class Processor:
         )
         processor.media_policy = media_policy(model_config)
         processor.mm_processor = get_mm_processor(
-            model_config.hf_config, model_config.model, processor.media_policy
+            model_config.hf_config,
+            model_config.model,
+            processor.media_policy,
+            resolve_processor_config(config),
         )
         if model_config.limit_mm_per_prompt:
             processor.mm_limits.update(model_config.limit_mm_per_prompt)

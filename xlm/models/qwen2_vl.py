@@ -191,9 +191,10 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         )
         self.merge_size = hf_config.vision_config.spatial_merge_size
 
-    def encoder_layout(self, hf_config: Any, model_dir: str) -> PatchCountLayout:
-        """How the runner packs images into the encoder program (by patch count)."""
-        min_pixels, max_tokens = qwen2_vl_max_tokens(model_dir)
+    def encoder_layout(self, hf_config: Any, processor_config: dict | None) -> PatchCountLayout:
+        """How the runner packs images into the encoder program (by patch count), under
+        the engine's preprocessor config (xlm.multimodal.processor_config)."""
+        min_pixels, max_tokens = qwen2_vl_max_tokens(processor_config)
         return PatchCountLayout(hf_config.vision_config, min_pixels, max_tokens)
 
     def mrope_positions(

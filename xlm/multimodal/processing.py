@@ -19,9 +19,9 @@ import numpy as np
 
 from xlm.engine.exceptions import RequestValidationError
 from xlm.logger import init_logger
-from xlm.multimodal.budget import read_preprocessor_config
 from xlm.multimodal.image import MediaPolicy, check_image
 from xlm.multimodal.inputs import MultiModalFeature
+from xlm.multimodal.processor_config import read_preprocessor_config
 from xlm.multimodal.qwen2_vl import Qwen2VLImagePreprocessor
 
 logger = init_logger(__name__)
@@ -100,9 +100,21 @@ def content_hash(modality: str, pixels: np.ndarray) -> str:
 class MultiModalProcessor:
     """A family's processor: its placeholder token, tokens per image, and the pixels."""
 
-    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        model_dir: str,
+        policy: MediaPolicy,
+        processor_config: dict[str, Any] | None = None,
+    ) -> None:
         self.hf_config = hf_config
+        self.model_dir = model_dir
         self.policy = policy
+        # The engine's preprocessor config (xlm.multimodal.processor_config: the
+        # checkpoint's with mm_processor_kwargs and the engine's cap), else the checkpoint's.
+        if processor_config is None:
+            processor_config = read_preprocessor_config(model_dir)
+        self.processor_config = processor_config
         self.placeholder_token_id = int(
             getattr(hf_config, "image_token_index", None)
             or getattr(hf_config, "image_token_id", None)
@@ -172,9 +184,15 @@ class LlavaProcessor(FixedSizeProcessor):
     """LLaVA-1.5: CLIP preprocessing; (image_size / patch_size)^2 tokens an image (plus
     the class token with vision_feature_select_strategy 'full')."""
 
-    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
-        super().__init__(hf_config, model_dir, policy)
-        self.preprocess = CLIPImagePreprocessor(read_preprocessor_config(model_dir))
+    def __init__(
+        self,
+        hf_config: Any,
+        model_dir: str,
+        policy: MediaPolicy,
+        processor_config: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(hf_config, model_dir, policy, processor_config)
+        self.preprocess = CLIPImagePreprocessor(self.processor_config)
         vision = hf_config.vision_config
         self.image_size, self.patch_size = vision.image_size, vision.patch_size
         full = getattr(hf_config, "vision_feature_select_strategy", "default") == "full"
@@ -202,13 +220,20 @@ class Gemma3Processor(FixedSizeProcessor):
     "\n\n", `<start_of_image>`, mm_tokens_per_image image tokens, `<end_of_image>`,
     "\n\n" (a newline run next to it merged into one token, as the tokenizer would)."""
 
-    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
-        super().__init__(hf_config, model_dir, policy)
-        config = read_preprocessor_config(model_dir)
+    def __init__(
+        self,
+        hf_config: Any,
+        model_dir: str,
+        policy: MediaPolicy,
+        processor_config: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(hf_config, model_dir, policy, processor_config)
+        config = self.processor_config
         if config.get("do_pan_and_scan"):
             logger.warning(
                 "preprocessor_config.json asks for pan-and-scan, which xlm does not apply: "
-                "each image is resized whole to the vision tower's size"
+                "each image is resized whole to the vision tower's size (--mm-processor-kwargs "
+                "'{\"do_pan_and_scan\": false}' says so and drops this warning)"
             )
         size = hf_config.vision_config.image_size
         self.preprocess = CLIPImagePreprocessor(
@@ -221,7 +246,7 @@ class Gemma3Processor(FixedSizeProcessor):
         self.placeholder_token_id = int(hf_config.boi_token_index)
         self.eoi_token_id = int(hf_config.eoi_token_index)
         self.tokens = int(hf_config.mm_tokens_per_image)
-        self.newlines = newline_token_ids(model_dir)
+        self.newlines = newline_token_ids(self.model_dir)
         self.run_of = {i: n for n, i in self.newlines.items()}
 
     def process(
@@ -266,9 +291,15 @@ class Qwen2VLProcessor(MultiModalProcessor):
     """Qwen2-VL / Qwen2.5-VL: smart_resize preprocessing (xlm.multimodal.qwen2_vl); an
     image of h x w patches becomes h * w / merge_size^2 tokens."""
 
-    def __init__(self, hf_config: Any, model_dir: str, policy: MediaPolicy) -> None:
-        super().__init__(hf_config, model_dir, policy)
-        self.preprocess = Qwen2VLImagePreprocessor(read_preprocessor_config(model_dir))
+    def __init__(
+        self,
+        hf_config: Any,
+        model_dir: str,
+        policy: MediaPolicy,
+        processor_config: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(hf_config, model_dir, policy, processor_config)
+        self.preprocess = Qwen2VLImagePreprocessor(self.processor_config)
         vision = hf_config.vision_config
         if (self.preprocess.patch_size, self.preprocess.merge_size) != (
             vision.patch_size,
@@ -306,10 +337,14 @@ PROCESSORS: dict[str, type[MultiModalProcessor]] = {
 
 
 def get_mm_processor(
-    hf_config: Any, model_dir: str, policy: MediaPolicy | None = None
+    hf_config: Any,
+    model_dir: str,
+    policy: MediaPolicy | None = None,
+    processor_config: dict[str, Any] | None = None,
 ) -> MultiModalProcessor | None:
-    """The processor of a multimodal checkpoint; None for a text-only one."""
+    """The processor of a multimodal checkpoint; None for a text-only one. Its pixels
+    follow `processor_config` (the engine's), else the checkpoint's own config."""
     cls = PROCESSORS.get(getattr(hf_config, "model_type", None))
     if cls is None:
         return None
-    return cls(hf_config, model_dir, policy or MediaPolicy())
+    return cls(hf_config, model_dir, policy or MediaPolicy(), processor_config)

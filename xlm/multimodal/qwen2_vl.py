@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from xlm.engine.exceptions import RequestValidationError
-from xlm.multimodal.budget import qwen2_vl_pixel_limits
+from xlm.multimodal.processor_config import qwen2_vl_pixel_limits
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

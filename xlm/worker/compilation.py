@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import json
 import os
 import re
 import threading
@@ -31,6 +32,7 @@ from tqdm import tqdm
 from xlm import envs, platforms
 from xlm.config import XlmConfig
 from xlm.logger import init_logger
+from xlm.multimodal.processor_config import resolve_processor_config
 from xlm.ops import FloatMatmul, cpu_kernels
 from xlm.worker.buckets import Buckets
 from xlm.worker.executable_cache import ExecutableCache
@@ -118,6 +120,9 @@ def engine_fingerprint(
             model.quantization,  # the kernels' element types and their scales
             model.quant_layout,
             model.hf_config.to_json_string(),
+            # The image processor's config sizes the encoder's buckets and its pool
+            # (mm_processor_kwargs and the max_pixels cap change them, not the checkpoint).
+            json.dumps(resolve_processor_config(config), sort_keys=True, default=str),
             # The step shapes (async scheduling, policy and chunking change no program).
             config.scheduler_config.max_num_batched_tokens,
             config.scheduler_config.max_num_seqs,

@@ -28,6 +28,7 @@ from xlm.distributed.mesh import put_replicated, replicated, replicated_shape
 from xlm.models.loader import resolve_dtype
 from xlm.multimodal.budget import bidirectional_images, encoder_cache_slots, tokens_per_image
 from xlm.multimodal.inputs import features_in_range
+from xlm.multimodal.processor_config import resolve_processor_config
 from xlm.worker.compilation import ProgramKey, ProgramKind, ProgramSpec, ProgramStore
 
 
@@ -121,14 +122,15 @@ class EncoderRunner:
     ) -> EncoderRunner | None:
         """A multimodal model's encoder runner with its pool placed (its shape only on a
         compile target's runner), or None for a text model."""
-        hf_config, model_dir = config.model_config.hf_config, config.model_config.model
+        hf_config = config.model_config.hf_config
+        processor_config = resolve_processor_config(config)
         max_tokens = config.scheduler_config.max_num_batched_tokens
-        slots = encoder_cache_slots(hf_config, max_tokens, model_dir)
+        slots = encoder_cache_slots(hf_config, max_tokens, processor_config)
         if not slots:
             return None
-        per_image = tokens_per_image(hf_config, model_dir)
+        per_image = tokens_per_image(hf_config, processor_config)
         if hasattr(model, "encoder_layout"):  # images of varying size (Qwen2-VL)
-            layout = model.encoder_layout(hf_config, model_dir)
+            layout = model.encoder_layout(hf_config, processor_config)
         else:  # images of one size (LLaVA)
             vision = hf_config.vision_config
             shape = (vision.num_channels, vision.image_size, vision.image_size)

@@ -21,6 +21,7 @@ from xlm.lora.request import LoRARequest
 from xlm.metrics import startup
 from xlm.models.loader import get_model, load_hf_config, resolve_dtype
 from xlm.multimodal.budget import encoder_pool_bytes
+from xlm.multimodal.processor_config import resolve_processor_config
 from xlm.platforms.cpu import DEFAULT_CPU_KV_CACHE_GIB
 from xlm.platforms.target import CompileTarget, compile_target
 from xlm.worker.host_kv_cache import host_block_bytes
@@ -211,7 +212,9 @@ class Worker:
         model_config = self.config.model_config
         itemsize = jnp.dtype(resolve_dtype(model_config.dtype, model_config.hf_config)).itemsize
         tokens = self.config.scheduler_config.max_num_batched_tokens
-        return encoder_pool_bytes(model_config.hf_config, tokens, itemsize, model_config.model)
+        return encoder_pool_bytes(
+            model_config.hf_config, tokens, itemsize, resolve_processor_config(self.config)
+        )
 
     def blocks_for_one_request(self) -> int:
         """The fewest blocks that serve one request of max_model_len (and the null block)."""
