@@ -178,7 +178,7 @@ GROUNDED = [
 
 
 def test_smollm2_greedy_and_logprobs_equal_with_speculation(smollm2_llm, spec_smollm2):
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     want = smollm2_llm.generate(GROUNDED, params, use_tqdm=False)
     compiled = spec_smollm2.llm_engine.num_compilations
     before = spec_smollm2.get_stats()
@@ -195,8 +195,8 @@ def test_smollm2_greedy_and_logprobs_equal_with_speculation(smollm2_llm, spec_sm
             )
     after = spec_smollm2.get_stats()
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-    # Copying text: most of the 4 x 24 tokens come from accepted proposals.
-    assert accepted > 24, after
+    # Copying text: most of the 4 x 40 tokens come from accepted proposals.
+    assert accepted > 40, after
     assert after.spec_mean_accepted_length > 1.5
     # Alone, too.
     (alone,) = spec_smollm2.generate(GROUNDED[2:3], params, use_tqdm=False)
