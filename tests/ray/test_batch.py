@@ -320,7 +320,7 @@ def test_row_that_kills_its_replica_ends_as_error_record(ray_cluster, model, loc
 def test_run_batch_ray_embeddings_to_parquet_lists(ray_cluster, model, tmp_path):
     """200 /v1/embeddings lines over two replicas: every line once, LLM.embed's vectors,
     and the Parquet result keeps them as a list column."""
-    from tests.e2e.test_run_batch import check_embedding_results, embedding_records
+    from tests.e2e.test_run_batch_jobs import check_embedding_results, embedding_records
     from xlm.ray.batch import run_batch_on_ray
 
     records = embedding_records(200)
