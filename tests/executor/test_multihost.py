@@ -1,6 +1,6 @@
 """The multihost executor's process bookkeeping: which id a process has, where the leader's
 step channel listens, who follows, and stdout kept for Python (the executor itself runs
-in tests/e2e/test_multihost.py)."""
+in tests/e2e/test_multihost_runs.py)."""
 
 from __future__ import annotations
 
