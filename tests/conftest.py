@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -187,26 +188,51 @@ def _randomize(model) -> None:
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
 
 
-def build_tokenizer():
-    """A tiny word-level fast tokenizer with special tokens and a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def word_level_tokenizer(
+    vocab: list[str],
+    special_tokens: list[str],
+    chat_template: str,
+    bos: str = "<s>",
+    eos: str = "</s>",
+    added: tuple[str, ...] = (),
+    **extra: Any,
+):
+    """A word-level fast tokenizer splitting on white space: `vocab` in id order (it holds
+    "<unk>" and "<pad>"), `special_tokens` its additional special tokens, `added` tokens
+    matched before the split, and a chat template."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
-    words = [f"w{i}" for i in range(VOCAB_SIZE - len(specials))]
-    vocab = {tok: i for i, tok in enumerate(specials + words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_tokens([AddedToken(t, normalized=False) for t in added])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
+        bos_token=bos,
+        eos_token=eos,
         unk_token="<unk>",
         pad_token="<pad>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=special_tokens,
+        **extra,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
+
+
+def save_checkpoint(path: str, model: Any, tokenizer: Any, *processors: Any) -> str:
+    """Save a transformers model, its tokenizer and its preprocessors into `path`."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    for processor in processors:
+        processor.save_pretrained(path)
+    return path
+
+
+def build_tokenizer():
+    """A tiny word-level fast tokenizer with special tokens and a chat template."""
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    words = [f"w{i}" for i in range(VOCAB_SIZE - len(specials))]
+    return word_level_tokenizer(specials + words, ["<|im_start|>", "<|im_end|>"], CHAT_TEMPLATE)
 
 
 def write_tiny_checkpoint(
@@ -224,9 +250,7 @@ def write_tiny_checkpoint(
     torch.manual_seed(seed)
     model = getattr(transformers, auto_class).from_config(config, dtype=torch.float32)
     _randomize(model)
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return path
+    return save_checkpoint(path, model, build_tokenizer())
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.conftest import _BASE, VOCAB_SIZE
+from tests.conftest import _BASE, VOCAB_SIZE, save_checkpoint, word_level_tokenizer
 
 IMAGE_SIZE = 28
 PATCH_SIZE = 7
@@ -33,24 +33,13 @@ TINY_VISION = dict(
 
 def build_llava_tokenizer():
     """Word-level tokenizer: specials, `<image>` (the last id) and words w0, w1, ..."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
     words = [f"w{i}" for i in range(VOCAB_SIZE - len(specials) - 1)]
-    vocab = {tok: i for i, tok in enumerate(specials + words + [IMAGE_TOKEN])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>", IMAGE_TOKEN],
+    return word_level_tokenizer(
+        specials + words + [IMAGE_TOKEN],
+        ["<|im_start|>", "<|im_end|>", IMAGE_TOKEN],
+        CHAT_TEMPLATE,
     )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def write_tiny_llava(path: str, seed: int = 0) -> str:
@@ -82,12 +71,10 @@ def write_tiny_llava(path: str, seed: int = 0) -> str:
             else:
                 fan_in = p[0].numel() if p.dim() > 1 else p.shape[-1]
                 p.copy_(torch.randn_like(p) * fan_in**-0.5)
-    model.save_pretrained(path)
-    build_llava_tokenizer().save_pretrained(path)
-    CLIPImageProcessorPil(
+    processor = CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    ).save_pretrained(path)
-    return path
+    )
+    return save_checkpoint(path, model, build_llava_tokenizer(), processor)
 
 
 def write_llava_config(path: str, text: dict) -> str:
@@ -164,31 +151,22 @@ GEMMA3_CHAT_TEMPLATE = (
 def build_gemma3_tokenizer():
     """Word-level tokenizer: specials, words, "\\n\\n" (an added token, as Gemma's single
     double-newline token) and Gemma 3's image tokens (the last three ids)."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     specials += ["user", "model"]  # the chat template's roles
     words = [f"w{i}" for i in range(VOCAB_SIZE - len(specials) - 4)]
-    vocab = {t: i for i, t in enumerate(specials + words + ["\n\n", *GEMMA3_SPECIALS])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_tokens([AddedToken("\n\n", normalized=False)])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        additional_special_tokens=["<start_of_turn>", "<end_of_turn>", *GEMMA3_SPECIALS],
+    return word_level_tokenizer(
+        specials + words + ["\n\n", *GEMMA3_SPECIALS],
+        ["<start_of_turn>", "<end_of_turn>", *GEMMA3_SPECIALS],
+        GEMMA3_CHAT_TEMPLATE,
+        bos="<bos>",
+        eos="<eos>",
+        added=("\n\n",),
         extra_special_tokens={
             "boi_token": "<start_of_image>",
             "eoi_token": "<end_of_image>",
             "image_token": "<image_soft_token>",
         },
     )
-    fast.chat_template = GEMMA3_CHAT_TEMPLATE
-    return fast
 
 
 def write_tiny_gemma3(path: str, seed: int = 0) -> str:
@@ -241,10 +219,8 @@ def write_tiny_gemma3(path: str, seed: int = 0) -> str:
             else:
                 fan_in = p[0].numel() if p.dim() > 1 else p.shape[-1]
                 p.copy_(torch.randn_like(p) * fan_in**-0.5)
-    model.save_pretrained(path)
-    build_gemma3_tokenizer().save_pretrained(path)
-    Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(path)
-    return path
+    processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return save_checkpoint(path, model, build_gemma3_tokenizer(), processor)
 
 
 def make_blocky_image(seed: int, width: int = 40, height: int = 33):
@@ -308,3 +284,58 @@ def generate_sharing_one_image(llm, prompts: list[str], image, params) -> list:
     assert after["misses"] - before["misses"] == 1
     assert after["hits"] - before["hits"] >= 1
     return outs
+
+
+_TP_SCRIPT = """
+import json, sys
+import xlm
+from tests import multimodal_fixtures
+from tests.engine.reference import TINY_ENGINE
+make_image = getattr(multimodal_fixtures, sys.argv[3])
+llm = xlm.LLM(model=sys.argv[1], tensor_parallel_size=2, **TINY_ENGINE)
+compiled = llm.llm_engine.num_compilations
+outs = llm.generate(
+    [{"prompt": sys.argv[2], "multi_modal_data": {"image": make_image(*args)}}
+     for args in json.loads(sys.argv[4])],
+    xlm.SamplingParams(max_tokens=int(sys.argv[5]), temperature=0),
+    use_tqdm=False,
+)
+print(json.dumps({
+    "tokens": [list(o.outputs[0].token_ids) for o in outs],
+    "compiled_after_warmup": llm.llm_engine.num_compilations - compiled,
+}))
+"""
+
+
+def generate_with_tensor_parallel(
+    model: str,
+    prompt: str,
+    image_maker: str,
+    image_args: list[list[int]],
+    num_devices: int,
+    max_tokens: int = 6,
+) -> dict:
+    """Greedy tokens of one request per image (`image_maker(*args)` of this module) at
+    TP=2, in a fresh process with `num_devices` fake CPU devices (JAX fixes the count at
+    start): {"tokens": [...], "compiled_after_warmup": n}."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import fake_devices_env
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = fake_devices_env(num_devices, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    args = [model, prompt, image_maker, json.dumps(image_args), str(max_tokens)]
+    proc = subprocess.run(
+        [sys.executable, "-c", _TP_SCRIPT, *args],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.conftest import _BASE, VOCAB_SIZE
+from tests.conftest import _BASE, VOCAB_SIZE, save_checkpoint, word_level_tokenizer
 
 PATCH_SIZE = 4
 MERGE_SIZE = 2
@@ -28,24 +28,13 @@ CHAT_TEMPLATE = (
 
 def build_qwen_vl_tokenizer():
     """Word-level tokenizer: specials, words w0, w1, ..., then the three vision tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
     words = [f"w{i}" for i in range(VOCAB_SIZE - len(specials) - len(VISION_TOKENS))]
-    vocab = {tok: i for i, tok in enumerate(specials + words + VISION_TOKENS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>", *VISION_TOKENS],
+    return word_level_tokenizer(
+        specials + words + VISION_TOKENS,
+        ["<|im_start|>", "<|im_end|>", *VISION_TOKENS],
+        CHAT_TEMPLATE,
     )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def _configs(v25: bool):
@@ -123,10 +112,8 @@ def write_tiny_qwen_vl(path: str, v25: bool, seed: int = 0) -> str:
             else:
                 fan_in = p[0].numel() if p.dim() > 1 else p.shape[-1]
                 p.copy_(torch.randn_like(p) * fan_in**-0.5)
-    model.save_pretrained(path)
-    build_qwen_vl_tokenizer().save_pretrained(path)
-    image_processor(MIN_PIXELS, MAX_PIXELS).save_pretrained(path)
-    return path
+    processor = image_processor(MIN_PIXELS, MAX_PIXELS)
+    return save_checkpoint(path, model, build_qwen_vl_tokenizer(), processor)
 
 
 def write_real_style_processor_config(path: str, max_pixels: int = REAL_MAX_PIXELS) -> str:

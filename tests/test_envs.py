@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from xlm import envs
@@ -121,3 +123,30 @@ def test_multihost_options_come_from_the_pod_unless_given(pod_env):
     assert not is_follower(config)
     uni = EngineArgs(model="m").create_parallel_config()
     assert (uni.num_processes, uni.process_id) == (None, None)
+
+
+def test_hugging_face_variables_as_huggingface_hub_reads_them(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert envs.hf_hub_offline() is None
+    for value, expected in (("1", True), (" on", True), ("TRUE", True), ("0", False)):
+        monkeypatch.setenv("HF_HUB_OFFLINE", value)
+        assert envs.hf_hub_offline() is expected
+        assert constants._is_true(value.strip()) is expected  # huggingface_hub's own rule
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    assert envs.hf_hub_cache() is None
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert envs.hf_hub_cache() == str(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "c"))
+    assert envs.hf_hub_cache() == str(tmp_path / "c")
+
+
+def test_transformers_advisories_are_quiet_unless_set(monkeypatch):
+    monkeypatch.delenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", raising=False)
+    envs.quiet_transformers_advisories()
+    assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "1"
+    monkeypatch.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "0")
+    envs.quiet_transformers_advisories()
+    assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "0"

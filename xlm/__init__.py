@@ -1,15 +1,15 @@
 """xlm: an LLM inference and serving engine built JAX/XLA-first."""
 
-import os
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+from xlm import envs
 
 __version__ = "0.1.0"
 
 # xlm reads configs, tokenizers and chat templates through transformers, which need no
-# PyTorch; without it transformers advises at import that "PyTorch was not found", a
-# misleading line on every normal run. Its advisory warnings are off unless set.
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# PyTorch: its advisory warnings are off unless set, before anything imports it.
+envs.quiet_transformers_advisories()
 
 # Public names resolved lazily, so `import xlm` stays cheap and never touches a device.
 _LAZY = {

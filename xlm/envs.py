@@ -184,6 +184,37 @@ def xla_flags() -> str:
     return os.environ.get("XLA_FLAGS", "")
 
 
+def jax_platforms() -> str:
+    """The platforms JAX is told to use (JAX_PLATFORMS), "" when unset."""
+    return os.environ.get("JAX_PLATFORMS", "")
+
+
+def hf_hub_offline() -> bool | None:
+    """HF_HUB_OFFLINE as huggingface_hub reads it (1/ON/YES/TRUE), None when unset."""
+    value = os.environ.get("HF_HUB_OFFLINE")
+    if value is None:
+        return None
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hf_hub_cache() -> str | None:
+    """The hub cache directory HF_HUB_CACHE names, else HF_HOME/hub, else None."""
+    cache = os.environ.get("HF_HUB_CACHE")
+    if cache:
+        return os.path.expanduser(cache)
+    home = os.environ.get("HF_HOME")
+    if home:
+        return os.path.join(os.path.expanduser(home), "hub")
+    return None
+
+
+def quiet_transformers_advisories() -> None:
+    """Turn transformers' advisory warnings off unless the user set them
+    (TRANSFORMERS_NO_ADVISORY_WARNINGS): without PyTorch, transformers advises at import
+    that "PyTorch was not found", a misleading line on every normal xlm run."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 def cuda_visible_devices() -> list[str] | None:
     """The GPU ids CUDA_VISIBLE_DEVICES names, or None when it is unset."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")

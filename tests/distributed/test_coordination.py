@@ -1,5 +1,5 @@
 """Meeting points of a multihost engine's processes, over a stand-in for JAX's coordination
-client (tests/e2e/test_multihost.py runs the real one across processes)."""
+client (tests/e2e/test_multihost_runs.py runs the real one across processes)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from openai.types.responses import Response
 
-from tests.e2e.test_run_batch import read, run_batch
+from tests.e2e.test_run_batch_jobs import read, run_batch
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.e2e.test_run_batch import read, run_batch, texts
+from tests.e2e.test_run_batch_jobs import read, run_batch, texts
 from xlm.entrypoints import run_batch as rb
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

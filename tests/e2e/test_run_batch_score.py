@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import build_tokenizer
-from tests.e2e.test_run_batch import read, run_batch
+from tests.e2e.test_run_batch_jobs import read, run_batch
 from tests.models.test_classifier import hf_class_logits, sigmoid, write_tiny_classifier
 
 QUERY = "w1 w2 w3"

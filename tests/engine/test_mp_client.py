@@ -47,16 +47,6 @@ def test_sync_client_round_trip(sync_client: SyncMPClient):
         sync_client.call_utility("step")
 
 
-def test_per_request_error_fails_only_that_request(sync_client: SyncMPClient):
-    sync_client.add_request(FakeRequest("bad", list(range(101))))
-    sync_client.add_request(FakeRequest("good", [1], max_tokens=2))
-    got = _collect(sync_client, {"bad", "good"})
-    assert got["bad"][0].finish_reason == "error"
-    assert "never fits" in got["bad"][0].stop_reason
-    assert got["good"][-1].finish_reason == "length"
-    sync_client.check_health()
-
-
 def test_abort_frees_request_and_idle_stats_follow(sync_client: SyncMPClient):
     sync_client.add_request(FakeRequest("long", [1], max_tokens=10_000))
     first = sync_client.get_output()
@@ -79,19 +69,6 @@ def test_killed_engine_raises_engine_dead_not_hang(sync_client: SyncMPClient):
         sync_client.add_request(FakeRequest("late", [1]))
     with pytest.raises(EngineDeadError):
         sync_client.check_health()
-
-
-def test_step_failure_is_reported_and_process_exits(sync_client: SyncMPClient):
-    sync_client.add_request(FakeRequest("boom", [-1, 2]))
-    with pytest.raises(EngineDeadError, match="step failure"):
-        sync_client.get_output()
-    sync_client.engine.proc.join(10)
-    assert sync_client.engine.proc.exitcode == 1
-
-
-def test_startup_failure_raises_with_cause():
-    with pytest.raises(RuntimeError, match="boom at start"):
-        SyncMPClient({"fail_start": True}, True, FakeEngineCoreProc)
 
 
 def test_shutdown_reaps_engine_process():

@@ -212,17 +212,6 @@ def test_more_replicas_than_the_topology_holds_is_a_clear_error(tmp_path, capsys
     assert "data_parallel_size=3: allowed 1 to 2" in capsys.readouterr().err
 
 
-def test_engine_refuses_a_compile_target():
-    from xlm.config import ModelConfig, ParallelConfig, XlmConfig
-    from xlm.executor.uniproc import UniProcExecutor
-
-    config = XlmConfig(
-        ModelConfig(model="m"), parallel_config=ParallelConfig(target_topology="v5e:2x2")
-    )
-    with pytest.raises(ValueError, match="only compiles"):
-        UniProcExecutor(config)
-
-
 def test_gpu_node_compiles_with_the_triton_kernel(tmp_path, capsys):
     """An H100 node, compiled by XLA:GPU (ptxas included) without a GPU. Needs JAX's CUDA
     plugin (jax[cuda12], 5.5 GB: not in the test extra; docs/tpu.md says how to run it)."""

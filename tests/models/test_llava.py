@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 import xlm
-from tests.conftest import fake_devices_env
 from tests.multimodal_fixtures import (
     TOKENS_PER_IMAGE,
     generate_sharing_one_image,
     generate_with_images,
+    generate_with_tensor_parallel,
     make_image,
     transformers_greedy,
 )
@@ -130,50 +130,12 @@ def test_no_compilation_after_warmup(tiny_llava_llm):
     assert tiny_llava_llm.llm_engine.num_compilations == compiled
 
 
-TP_SCRIPT = """
-import json, sys
-import xlm
-from tests.engine.reference import TINY_ENGINE
-from tests.multimodal_fixtures import make_image
-llm = xlm.LLM(model=sys.argv[1], tensor_parallel_size=2, **TINY_ENGINE)
-compiled = llm.llm_engine.num_compilations
-prompt = sys.argv[2]
-outs = llm.generate(
-    [{"prompt": prompt, "multi_modal_data": {"image": make_image(s)}} for s in (0, 1)],
-    xlm.SamplingParams(max_tokens=6, temperature=0),
-    use_tqdm=False,
-)
-print(json.dumps({
-    "tokens": [list(o.outputs[0].token_ids) for o in outs],
-    "compiled_after_warmup": llm.llm_engine.num_compilations - compiled,
-}))
-"""
-
-
 @pytest.mark.slow
 def test_tensor_parallel_replicates_the_encoder(tiny_llava, tmp_path):
     """TP=2 on two CPU devices: the decoder sharded, the vision tower and the encoder
     cache replicated; tokens equal transformers', nothing compiled after warm-up."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = fake_devices_env(2)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     prompt = _prompt("<image>", "w5 w9 w13")
-    proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT, tiny_llava, prompt],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = generate_with_tensor_parallel(tiny_llava, prompt, "make_image", [[0], [1]], 2)
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(tiny_llava).encode(prompt)

@@ -9,9 +9,13 @@ import numpy as np
 import pytest
 
 import xlm
-from tests.conftest import fake_devices_env
 from tests.engine.reference import TINY_ENGINE
-from tests.multimodal_fixtures import generate_sharing_one_image, generate_with_images, make_image
+from tests.multimodal_fixtures import (
+    generate_sharing_one_image,
+    generate_with_images,
+    generate_with_tensor_parallel,
+    make_image,
+)
 from tests.qwen2_vl_fixtures import IMAGE_PART, MERGE_SIZE, transformers_greedy
 
 MAX_TOKENS = 6
@@ -122,53 +126,15 @@ def test_no_compilation_after_warmup(qwen_vl_llm):
     assert qwen_vl_llm.llm_engine.num_compilations == compiled
 
 
-TP_SCRIPT = """
-import json, sys
-import xlm
-from tests.engine.reference import TINY_ENGINE
-from tests.multimodal_fixtures import make_image
-llm = xlm.LLM(model=sys.argv[1], tensor_parallel_size=2, **TINY_ENGINE)
-compiled = llm.llm_engine.num_compilations
-prompt = sys.argv[2]
-outs = llm.generate(
-    [{"prompt": prompt, "multi_modal_data": {"image": make_image(s, 40 + 10 * s, 33)}}
-     for s in (0, 1)],
-    xlm.SamplingParams(max_tokens=6, temperature=0),
-    use_tqdm=False,
-)
-print(json.dumps({
-    "tokens": [list(o.outputs[0].token_ids) for o in outs],
-    "compiled_after_warmup": llm.llm_engine.num_compilations - compiled,
-}))
-"""
-
-
 @pytest.mark.slow
 def test_tensor_parallel(tiny_qwen_vl, tmp_path):
     """TP=2 on CPU devices: the decoder sharded, the vision transformer and the encoder
     cache replicated; tokens equal transformers', nothing compiled after warm-up."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     if "qwen2_5_vl" not in tiny_qwen_vl:
         pytest.skip("one family under TP is enough (Qwen2.5-VL: windows and full layers)")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = fake_devices_env(8)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     prompt = _prompt(IMAGE_PART, "w5 w9 w13")
-    proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT, tiny_qwen_vl, prompt],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    image_args = [[s, 40 + 10 * s, 33] for s in (0, 1)]
+    result = generate_with_tensor_parallel(tiny_qwen_vl, prompt, "make_image", image_args, 8)
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(tiny_qwen_vl).encode(prompt)

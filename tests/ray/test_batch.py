@@ -323,7 +323,7 @@ def test_run_batch_ray_embeddings_to_parquet_lists(ray_cluster, model, tmp_path)
     """100 /v1/embeddings lines on one replica (the two-replica merge is the JSONL test's):
     every line once, LLM.embed's vectors, and the Parquet result keeps them as a list
     column."""
-    from tests.e2e.test_run_batch import check_embedding_results, embedding_records
+    from tests.e2e.test_run_batch_jobs import check_embedding_results, embedding_records
     from xlm.ray.batch import run_batch_on_ray
 
     records = embedding_records(100)

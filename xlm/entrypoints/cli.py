@@ -8,6 +8,7 @@ import sys
 
 import xlm
 from xlm.engine.arg_utils import EngineArgs
+from xlm.entrypoints import console
 from xlm.executor.multihost import follow_if_follower
 
 # Subcommand name -> (module under xlm.entrypoints, help). Each module defines
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             serve = importlib.import_module("xlm.entrypoints.serve")
             argv = ["serve", *serve.expand_argv(argv[1:])]
         except (ValueError, OSError) as e:
-            print(f"xlm serve: error: {e}", file=sys.stderr)
+            console.err(f"xlm serve: error: {e}")
             return 2
     args = parser.parse_args(argv)
     if args.command is None:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, ImportError) as e:
         # Bad options, paths or a missing package: one clear line, no traceback.
-        print(f"xlm {args.command}: error: {e}", file=sys.stderr)
+        console.err(f"xlm {args.command}: error: {e}")
         return 2
 
 

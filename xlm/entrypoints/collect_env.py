@@ -11,6 +11,7 @@ from typing import Any
 
 from xlm import platforms
 from xlm.config import ParallelConfig
+from xlm.entrypoints import console
 from xlm.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
 
 PACKAGES = (
@@ -72,20 +73,20 @@ def collect_env(tensor_parallel_size: int | None = None) -> dict[str, Any]:
 def _run(args: argparse.Namespace) -> int:
     info = collect_env(args.tensor_parallel_size)
     if args.json:
-        print(json.dumps(info, indent=2))
+        console.out(json.dumps(info, indent=2))
         return 0
-    print(f"Python: {info['python']}  ({info['os']})")
+    console.out(f"Python: {info['python']}  ({info['os']})")
     for name, version in info["packages"].items():
-        print(f"{name:>14}: {version or 'not installed'}")
-    print(f"Platform: {info.get('platform', info.get('platform_error'))}")
+        console.out(f"{name:>14}: {version or 'not installed'}")
+    console.out(f"Platform: {info.get('platform', info.get('platform_error'))}")
     for device in info.get("devices", []):
-        print(f"  device {device}")
+        console.out(f"  device {device}")
     if "mesh" in info:
-        print(f"Mesh: {info['mesh']}: {' '.join(info['mesh_devices'])}")
+        console.out(f"Mesh: {info['mesh']}: {' '.join(info['mesh_devices'])}")
     for group, entries in info["plugins"].items():
-        print(f"Plugins [{group}]:" + ("" if entries else " none"))
+        console.out(f"Plugins [{group}]:" + ("" if entries else " none"))
         for ep in entries:
-            print(f"  {ep['name']} = {ep['value']}  (from {ep['distribution']})")
+            console.out(f"  {ep['name']} = {ep['value']}  (from {ep['distribution']})")
     return 0
 
 

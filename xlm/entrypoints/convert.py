@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
+from xlm.entrypoints import console
 from xlm.models.builtin import resolve_model_name
 
 
@@ -16,9 +16,9 @@ def _run(args: argparse.Namespace) -> int:
         path = resolve_model_name(args.model)
         out_dir = gguf_to_safetensors(path, args.output_dir, dtype=args.dtype)
     except (FileNotFoundError, ImportError, ValueError) as e:
-        print(f"xlm convert: {e}", file=sys.stderr)
+        console.err(f"xlm convert: {e}")
         return 1
-    print(f"Wrote {out_dir}")
+    console.out(f"Wrote {out_dir}")
     return 0
 
 

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from xlm.engine.arg_utils import EngineArgs
+from xlm.entrypoints import console
 from xlm.entrypoints.llm import LLM
 from xlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -62,8 +63,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     else:
         outputs = llm.generate(prompt, params, use_tqdm=False)
     for completion in outputs[0].outputs:
-        sys.stdout.write((prompt if args.echo else "") + completion.text + "\n")
-    sys.stdout.flush()
+        console.out((prompt if args.echo else "") + completion.text)
     return 0
 
 
@@ -73,7 +73,7 @@ def _run_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("Chat with the model; an empty line or Ctrl-D ends the session.", file=sys.stderr)
+    console.err("Chat with the model; an empty line or Ctrl-D ends the session.")
     while True:
         try:
             line = input("> ")
@@ -84,7 +84,7 @@ def _run_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         params.output_kind = RequestOutputKind.FINAL_ONLY
         reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-        print(reply, flush=True)
+        console.out(reply)
         messages.append({"role": "assistant", "content": reply})
     return 0
 

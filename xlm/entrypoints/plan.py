@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from typing import Any
 
 import jax
 
+from xlm import envs
 from xlm.engine.arg_utils import EngineArgs
+from xlm.entrypoints import console
 from xlm.planning import plan
 from xlm.platforms.target import compile_target, compiling_for
 
@@ -61,7 +61,7 @@ def add_parser(subparsers: Any, name: str, help_text: str) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    if not os.environ.get("JAX_PLATFORMS"):
+    if not envs.jax_platforms():
         # Nothing runs here: keep JAX off any local accelerator (and a CUDA plugin with no
         # GPU from failing its start-up check); targets are described and compiled anyway.
         jax.config.update("jax_platforms", "cpu")
@@ -77,11 +77,11 @@ def run_plan(args: argparse.Namespace) -> int:
         config = engine_args.create_config()
         report = plan(config, every=args.every, data_parallel_size=args.data_parallel_size)
     if args.json:
-        print(json.dumps(report, indent=2))
+        console.out(json.dumps(report, indent=2))
     else:
-        print(format_report(report))
+        console.out(format_report(report))
     if not report["fits"]:
-        print(f"xlm plan: does not fit: {report['reason']}", file=sys.stderr)
+        console.err(f"xlm plan: does not fit: {report['reason']}")
         return 1
     return 0
 

@@ -22,7 +22,6 @@ import asyncio
 import hashlib
 import json
 import os
-import sys
 import time
 import uuid
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from xlm import envs
+from xlm.entrypoints import console
 from xlm.entrypoints.openai.cli_args import check_max_logprobs
 from xlm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from xlm.entrypoints.openai.engine_setup import ServerState, build_engine
@@ -353,16 +353,15 @@ async def run(args: argparse.Namespace) -> int:
             await state.models.check_lora_modules()  # a bad adapter fails the job at once
             failed, redo = await run_records(state, todo, out_path, args.max_concurrency)
         except BatchStopped as e:
-            print(f"xlm run-batch: error: {e}", file=sys.stderr)
+            console.err(f"xlm run-batch: error: {e}")
             return 1
         finally:
             engine.shutdown()
     failed += count_failed(out_path, finished)
     if redo:
-        print(
+        console.err(
             f"xlm run-batch: error: {redo} records got a server error and were not written: "
-            "rerun the same command to answer them",
-            file=sys.stderr,
+            "rerun the same command to answer them"
         )
         return 1
     if n == 1:
@@ -383,10 +382,9 @@ async def run(args: argparse.Namespace) -> int:
             merge_shards(args.output_file, shards, order)
     logger.info("Wrote %s (%d failed requests).", args.output_file, failed)
     if failed:
-        print(
+        console.err(
             f"xlm run-batch: {failed} of {len(mine)} records failed (their error results are "
-            f"in {out_path})",
-            file=sys.stderr,
+            f"in {out_path})"
         )
         return 1
     return 0

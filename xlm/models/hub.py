@@ -12,6 +12,7 @@ import fnmatch
 import os
 import re
 
+from xlm import envs
 from xlm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -37,9 +38,9 @@ def hub_offline() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub reads it, also when set after its import."""
     from huggingface_hub import constants
 
-    value = os.environ.get("HF_HUB_OFFLINE")
-    if value is not None:
-        return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+    offline = envs.hf_hub_offline()
+    if offline is not None:
+        return offline
     return bool(constants.HF_HUB_OFFLINE)
 
 
@@ -47,12 +48,9 @@ def hub_cache_dir(download_dir: str | None = None) -> str:
     """The hub cache directory used: --download-dir, else HF_HUB_CACHE / HF_HOME/hub."""
     if download_dir:
         return os.path.abspath(os.path.expanduser(download_dir))
-    cache = os.environ.get("HF_HUB_CACHE")
+    cache = envs.hf_hub_cache()
     if cache:
-        return os.path.expanduser(cache)
-    home = os.environ.get("HF_HOME")
-    if home:
-        return os.path.join(os.path.expanduser(home), "hub")
+        return cache
     from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE
