@@ -4,15 +4,16 @@ embedding table used as the LM head) in float32, float16 or bfloat16.
 The native path is XLA's dot on the kernel widened to x's dtype. On CPU, half-precision
 weights run xlm.ops.cpu_kernels.float_matmul at up to ``HALF_KERNEL_MAX_ROWS`` rows
 (decode of one request to a batch, and short prefills): XLA:CPU converts the whole matrix
-before its dot, every step, which made half weights several times slower than float32 ones
-at one row and ~1.9x slower at 64 (docs/engine.md, "CPU dtypes"). The kernel streams each
-weight once at 1-8 rows and, above, widens each tile of weights once into a float32
-buffer that all rows use (a GEMM's packing); past ``HALF_KERNEL_MAX_ROWS`` rows XLA's
-convert is paid once for many rows and its GEMM wins. float32 kernels keep XLA's dot by
-default (``FloatMatmul.float32_kernel``, at most ``FLOAT_KERNEL_MAX_ROWS`` rows when on):
-alone the kernel lost to it at one row and, at 2-8 rows, a kernel that wins alone lost in
-the step before (benchmarks/RESULTS.md). Chosen by shape at trace time; a tensor-parallel
-mesh or unavailable kernels take the native path.
+before its dot, every step, which made half weights several times slower than float32
+ones at one row and ~1.9x slower at 64 (docs/engine.md, "Float and half weights on
+CPU"). The kernel streams each weight once at 1-8 rows and, above, widens each tile of
+weights once into a float32 buffer that all rows use (a GEMM's packing); past
+``HALF_KERNEL_MAX_ROWS`` rows XLA's convert is paid once for many rows and its GEMM
+wins. float32 kernels keep XLA's dot by default (``FloatMatmul.float32_kernel``, at most
+``FLOAT_KERNEL_MAX_ROWS`` rows when on): alone the kernel lost to it at one row and, at
+2-8 rows, a kernel that wins alone lost in the step before (benchmarks/RESULTS.md).
+Chosen by shape at trace time; a tensor-parallel mesh or unavailable kernels take the
+native path.
 """
 
 from __future__ import annotations
