@@ -33,7 +33,7 @@ from xlm.ops.custom_op import CustomOp
 # Rows up to which the CPU kernel replaces XLA's dot: float32 weights (when
 # FloatMatmul.float32_kernel is on; a matrix-vector-like step) and half weights.
 FLOAT_KERNEL_MAX_ROWS = 8
-HALF_KERNEL_MAX_ROWS = 512
+HALF_KERNEL_MAX_ROWS = 256
 HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
