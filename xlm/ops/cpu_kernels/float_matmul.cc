@@ -500,8 +500,11 @@ ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 #endif
     scalar_columns(p, c0, c1);
   };
-  // [k, n] and many rows: chunks of whole 64-column tiles; [n, k]: multiples of 4 outputs.
-  xlm::RunColumns(pool, n, transposed && m <= kStreamMaxRows ? 16 : kTileCols, m * k * n, max_workers, compute);
+  // [k, n] at 1-8 rows: chunks of whole 64-column tiles; [n, k] at 1-8 rows: multiples of 4
+  // outputs; many rows: of 16 (the register tile's width), which balances 2 threads on
+  // 576 columns (9 tiles of 64 split 6 / 4 at best).
+  const int64_t tile = m > kStreamMaxRows || transposed ? 16 : kTileCols;
+  xlm::RunColumns(pool, n, tile, m * k * n, max_workers, compute);
   return ffi::Error::Success();
 }
 
