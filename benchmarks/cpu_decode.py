@@ -1,8 +1,8 @@
-"""One request's decode step on CPU: XLA's dot against the few-rows float kernel, float32
-and half weights, in one process, against each variant's weight-streaming floor.
+"""The decode step on CPU, one request or a batch: XLA's dot against the float kernel,
+float32 and half weights, in one process, against each variant's weight-streaming floor.
 
     python benchmarks/cpu_decode.py [--variants float32,float32-kernel,bfloat16,float16]
-        [--output-len 64] [--repeats 5] [--out benchmarks/cpu_decode.json]
+        [--batch 1] [--output-len 64] [--repeats 5] [--out benchmarks/cpu_decode.json]
 
 Variants (built-in SmolLM2-135M GGUF, dequantized):
 - `float32`: float32 weights, XLA's dot (the default);
@@ -14,8 +14,10 @@ Variants (built-in SmolLM2-135M GGUF, dequantized):
   XLA's convert + dot, the path before the kernel;
 - any `xlm.LLM` quantization (`int8`, `w8a8`, ...) as a variant name.
 Every engine is built first (all programs compiled), then the variants take turns,
-`--repeats` rounds: decode tok/s = (L - 1) / (T(L) - T(1)) of one real-text prompt, L =
-`--output-len`. Step ms against the floor = the engine's weight bytes over the copy
+`--repeats` rounds: decode tok/s = B (L - 1) / (T(L) - T(1)) of B = `--batch` real-text
+prompts generated together, L = `--output-len` (a batch of 64 is the peers' batch row:
+half weights take the kernel's packed tiles there, `bfloat16-xla` XLA's convert + dot).
+Step ms (per step of B tokens) against the floor = the engine's weight bytes over the copy
 bandwidth measured in the same run (read + write of 1 GiB; a read-only stream gets more,
 so a step can beat it). Greedy agreement with the first variant: matching prefix.
 """
@@ -38,14 +40,14 @@ sys.path.pop(0)
 QUANTIZATIONS = ("int8", "w8a8", "fp8", "gguf", "int4")
 
 
-def build(variant: str, model: str) -> XlmRunner:
+def build(variant: str, model: str, batch: int, output_len: int) -> XlmRunner:
     """An engine for `variant`, every program compiled before it returns."""
     from xlm.ops import FloatMatmul
 
     args: dict = dict(
         max_model_len=512,
         max_num_batched_tokens=128,
-        num_gpu_blocks_override=64,
+        num_gpu_blocks_override=max(64, batch * ((64 + output_len) // 16 + 2)),
         enable_prefix_caching=False,
     )
     name = variant.removesuffix("-kernel").removesuffix("-xla")
@@ -57,7 +59,7 @@ def build(variant: str, model: str) -> XlmRunner:
         args["custom_ops"] = ["-float_matmul"]
     FloatMatmul.float32_kernel = variant.endswith("-kernel")
     try:
-        return XlmRunner(model, max_num_seqs=8, **args)
+        return XlmRunner(model, max_num_seqs=max(8, batch), **args)
     finally:
         FloatMatmul.float32_kernel = False
 
@@ -70,27 +72,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--variants", default="float32,float32-kernel,bfloat16,float16")
+    parser.add_argument("--batch", type=int, default=1, help="requests decoded together")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(HERE / "cpu_decode.json"))
     args = parser.parse_args()
     variants = args.variants.split(",")
 
-    runners = {v: build(v, args.model) for v in variants}
+    runners = {v: build(v, args.model, args.batch, args.output_len) for v in variants}
     sys.path.insert(0, str(HERE))
     import peers  # noqa: E402  (the peers' real-text prompts)
 
     sys.path.pop(0)
     first = runners[variants[0]]
-    prompt = peers.load_prompts(first.llm.get_tokenizer(), 1, seed=0)[0]
-    outputs = {v: r.generate([prompt], args.output_len)[0] for v, r in runners.items()}
+    prompts = peers.load_prompts(first.llm.get_tokenizer(), args.batch, seed=0)
+    prompt = prompts[0]
+    outputs = {v: r.generate(prompts, args.output_len)[0] for v, r in runners.items()}
     bandwidth = measure_bandwidth()
     rates: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):  # the variants take turns: the same minute for each
         for v, r in runners.items():
-            t1, _ = time_call(r.generate, [prompt], 1)
-            tl, _ = time_call(r.generate, [prompt], args.output_len)
-            rates[v].append((args.output_len - 1) / (tl - t1))
+            t1, _ = time_call(r.generate, prompts, 1)
+            tl, _ = time_call(r.generate, prompts, args.output_len)
+            rates[v].append(args.batch * (args.output_len - 1) / (tl - t1))
     rows = []
     for v, r in runners.items():
         tok_s = statistics.median(rates[v])
@@ -100,7 +104,7 @@ def main() -> None:
                 "variant": v,
                 "decode_tok_s": tok_s,
                 "decode_tok_s_all": rates[v],
-                "step_ms": 1e3 / tok_s,
+                "step_ms": 1e3 * args.batch / tok_s,
                 "weight_bytes": r.weight_bytes,
                 "floor_ms": floor_ms,
                 "matching_prefix": matching_prefix(outputs[v], outputs[variants[0]]),
@@ -108,8 +112,8 @@ def main() -> None:
         )
     base = rows[0]["decode_tok_s"]
     print(
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, prompt {len(prompt)} tokens, "
-        f"{args.output_len} new, {args.repeats} rounds\n"
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {args.batch} request(s), first prompt "
+        f"{len(prompt)} tokens, {args.output_len} new, {args.repeats} rounds\n"
     )
     print(
         f"| variant | decode tok/s | step ms | vs {variants[0]} | weights MB | floor ms "
@@ -126,6 +130,7 @@ def main() -> None:
     report = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "bandwidth_GBps": bandwidth / 1e9,
+        "batch": args.batch,
         "output_len": args.output_len,
         "prompt_tokens": len(prompt),
         "rows": rows,

@@ -112,6 +112,11 @@ def test_tiny_half_weights_equal_transformers_on_the_same_weights(tiny_checkpoin
         prompt = rng.integers(6, VOCAB_SIZE, size=n).tolist()
         (out,) = llm.generate([prompt], greedy(TINY_NEW_TOKENS), use_tqdm=False)
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, TINY_NEW_TOKENS).token_ids
+    # A batch: decode steps of more than 8 rows take the kernel's packed tiles.
+    prompts = [rng.integers(6, VOCAB_SIZE, size=int(n)).tolist() for n in rng.integers(3, 20, 12)]
+    outs = llm.generate(prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, TINY_NEW_TOKENS).token_ids
     assert llm.llm_engine.num_compilations == compiled
 
 

@@ -171,6 +171,12 @@ FALLBACK = """
     w = np.full((64, 8), -3, np.int8)
     y = cpu_kernels.int8_matmul(x, w, np.full((2, 8), 0.5, np.float32))
     np.testing.assert_allclose(np.asarray(y), np.full((2, 8), -96.0))
+    import jax.numpy as jnp
+    from xlm.ops import FloatMatmul
+    op = FloatMatmul(enforce_enable=True)
+    for rows in (1, 20):  # half weights: XLA's convert + dot
+        y = op(jnp.ones((rows, 64)), jnp.full((64, 8), 0.5, jnp.bfloat16))
+        np.testing.assert_allclose(np.asarray(y), np.full((rows, 8), 32.0))
     print("fallback ok")
 """
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from xlm.ops import FloatMatmul, cpu_kernels
-from xlm.ops.float_matmul import FLOAT_KERNEL_MAX_ROWS
+from xlm.ops.float_matmul import FLOAT_KERNEL_MAX_ROWS, HALF_KERNEL_MAX_ROWS
 
 rng = np.random.default_rng(0)
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -42,7 +42,8 @@ def assert_close(y: jax.Array, x: jax.Array, w: jax.Array, transposed: bool) -> 
 SHAPES = [(37, 101), (100, 3), (576, 960), (577, 70)]
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+# 1-8: the streaming loops; 9 and more: the packed tiles (6 rows at a time, remainders).
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 23, 64])
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transposed", [False, True])
@@ -64,10 +65,14 @@ def test_equals_the_jnp_reference(dtype) -> None:
 
 
 @pytest.mark.parametrize("max_workers", [1, 2])
-def test_thread_count_does_not_change_the_result(max_workers) -> None:
-    x, w = make(3, 576, 3072, "bfloat16", False)
-    one = cpu_kernels.float_matmul(x, w, max_workers=1)
-    np.testing.assert_array_equal(one, cpu_kernels.float_matmul(x, w, max_workers=max_workers))
+@pytest.mark.parametrize("m", [3, 40])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_thread_count_does_not_change_the_result(max_workers, m, transposed) -> None:
+    x, w = make(m, 576, 3072, "bfloat16", transposed)
+    kw = {"transposed": transposed}
+    one = cpu_kernels.float_matmul(x, w, max_workers=1, **kw)
+    many = cpu_kernels.float_matmul(x, w, max_workers=max_workers, **kw)
+    np.testing.assert_array_equal(one, many)
 
 
 def test_half_specials_widen_exactly() -> None:
@@ -97,20 +102,24 @@ def test_op_takes_the_kernel_for_half_weights_and_few_rows(monkeypatch) -> None:
         pytest.skip("not on CPU")
     x, w = make(FLOAT_KERNEL_MAX_ROWS, 64, 40, "bfloat16", False)
     assert _custom_calls(op, x, w) == 1
-    x_many = jnp.ones((FLOAT_KERNEL_MAX_ROWS + 1, 64), jnp.float32)
-    assert _custom_calls(op, x_many, w) == 0  # more rows: XLA's dot
+    x_batch = jnp.ones((FLOAT_KERNEL_MAX_ROWS + 1, 64), jnp.float32)
+    assert _custom_calls(op, x_batch, w) == 1  # half weights: a batch too
+    x_many = jnp.ones((HALF_KERNEL_MAX_ROWS + 1, 64), jnp.float32)
+    assert _custom_calls(op, x_many, w) == 0  # a long prefill: XLA's dot
     w32 = w.astype(jnp.float32)
     assert _custom_calls(op, x, w32) == 0  # float32: XLA's dot by default
     monkeypatch.setattr(FloatMatmul, "float32_kernel", True)
     assert _custom_calls(op, x, w32) == 1
+    assert _custom_calls(op, x_batch, w32) == 0  # float32 through the kernel: 1-8 rows
     # Both paths agree with the native one, which widens the kernel in XLA.
-    for weights in (w, w32):
+    for rows, weights in ((x, w), (x, w32), (x_batch, w)):
         np.testing.assert_allclose(
-            op(x, weights), op.forward_native(x, weights), rtol=1e-5, atol=1e-5
+            op(rows, weights), op.forward_native(rows, weights), rtol=1e-5, atol=1e-5
         )
     head = jnp.asarray(rng.standard_normal((50, 64)), jnp.float16)
-    logits = op(x, head, transposed=True)
-    assert logits.dtype == jnp.float32
-    np.testing.assert_allclose(
-        logits, op.forward_native(x, head, transposed=True), rtol=1e-5, atol=1e-5
-    )
+    for rows in (x, jnp.asarray(rng.standard_normal((20, 64)), jnp.float32)):
+        logits = op(rows, head, transposed=True)
+        assert logits.dtype == jnp.float32
+        np.testing.assert_allclose(
+            logits, op.forward_native(rows, head, transposed=True), rtol=1e-5, atol=1e-5
+        )

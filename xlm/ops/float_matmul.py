@@ -1,15 +1,19 @@
 """The float projection: y = x @ kernel, kernel [in, out] (or [out, in], `transposed`: an
 embedding table used as the LM head) in float32, float16 or bfloat16.
 
-The native path is XLA's dot on the kernel widened to x's dtype. On CPU, steps of at most
-``FLOAT_KERNEL_MAX_ROWS`` rows (decode, few-rows steps) with half-precision weights run
-xlm.ops.cpu_kernels.float_matmul, which reads each weight once and widens it in registers:
-XLA:CPU converts the whole matrix before its matrix-vector product, which made half
-weights several times slower than float32 ones (docs/engine.md, "CPU dtypes"). float32
-kernels keep XLA's dot by default (``FloatMatmul.float32_kernel``): alone the kernel lost
-to it at one row and, at 2-8 rows, a kernel that wins alone lost in the step before
-(benchmarks/RESULTS.md). Chosen by shape at trace time; a tensor-parallel mesh or
-unavailable kernels take the native path.
+The native path is XLA's dot on the kernel widened to x's dtype. On CPU, half-precision
+weights run xlm.ops.cpu_kernels.float_matmul at up to ``HALF_KERNEL_MAX_ROWS`` rows
+(decode of one request to a batch, and short prefills): XLA:CPU converts the whole matrix
+before its dot, every step, which made half weights several times slower than float32
+ones at one row and ~1.9x slower at 64 (docs/engine.md, "Float and half weights on
+CPU"). The kernel streams each weight once at 1-8 rows and, above, widens each tile of
+weights once into a float32 buffer that all rows use (a GEMM's packing); past
+``HALF_KERNEL_MAX_ROWS`` rows XLA's convert is paid once for many rows and its GEMM
+wins. float32 kernels keep XLA's dot by default (``FloatMatmul.float32_kernel``, at most
+``FLOAT_KERNEL_MAX_ROWS`` rows when on): alone the kernel lost to it at one row and, at
+2-8 rows, a kernel that wins alone lost in the step before (benchmarks/RESULTS.md).
+Chosen by shape at trace time; a tensor-parallel mesh or unavailable kernels take the
+native path.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from xlm.ops.cpu_kernels import float_matmul
 from xlm.ops.cpu_kernels import start_build as start_cpu_kernels_build
 from xlm.ops.custom_op import CustomOp
 
-# Rows up to which the CPU kernel replaces XLA's dot (a matrix-vector-like step).
+# Rows up to which the CPU kernel replaces XLA's dot: float32 weights (when
+# FloatMatmul.float32_kernel is on; a matrix-vector-like step) and half weights.
 FLOAT_KERNEL_MAX_ROWS = 8
+HALF_KERNEL_MAX_ROWS = 256
 HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -58,9 +64,10 @@ class FloatMatmul(CustomOp):
         """Whether forward_cpu runs the CPU kernel for these shapes and dtypes."""
         rows = math.prod(x.shape[:-1])
         dtype = jnp.dtype(kernel.dtype)
+        half = dtype in HALF_DTYPES
         return (
-            1 <= rows <= FLOAT_KERNEL_MAX_ROWS
-            and (dtype in HALF_DTYPES or (dtype == jnp.float32 and self.float32_kernel))
+            1 <= rows <= (HALF_KERNEL_MAX_ROWS if half else FLOAT_KERNEL_MAX_ROWS)
+            and (half or (dtype == jnp.float32 and self.float32_kernel))
             and jnp.dtype(x.dtype) in (jnp.float32, *HALF_DTYPES)
             and tp_mesh() is None  # no partitioning rule: XLA would gather the kernel
             and cpu_kernels_available()

@@ -58,7 +58,14 @@ struct FloatProblem {
 
 constexpr int64_t kTileCols = 64;     // columns of one tile of [k, n]
 constexpr int64_t kKb = 16;           // rows of w per block of [k, n]
-constexpr int64_t kPrefetchAhead = 512;  // bytes ahead along a row of w to prefetch
+// Bytes ahead along a row of w to prefetch: 256 read 2-10% faster than 512 at one row of
+// [k, n] (single thread, CPU time, alternating in one process; 1024 bytes, and blocks of 4
+// or 32 rows of w instead of kKb's 16, were slower), level on [n, k].
+constexpr int64_t kPrefetchAhead = 256;
+// Above this many rows of x each weight is used often enough to widen it once into a
+// float32 tile (a GEMM's packing) rather than in registers at every use.
+constexpr int64_t kStreamMaxRows = 8;
+constexpr int64_t kPackK = 128;   // rows of w per packed [k, n] tile (x 64 columns: 32 KiB)
 
 // ---- portable loops ----
 
@@ -150,6 +157,20 @@ inline __m256 load_partial(const typename Elem<T>::type* p, int cols) {
   return load8<T>(buf);
 }
 
+template <WType T>
+inline float widen_one(typename Elem<T>::type v) {
+  if constexpr (T == WType::kF32) {
+    return v;
+  } else if constexpr (T == WType::kF16) {
+    return _cvtsh_ss(v);
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+}
+
 inline __m256i lane_mask(int cols) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -229,6 +250,136 @@ void kn_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
   }
 }
 
+// y[r0 : r0 + MR, t0 + 16 s : + 16] (+)= x[r0 : r0 + MR, i0 : i1] @ the packed tile's
+// 16 columns at s (buf [i1 - i0, kTileCols] float32); `cols`: the tile's valid columns.
+template <int MR>
+void packed_tile(const FloatProblem& p, const float* buf, int64_t r0, int64_t t0, int s,
+                 int64_t cols, int64_t i0, int64_t i1, bool first) {
+  const int64_t k = p.k, n = p.n;
+  const float* x = p.x + r0 * k + i0;
+  const float* b = buf + 16 * s;
+  __m256 acc[MR][2];
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < i1 - i0; ++i, b += kTileCols) {
+    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * k + i);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  XLM_UNROLL
+  for (int v = 0; v < 2; ++v) {
+    const int64_t valid = std::min<int64_t>(8, cols - 16 * s - 8 * v);
+    if (valid <= 0) break;
+    const __m256i mask = lane_mask(static_cast<int>(valid));
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      float* yp = p.y + (r0 + r) * n + t0 + 16 * s + 8 * v;
+      __m256 out = acc[r][v];
+      if (valid == 8) {
+        if (!first) out = _mm256_add_ps(out, _mm256_loadu_ps(yp));
+        _mm256_storeu_ps(yp, out);
+      } else {
+        if (!first) out = _mm256_add_ps(out, _mm256_maskload_ps(yp, mask));
+        _mm256_maskstore_ps(yp, mask, out);
+      }
+    }
+  }
+}
+
+template <int MR>
+void packed_rows(const FloatProblem& p, const float* buf, int64_t r0, int64_t t0, int64_t cols,
+                 int64_t i0, int64_t i1, bool first) {
+  for (int s = 0; 16 * s < cols; ++s) packed_tile<MR>(p, buf, r0, t0, s, cols, i0, i1, first);
+}
+
+// The 8 x 8 block in r[0..8) transposed in place.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int c = 0; c < 8; c += 2) {
+    t[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
+    t[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
+  }
+  for (int c = 0; c < 8; c += 4) {
+    u[c] = _mm256_shuffle_ps(t[c], t[c + 2], 0x44);
+    u[c + 1] = _mm256_shuffle_ps(t[c], t[c + 2], 0xEE);
+    u[c + 2] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0x44);
+    u[c + 3] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+  }
+}
+
+// buf [i1 - i0 rounded up to 8, kTileCols] = w's columns [t0, t0 + cols) at rows [i0, i1)
+// of the [k, n] matrix it stands for, widened to float32, zero past `cols` (and past i1).
+template <WType T, bool kTransposed>
+void pack_tile(const FloatProblem& p, float* buf, int64_t t0, int64_t cols, int64_t i0,
+               int64_t i1) {
+  using E = typename Elem<T>::type;
+  const E* w = static_cast<const E*>(p.w);
+  if constexpr (!kTransposed) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const E* src = w + i * p.n + t0;
+      float* dst = buf + (i - i0) * kTileCols;
+      for (int64_t j = 0; j < kTileCols; j += 8) {
+        const int64_t valid = std::min<int64_t>(8, cols - j);
+        _mm256_store_ps(dst + j, valid == 8  ? load8<T>(src + j)
+                                 : valid > 0 ? load_partial<T>(src + j, static_cast<int>(valid))
+                                             : _mm256_setzero_ps());
+      }
+    }
+  } else {  // rows of w [n, k] are columns here: 8 x 8 blocks widened and transposed
+    for (int64_t j = 0; j < kTileCols; j += 8) {
+      for (int64_t i = i0; i < i1; i += 8) {
+        const int valid_i = static_cast<int>(std::min<int64_t>(8, i1 - i));
+        __m256 r[8];
+        for (int c = 0; c < 8; ++c) {
+          const E* src = w + (t0 + j + c) * p.k + i;
+          // 8 rows read side by side in short runs: their next block, ahead of time.
+          _mm_prefetch(reinterpret_cast<const char*>(src + kPackK), _MM_HINT_T0);
+          r[c] = j + c >= cols  ? _mm256_setzero_ps()
+                 : valid_i == 8 ? load8<T>(src)
+                                : load_partial<T>(src, valid_i);
+        }
+        transpose8(r);
+        for (int c = 0; c < 8; ++c) _mm256_store_ps(buf + (i - i0 + c) * kTileCols + j, r[c]);
+      }
+    }
+  }
+}
+
+// Many rows of x: each [kPackK, 64] tile of w widened once into a float32 buffer (a
+// GEMM's packing; transposed from w [n, k]), then every row of x against it, 6 rows x 16
+// columns at a time (12 accumulators); a tile's sums in y stay in cache across its blocks
+// of k.
+template <WType T, bool kTransposed>
+void packed_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
+  alignas(64) float buf[kPackK * kTileCols];
+  for (int64_t t0 = c0; t0 < c1; t0 += kTileCols) {
+    const int64_t cols = std::min(kTileCols, c1 - t0);
+    for (int64_t i0 = 0; i0 < p.k; i0 += kPackK) {
+      const int64_t i1 = std::min(p.k, i0 + kPackK);
+      pack_tile<T, kTransposed>(p, buf, t0, cols, i0, i1);
+      const bool first = i0 == 0;
+      int64_t r = 0;
+      for (; r + 6 <= p.m; r += 6) packed_rows<6>(p, buf, r, t0, cols, i0, i1, first);
+      switch (p.m - r) {
+        case 1: packed_rows<1>(p, buf, r, t0, cols, i0, i1, first); break;
+        case 2: packed_rows<2>(p, buf, r, t0, cols, i0, i1, first); break;
+        case 3: packed_rows<3>(p, buf, r, t0, cols, i0, i1, first); break;
+        case 4: packed_rows<4>(p, buf, r, t0, cols, i0, i1, first); break;
+        case 5: packed_rows<5>(p, buf, r, t0, cols, i0, i1, first); break;
+        default: break;
+      }
+    }
+  }
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -236,12 +387,11 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// y[r0 : r0 + MR, j0 : j0 + NJ] = x[r0 : r0 + MR] . w[j0 : j0 + NJ] (rows of w contiguous).
+// y[r0 : r0 + MR, j0 : j0 + NJ] = x[r0 : r0 + MR] . w[j0 : j0 + NJ] (rows of w contiguous,
+// the first at `w`: w itself at j0, or a widened copy of its rows).
 template <WType T, int MR, int NJ>
-void nk_tile(const FloatProblem& p, int64_t r0, int64_t j0) {
-  using E = typename Elem<T>::type;
+void nk_tile(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0, int64_t j0) {
   const int64_t k = p.k;
-  const E* w = static_cast<const E*>(p.w) + j0 * k;
   const float* x = p.x + r0 * k;
   __m256 acc[MR][NJ];
   XLM_UNROLL
@@ -266,38 +416,36 @@ void nk_tile(const FloatProblem& p, int64_t r0, int64_t j0) {
     XLM_UNROLL
     for (int c = 0; c < NJ; ++c) {
       float sum = hsum(acc[r][c]);
-      for (int64_t t = i; t < k; ++t) {
-        sum += x[r * k + t] * load_scalar(p, (j0 + c) * k + t);
-      }
+      for (int64_t t = i; t < k; ++t) sum += x[r * k + t] * widen_one<T>(w[c * k + t]);
       p.y[(r0 + r) * p.n + j0 + c] = sum;
     }
   }
 }
 
-template <WType T>
-void nk_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
-  for (int64_t r = 0; r < p.m; r += 2) {
-    const bool two = r + 1 < p.m;
-    int64_t j = c0;
-    for (; j + 4 <= c1; j += 4) {
-      if (two) {
-        nk_tile<T, 2, 4>(p, r, j);
-      } else {
-        nk_tile<T, 1, 4>(p, r, j);
-      }
-    }
-    for (; j < c1; ++j) {
-      if (two) {
-        nk_tile<T, 2, 1>(p, r, j);
-      } else {
-        nk_tile<T, 1, 1>(p, r, j);
-      }
-    }
+// Outputs [j0, j1) of rows [r0, r1) of x against rows of w starting at `w` (row j0).
+template <WType T, int MR>
+void nk_rows(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0, int64_t r1,
+             int64_t j0, int64_t j1) {
+  for (int64_t r = r0; r + MR <= r1; r += MR) {
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) nk_tile<T, MR, 4>(p, w + (j - j0) * p.k, r, j);
+    for (; j < j1; ++j) nk_tile<T, MR, 1>(p, w + (j - j0) * p.k, r, j);
   }
 }
 
 template <WType T>
+void nk_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
+  using E = typename Elem<T>::type;
+  const E* w = static_cast<const E*>(p.w);
+  nk_rows<T, 2>(p, w + c0 * p.k, 0, p.m & ~int64_t{1}, c0, c1);
+  if (p.m & 1) nk_rows<T, 1>(p, w + c0 * p.k, p.m - 1, p.m, c0, c1);
+}
+
+template <WType T>
 void avx2_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
+  if (p.m > kStreamMaxRows) {
+    return p.transposed ? packed_columns<T, true>(p, c0, c1) : packed_columns<T, false>(p, c0, c1);
+  }
   if (p.transposed) return nk_columns<T>(p, c0, c1);
   kn_columns<T>(p, c0, c1);
 }
@@ -352,8 +500,11 @@ ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 #endif
     scalar_columns(p, c0, c1);
   };
-  // [k, n]: chunks of whole 64-column tiles; [n, k]: any multiple of 4 outputs.
-  xlm::RunColumns(pool, n, transposed ? 16 : kTileCols, m * k * n, max_workers, compute);
+  // [k, n] at 1-8 rows: chunks of whole 64-column tiles; [n, k] at 1-8 rows: multiples of 4
+  // outputs; many rows: of 16 (the register tile's width), which balances 2 threads on
+  // 576 columns (9 tiles of 64 split 6 / 4 at best).
+  const int64_t tile = m > kStreamMaxRows || transposed ? 16 : kTileCols;
+  xlm::RunColumns(pool, n, tile, m * k * n, max_workers, compute);
   return ffi::Error::Success();
 }
 
