@@ -77,15 +77,19 @@ class AsyncLLM:
         processor: Any | None = None,
         output_processor: Any | None = None,
         max_logprobs: int = MAX_DEVICE_LOGPROBS,
+        engine_process: Any = None,
     ) -> None:
         startup.begin()
         self.xlm_config = xlm_config
         self.log_stats = log_stats
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
-        # Start the engine process first: it loads the model while nothing else waits, and
+        # Start the engine process first (or wait for `engine_process`, one the server
+        # spawned before its imports): it loads the model while nothing else waits, and
         # its READY message carries the context length the core settled on.
         with startup.phase("engine core process"):
-            self.engine_core = engine_core_client or make_async_client(xlm_config, log_stats)
+            self.engine_core = engine_core_client or make_async_client(
+                xlm_config, log_stats, engine=engine_process
+            )
         ready = self.engine_core.ready_info
         # The core settled the context length (the model's limit): the front end follows.
         if ready.get("max_model_len") and xlm_config is not None:
