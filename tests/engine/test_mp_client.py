@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.engine.fake_core import FakeEngineCoreProc, FakeRequest
-from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.dp_client import make_async_client
+from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.mp_client import AsyncMPClient, SyncMPClient, _EngineProcess
 
 pytestmark = pytest.mark.timeout(120)
