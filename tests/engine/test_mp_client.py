@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from tests.engine.fake_core import FakeEngineCoreProc, FakeRequest
+from xlm.engine.dp_client import make_async_client
 from xlm.engine.exceptions import EngineDeadError
-from xlm.engine.mp_client import AsyncMPClient, SyncMPClient
+from xlm.engine.mp_client import AsyncMPClient, SyncMPClient, _EngineProcess
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,3 +105,29 @@ def test_async_client_round_trip_and_death():
             client.shutdown()
 
     asyncio.run(main())
+
+
+def test_engine_spawned_early_is_waited_for_by_its_client():
+    """`xlm serve` spawns the engine before its imports; the client waits for READY."""
+    engine = _EngineProcess({}, True, FakeEngineCoreProc, wait=False)
+    assert engine.ready_info == {}  # spawned, not waited for
+
+    async def main() -> None:
+        client = make_async_client({}, True, engine=engine)
+        try:
+            assert client.engine is engine and client.ready_info["max_model_len"] == 128
+            await client.add_request_async(FakeRequest("a", [10], max_tokens=2))
+            outs = await asyncio.wait_for(client.get_output_async(), 10)
+            assert outs.outputs[0].new_token_ids == [11]
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())
+    assert not engine.proc.is_alive() and not os.path.exists(engine.tmpdir)
+
+
+def test_engine_spawned_early_that_fails_to_start_raises_and_is_reaped():
+    engine = _EngineProcess({"fail_start": True}, True, FakeEngineCoreProc, wait=False)
+    with pytest.raises(RuntimeError, match="boom at start"):
+        make_async_client({}, True, engine=engine)
+    assert not engine.proc.is_alive() and not os.path.exists(engine.tmpdir)

@@ -31,6 +31,7 @@ from xlm.metrics.stats import RequestStatsTracker
 from xlm.outputs import PoolingRequestOutput, RequestOutput
 from xlm.pooling_params import PoolingParams
 from xlm.sampling_params import MAX_DEVICE_LOGPROBS, SamplingParams
+from xlm.tokenizer import get_tokenizer
 
 logger = init_logger(__name__)
 
@@ -77,15 +78,28 @@ class AsyncLLM:
         processor: Any | None = None,
         output_processor: Any | None = None,
         max_logprobs: int = MAX_DEVICE_LOGPROBS,
+        engine_process: Any = None,
     ) -> None:
         startup.begin()
         self.xlm_config = xlm_config
         self.log_stats = log_stats
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
-        # Start the engine process first: it loads the model while nothing else waits, and
+        # Start the engine process first (or wait for `engine_process`, one the server
+        # spawned before its imports): it loads the model while nothing else waits, and
         # its READY message carries the context length the core settled on.
+        if engine_process is not None and engine_core_client is None and tokenizer is None:
+            # The engine loads meanwhile: the tokenizer's imports (transformers, seconds)
+            # overlap it instead of following its READY; the processor reuses it (cached).
+            with startup.phase("tokenizer"):
+                try:
+                    _load_tokenizer(xlm_config)
+                except BaseException:
+                    engine_process.close()
+                    raise
         with startup.phase("engine core process"):
-            self.engine_core = engine_core_client or make_async_client(xlm_config, log_stats)
+            self.engine_core = engine_core_client or make_async_client(
+                xlm_config, log_stats, engine=engine_process
+            )
         ready = self.engine_core.ready_info
         # The core settled the context length (the model's limit): the front end follows.
         if ready.get("max_model_len") and xlm_config is not None:
@@ -453,6 +467,12 @@ class AsyncLLM:
         if self._output_handler is not None and not self._output_handler.done():
             self._output_handler.cancel()
         self.engine_core.shutdown()
+
+
+def _load_tokenizer(xlm_config: Any) -> Any:
+    """The model's tokenizer, as `Processor.from_config` gets it (cached by its source)."""
+    model_config = xlm_config.model_config
+    return get_tokenizer(model_config.model, model_config.tokenizer, model_config.trust_remote_code)
 
 
 def _make_processor(xlm_config: Any, max_logprobs: int) -> Any:

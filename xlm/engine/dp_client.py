@@ -487,8 +487,14 @@ class DPAsyncMPClient(_DPClientBase):
             engine.shutdown()
 
 
-def make_async_client(xlm_config: XlmConfig, log_stats: bool = True) -> Any:
-    """The server's engine client: one engine process, or one per data-parallel rank."""
+def make_async_client(xlm_config: XlmConfig, log_stats: bool = True, engine: Any = None) -> Any:
+    """The server's engine client: one engine process, or one per data-parallel rank.
+
+    `engine`: a process `start_engine_process` already spawned (one rank): waited for
+    here, and stopped if it fails to start."""
+    if engine is not None:
+        engine.wait_until_ready()
+        return AsyncMPClient(xlm_config, log_stats, engine=engine)
     if xlm_config.parallel_config.data_parallel_size > 1:
         return DPAsyncMPClient(xlm_config, log_stats)
     return AsyncMPClient(xlm_config, log_stats)

@@ -79,7 +79,10 @@ def push_engine_dead(ctx: zmq.Context, output_address: str, message: str) -> Non
 
 
 class _EngineProcess:
-    """The spawned engine process, its sockets' addresses, and its monitor."""
+    """The spawned engine process, its sockets' addresses, and its monitor.
+
+    `wait=False` returns once the process is spawned (`start_engine_process`): the caller
+    does other start-up work while the engine loads, then calls `wait_until_ready`."""
 
     def __init__(
         self,
@@ -88,6 +91,7 @@ class _EngineProcess:
         engine_core_proc_class: type[EngineCoreProc],
         rank_env: dict[str, str] | None = None,
         rank_cpus: set[int] | None = None,
+        wait: bool = True,
     ) -> None:
         base = envs.XLM_RPC_BASE_PATH
         os.makedirs(base, exist_ok=True)
@@ -110,6 +114,15 @@ class _EngineProcess:
             daemon=True,
         )
         self.proc.start()
+        self.ready_info: dict[str, Any] = {}
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> dict[str, Any]:
+        """Wait for the engine's READY (once), then watch the process; a failure to start
+        stops the process and raises."""
+        if self.ready_info:
+            return self.ready_info
         try:
             self.ready_info = self._wait_for_ready()
         except BaseException:
@@ -117,6 +130,7 @@ class _EngineProcess:
             raise
         self._monitor = threading.Thread(target=self._monitor_process, daemon=True)
         self._monitor.start()
+        return self.ready_info
 
     def _wait_for_ready(self) -> dict[str, Any]:
         def check_alive() -> None:
@@ -190,6 +204,13 @@ class _EngineProcess:
             return
         self.stop_process()
         self.close_sockets()
+
+
+def start_engine_process(xlm_config: XlmConfig, log_stats: bool = True) -> _EngineProcess:
+    """Spawn the engine process without waiting for it; `make_async_client(...,
+    engine=...)` waits for its READY. The server starts it before its own imports, so the
+    engine loads the model while the API server imports FastAPI and the handlers."""
+    return _EngineProcess(xlm_config, log_stats, EngineCoreProc, wait=False)
 
 
 class _MPClientBase:

@@ -1,15 +1,19 @@
 """`xlm serve MODEL [flags]`: the subcommand that parses the flags and runs the server.
 
 Its own module so that the flags (`openai/cli_args.py`) and the server
-(`openai/api_server.py`) do not import each other: this one imports both.
+(`openai/api_server.py`) do not import each other: this one imports both. It imports the
+server only after spawning the engine process, so the engine imports JAX and loads the
+model while this process imports FastAPI and the handlers (seconds each on a small host).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 from typing import Any
 
-from xlm.entrypoints.openai import api_server
+from xlm.engine.mp_client import start_engine_process
 from xlm.entrypoints.openai.cli_args import (
     create_engine_config,
     expand_config_file,
@@ -36,7 +40,19 @@ def _run(args: argparse.Namespace) -> int:
     args = settle_args(args._parser, args)
     if args.headless:
         return _run_headless(args)
-    return api_server.run_server(args)
+    # SIGTERM while the engine loads exits cleanly (the finally below stops the engine).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    config = create_engine_config(args)
+    engine_process = None
+    if config.parallel_config.data_parallel_size == 1:  # ranks start in their client
+        engine_process = start_engine_process(config)
+    try:
+        from xlm.entrypoints.openai import api_server
+
+        return api_server.run_server(args, config, engine_process)
+    finally:
+        if engine_process is not None:
+            engine_process.close()  # once the server stopped it: nothing left to do
 
 
 def _run_headless(args: argparse.Namespace) -> int:

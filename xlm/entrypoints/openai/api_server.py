@@ -244,14 +244,17 @@ class _DrainingServer:
         await self.server.serve()
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Start the engine, serve HTTP until SIGTERM/SIGINT, then reap the engine process."""
+def run_server(args: argparse.Namespace, config: Any = None, engine_process: Any = None) -> int:
+    """Start the engine, serve HTTP until SIGTERM/SIGINT, then reap the engine process.
+
+    `config` and `engine_process`: what `xlm serve` started before importing this module
+    (see `build_engine`)."""
     logger.info(
         "xlm %s serving %s on http://%s:%d", xlm.__version__, args.model, args.host, args.port
     )
     # SIGTERM while the model loads exits cleanly too (uvicorn takes over once serving).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    engine, registry = build_engine(args)
+    engine, registry = build_engine(args, config, engine_process)
     try:
         app = build_app(args, engine, registry)
         gc.collect()

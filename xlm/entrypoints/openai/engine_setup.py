@@ -29,16 +29,26 @@ from xlm.entrypoints.openai.serving_score import OpenAIServingScore
 from xlm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
-    """Start the engine process for the parsed flags; returns (AsyncLLM, metrics registry)."""
-    config = create_engine_config(args)
+def build_engine(
+    args: argparse.Namespace, config: Any = None, engine_process: Any = None
+) -> tuple[Any, Any]:
+    """Start the engine process for the parsed flags; returns (AsyncLLM, metrics registry).
+
+    `config` and `engine_process`: the config and the engine process `xlm serve` started
+    before importing the server (`xlm.entrypoints.serve`); this waits for that process."""
+    config = config or create_engine_config(args)
     registry = CollectorRegistry()
     name = (args.served_model_name or [args.model])[0]
     ranks = range(config.parallel_config.data_parallel_size)
     stat_loggers = [PrometheusStatLogger(name, registry, engine_indexes=ranks)]
     if not args.disable_log_stats:
         stat_loggers.append(LoggingStatLogger())
-    engine = AsyncLLM.from_config(config, stat_loggers=stat_loggers, max_logprobs=args.max_logprobs)
+    engine = AsyncLLM.from_config(
+        config,
+        stat_loggers=stat_loggers,
+        max_logprobs=args.max_logprobs,
+        engine_process=engine_process,
+    )
     return engine, registry
 
 
