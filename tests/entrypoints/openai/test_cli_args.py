@@ -65,12 +65,14 @@ def test_xlm_serve_config_file_reads_the_given_argv_not_sys_argv(tmp_path, monke
     import sys
 
     import xlm.entrypoints.openai.api_server as api_server
-    from xlm.entrypoints import cli
+    from xlm.entrypoints import cli, serve
 
     path = tmp_path / "serve.yaml"
     path.write_text("model: smollm2-135m\nport: 9100\nmax_num_seqs: 8\n")
     seen: list[argparse.Namespace] = []
-    monkeypatch.setattr(api_server, "run_server", lambda args: seen.append(args) or 0)
+    # Neither the engine process (spawned before the server's imports) nor the server runs.
+    monkeypatch.setattr(serve, "start_engine_process", lambda *_: None)
+    monkeypatch.setattr(api_server, "run_server", lambda args, *_: seen.append(args) or 0)
     monkeypatch.setattr(sys, "argv", ["python", "-m", "pytest", "unrelated"])
     assert cli.main(["serve", "--config", str(path), "--port", "9200"]) == 0
     (args,) = seen
