@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
 def _invalid(owner: str, name: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{owner}.{name}={value!r} is invalid: allowed {allowed}")
+
+
+def parse_json_text(name: str, value: Any) -> Any:
+    """An option given as an object or its JSON text (the CLI's): the text parsed, any
+    other value as it is (its type is the caller's to check)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}={value!r} is invalid: not JSON ({e})") from None
 
 
 def _require(cond: bool, owner: str, name: str, value: Any, allowed: str) -> None:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from xlm.config.checks import _require
+from xlm.config.checks import _require, parse_json_text
 
 KV_EVENT_PUBLISHERS = ("zmq", "null")
 
@@ -75,11 +74,7 @@ class KVEventsConfig:
         """From a dict or its JSON text; None passes."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config={value!r} is invalid: not JSON ({e})") from None
+        value = parse_json_text("kv_events_config", value)
         if not isinstance(value, dict):
             raise ValueError(f"kv_events_config={value!r} is invalid: must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}

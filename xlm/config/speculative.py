@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from xlm.config.checks import _invalid, _positive_int, _require
+from xlm.config.checks import _invalid, _positive_int, _require, parse_json_text
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
@@ -48,15 +48,7 @@ class SpeculativeConfig:
         """From a dict or its JSON text (vLLM's ``--speculative-config``); None passes."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"speculative_config={value!r} is invalid: not JSON ({e})"
-                ) from None
+        value = parse_json_text("speculative_config", value)
         if not isinstance(value, dict):
             raise _invalid("EngineArgs", "speculative_config", value, "a dict or its JSON text")
         names = {f.name for f in dataclasses.fields(cls)} - {"draft_model_config"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from xlm.config import (
     StructuredOutputsConfig,
     XlmConfig,
 )
+from xlm.config.checks import parse_json_text
 from xlm.engine.arg_flags import add_engine_flags
 from xlm.logger import init_logger
 from xlm.models.builtin import resolve_model_name
@@ -37,19 +37,6 @@ logger = init_logger(__name__)
 
 # Deprecated option -> (the startup_programs it means when set, the value that sets it).
 DEPRECATED_STARTUP_OPTIONS = {"compile_all_first": ("all", True), "warmup": ("used", False)}
-
-
-def _json_object(name: str, value: Any) -> dict[str, Any] | None:
-    """A dict option given as a dict or its JSON text (the CLI's); None passes."""
-    if not isinstance(value, str):
-        return value
-    try:
-        value = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{name}={value!r} is invalid: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}={value!r} is invalid: allowed a JSON object")
-    return value
 
 
 def _gguf_quant_layout(model_path: str, load_format: str) -> Any:
@@ -220,7 +207,7 @@ class EngineArgs:
             allowed_local_media_path=self.allowed_local_media_path,
             allowed_media_domains=self.allowed_media_domains,
             max_image_pixels=self.max_image_pixels,
-            mm_processor_kwargs=_json_object("mm_processor_kwargs", self.mm_processor_kwargs),
+            mm_processor_kwargs=parse_json_text("mm_processor_kwargs", self.mm_processor_kwargs),
         )
         model_config.hf_config = load_hf_config(model_path, self.load_format)
         # A compressed-tensors checkpoint runs in the scheme it is stored in.
