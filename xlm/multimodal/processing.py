@@ -119,6 +119,11 @@ class MultiModalProcessor:
             getattr(hf_config, "image_token_index", None)
             or getattr(hf_config, "image_token_id", None)
         )
+        self._setup(hf_config)
+
+    def _setup(self, hf_config: Any) -> None:
+        """The family's own preprocessing and token counts, from `self.processor_config`
+        (called last by `__init__`)."""
 
     def pixels(self, image: Any) -> np.ndarray:
         """An RGB PIL image -> the encoder's input pixels."""
@@ -184,14 +189,7 @@ class LlavaProcessor(FixedSizeProcessor):
     """LLaVA-1.5: CLIP preprocessing; (image_size / patch_size)^2 tokens an image (plus
     the class token with vision_feature_select_strategy 'full')."""
 
-    def __init__(
-        self,
-        hf_config: Any,
-        model_dir: str,
-        policy: MediaPolicy,
-        processor_config: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(hf_config, model_dir, policy, processor_config)
+    def _setup(self, hf_config: Any) -> None:
         self.preprocess = CLIPImagePreprocessor(self.processor_config)
         vision = hf_config.vision_config
         self.image_size, self.patch_size = vision.image_size, vision.patch_size
@@ -220,14 +218,7 @@ class Gemma3Processor(FixedSizeProcessor):
     "\n\n", `<start_of_image>`, mm_tokens_per_image image tokens, `<end_of_image>`,
     "\n\n" (a newline run next to it merged into one token, as the tokenizer would)."""
 
-    def __init__(
-        self,
-        hf_config: Any,
-        model_dir: str,
-        policy: MediaPolicy,
-        processor_config: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(hf_config, model_dir, policy, processor_config)
+    def _setup(self, hf_config: Any) -> None:
         config = self.processor_config
         if config.get("do_pan_and_scan"):
             logger.warning(
@@ -291,14 +282,7 @@ class Qwen2VLProcessor(MultiModalProcessor):
     """Qwen2-VL / Qwen2.5-VL: smart_resize preprocessing (xlm.multimodal.qwen2_vl); an
     image of h x w patches becomes h * w / merge_size^2 tokens."""
 
-    def __init__(
-        self,
-        hf_config: Any,
-        model_dir: str,
-        policy: MediaPolicy,
-        processor_config: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(hf_config, model_dir, policy, processor_config)
+    def _setup(self, hf_config: Any) -> None:
         self.preprocess = Qwen2VLImagePreprocessor(self.processor_config)
         vision = hf_config.vision_config
         if (self.preprocess.patch_size, self.preprocess.merge_size) != (
