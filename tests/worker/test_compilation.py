@@ -10,7 +10,7 @@ import pytest
 
 import xlm
 from xlm import SamplingParams, disk_cache
-from xlm.worker.compilation import ProgramStore
+from xlm.worker.compilation import ProgramKind, ProgramStore
 
 # Default token buckets up to 64 (1, 2, 4, 8, 16, 24, 32, 48, 64): every step size has its
 # own bucket.
@@ -149,3 +149,28 @@ def test_damaged_saved_programs_are_recompiled_with_a_warning(
     assert len(list(saved_by_reference.iterdir())) == compiler.num_registered
     assert compiler.num_compiled == compiler.num_registered and compiler.num_loaded == 0
     assert "unreadable cached program" in caplog.text
+
+
+def test_another_models_engine_loads_the_saved_samplers(compiled_all, tiny_checkpoint, tmp_path):
+    """Samplers read only logits: an engine of another model with the same vocabulary and
+    limits loads the ones the first engine saved and compiles only its model's programs,
+    and draws exactly what the same engine compiling everything itself draws (seeded rows
+    included)."""
+    _, saved_by_llama = compiled_all
+    other = tiny_checkpoint("qwen3")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "alone"))
+        alone = xlm.LLM(model=other, startup_programs="all", **ENGINE)
+        expected = _run(alone)
+        del alone
+        mp.setenv("XLM_COMPILATION_CACHE_DIR", str(saved_by_llama))
+        shared = xlm.LLM(model=other, startup_programs="all", **ENGINE)
+    runner = _runner(shared)
+    store = runner.program_store
+    keys = {
+        k for bucket in runner.buckets.token_buckets for k in runner.readiness.bucket_keys(bucket)
+    }
+    samplers = [k for k in keys if k.kind is ProgramKind.SAMPLER]
+    assert samplers and store.num_loaded == len(samplers), (store.num_loaded, len(samplers))
+    assert store.num_compiled == store.num_registered - len(samplers)
+    assert _run(shared) == expected

@@ -47,6 +47,18 @@ def test_store_load_and_rebuild_damaged(tmp_path):
     assert cache.load(key, in_tree, out_tree) is not None
 
 
+def test_a_kind_with_its_own_fingerprint_is_shared_across_engines(tmp_path):
+    samplers = {"sampler": "vocab-256"}
+    a = ExecutableCache(str(tmp_path), "engine-a", kind_fingerprints=samplers)
+    b = ExecutableCache(str(tmp_path), "engine-b", kind_fingerprints=samplers)
+    sampler, model = ProgramKey(ProgramKind.SAMPLER, 8), ProgramKey(ProgramKind.MODEL, 8)
+    assert a.path(sampler) == b.path(sampler)
+    assert a.path(model) != b.path(model)
+    other_vocab = ExecutableCache(str(tmp_path), "engine-a", kind_fingerprints={"sampler": "v"})
+    assert other_vocab.path(sampler) != a.path(sampler)
+    assert other_vocab.path(model) == a.path(model)
+
+
 def test_version_prefix_follows_xlm_version(tmp_path, monkeypatch):
     import xlm
 

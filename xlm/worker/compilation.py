@@ -141,16 +141,37 @@ def engine_fingerprint(
             mesh,
             _cpu_kernels_in_use(),
             FloatMatmul.float32_kernel,  # whether float32 projections call the kernel
-            # XLA's own options (an optimisation level, a CPU feature set): a program
-            # compiled under other flags is another program (the device count is the mesh's).
-            re.sub(r"--xla_force_host_platform_device_count=\S*", "", envs.xla_flags()).split(),
+            _xla_options(),
         )
     )
 
 
+def sampler_fingerprint(config: XlmConfig, vocab_size: int, max_rows: int, sampler: Any) -> str:
+    """What besides its key and layout decides a sampler: not the model (it reads only
+    logits), so engines of any model with this vocabulary share their saved samplers."""
+    return repr(("sampler", vocab_size, max_rows, sampler, config.parallel_config, _xla_options()))
+
+
+def program_cache(
+    config: XlmConfig, engine: tuple[int, Any, Any], sampler: tuple[int, int, Any], saved: bool
+) -> ExecutableCache:
+    """A runner's saved programs, keyed by the engine's fingerprint (`engine`: KV blocks,
+    KV dtype, mesh), its samplers by theirs (`sampler`: vocabulary, largest row bucket,
+    sampler config); `saved=False` (an abstract runner): none read or written."""
+    return ExecutableCache(
+        executable_cache_dir(config) if saved else None,
+        engine_fingerprint(config, *engine),
+        kind_fingerprints={ProgramKind.SAMPLER.value: sampler_fingerprint(config, *sampler)},
+    )
+
+
+def _xla_options() -> list[str]:
+    """XLA's options but the device count (the mesh's): other flags, another program."""
+    return re.sub(r"--xla_force_host_platform_device_count=\S*", "", envs.xla_flags()).split()
+
+
 def _cpu_kernels_in_use() -> bool | None:
-    """Whether CPU programs call the native kernels (None off CPU): a program traced
-    with them and one traced on their jnp path differ, though their keys do not."""
+    """Whether CPU programs call the native kernels (None off CPU): it changes programs."""
     if not platforms.current_platform.is_cpu():
         return None
     return cpu_kernels.available()

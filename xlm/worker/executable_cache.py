@@ -44,8 +44,15 @@ class ExecutableCache:
     """Load and store serialized compiled programs under one directory."""
 
     def __init__(
-        self, directory: str | None, fingerprint: str, max_bytes: int = DEFAULT_MAX_BYTES
+        self,
+        directory: str | None,
+        fingerprint: str,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        kind_fingerprints: dict[str, str] | None = None,
     ) -> None:
+        """`fingerprint`: what besides a key decides a program; `kind_fingerprints`: that
+        of the kinds of program it does not describe (a sampler's, shared by engines of
+        other models), by kind."""
         self.directory = directory
         # Everything but the engine config: what a file name's version prefix stands for.
         self.version = disk_cache.cache_key(
@@ -55,7 +62,8 @@ class ExecutableCache:
             ",".join(d.device_kind for d in jax.devices()),
             length=12,
         )
-        self._base = hashlib.sha256(f"{self.version}|{fingerprint}".encode()).hexdigest()
+        self._base = self._digest(fingerprint)
+        self._kind_bases = {k: self._digest(f) for k, f in (kind_fingerprints or {}).items()}
         if directory:
             try:
                 disk_cache.make_private_dir(directory)
@@ -64,11 +72,15 @@ class ExecutableCache:
                 logger.warning("Compiled-program cache %s is unusable: %s", directory, e)
                 self.directory = None
 
+    def _digest(self, fingerprint: str) -> str:
+        return hashlib.sha256(f"{self.version}|{fingerprint}".encode()).hexdigest()
+
     def path(self, key: Any, layout: Any = None) -> str:
         """The file of a program's key (any object with a `kind` and a stable repr) and
         its input layout (belt and braces: the engine fingerprint and key decide it)."""
-        digest = hashlib.sha256(f"{self._base}|{key!r}|{layout!r}".encode()).hexdigest()[:40]
         kind = getattr(key.kind, "value", key.kind)
+        base = self._kind_bases.get(kind, self._base)
+        digest = hashlib.sha256(f"{base}|{key!r}|{layout!r}".encode()).hexdigest()[:40]
         return os.path.join(self.directory, f"{self.version}-{kind}-{digest}.xla")
 
     def has(self, key: Any, layout: Any = None) -> bool:

@@ -39,11 +39,9 @@ from xlm.worker.compilation import (
     ProgramKind,
     ProgramSpec,
     ProgramStore,
-    engine_fingerprint,
-    executable_cache_dir,
+    program_cache,
 )
 from xlm.worker.encoder_cache import EncoderRunner
-from xlm.worker.executable_cache import ExecutableCache
 from xlm.worker.host_kv_cache import HostKVCache
 from xlm.worker.input_batch import InputBatch
 from xlm.worker.kv_allocation import KVCacheAllocation
@@ -145,9 +143,11 @@ class ModelRunner:
         """The store of this runner's programs (saved ones keyed by the engine's
         fingerprint) and the readiness of its buckets, a draft model's programs counted."""
         self.program_store = ProgramStore(
-            ExecutableCache(
-                None if self.abstract else executable_cache_dir(config),
-                engine_fingerprint(config, num_blocks, kv_dtype, self.mesh),
+            program_cache(
+                config,
+                (num_blocks, kv_dtype, self.mesh),
+                (self.vocab_size, self._max_rows, self.programs.sampler_config),
+                saved=not self.abstract,
             )
         )
         keys = {b: self._bucket_keys(b) for b in self.buckets.token_buckets}

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry_2x32
 
 from xlm.sampling_params import MAX_DEVICE_LOGPROBS
 
@@ -118,14 +119,27 @@ class SamplerOutput:
 # -- device side --------------------------------------------------------------------------
 
 
-def _row_keys(seeds: jax.Array, salt: jax.Array) -> jax.Array:
-    """One raw PRNG key per row from a 64-bit seed (two u32) and a per-row salt."""
+def row_uniforms(md: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
+    """Two independent uniforms in [0, 1) per row: the draw that samples the row's token
+    and the one that accepts or rejects its proposed token (speculative decoding).
 
-    def one(seed: jax.Array, s: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.PRNGKey(seed[0]), seed[1])
-        return jax.random.fold_in(key, s)
-
-    return jax.vmap(one)(seeds, salt)
+    One Threefry-2x32 block per row, keyed by the request's 64-bit seed (or the engine's
+    per-step seed, which changes every step) and counting the row's output length (and, for
+    an unseeded row, its row): a seeded request draws the same at the same position in any
+    batch. One block gives both words, where deriving a key per use (fold_in chains) costs
+    a block each and makes the program several times larger to compile.
+    """
+    R = md.output_lens.shape[0]
+    rows = jnp.arange(1, R + 1, dtype=jnp.uint32)
+    k0 = jnp.where(md.has_seed, md.seeds[:, 0], md.step_seed[0])
+    k1 = jnp.where(md.has_seed, md.seeds[:, 1], md.step_seed[1])
+    counts = jnp.stack(
+        [md.output_lens.astype(jnp.uint32), jnp.where(md.has_seed, jnp.uint32(0), rows)], -1
+    )
+    bits = jax.vmap(lambda a, b, c: threefry_2x32((a, b), c))(k0, k1, counts)  # [R, 2]
+    # 23 random mantissa bits under the exponent of 1.0: a float in [1, 2), minus one.
+    one = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    return one[:, 0], one[:, 1]
 
 
 def _apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -251,34 +265,18 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(idx, V - 1).astype(jnp.int32)
 
 
-def _sampling_keys(md: SamplingMetadata) -> jax.Array:
-    """Each row's key for this token: its seed's (or the step's, by row) and its output
-    length folded in, so a seeded request draws the same at the same position."""
-    R = md.output_lens.shape[0]
-    rows = jnp.arange(R, dtype=jnp.uint32)
-    unseeded = _row_keys(jnp.broadcast_to(md.step_seed, (R, 2)), rows)
-    keys = jnp.where(md.has_seed[:, None], _row_keys(md.seeds, jnp.zeros(R, jnp.uint32)), unseeded)
-    return jax.vmap(jax.random.fold_in)(keys, md.output_lens.astype(jnp.uint32))
-
-
-# Folded into a row's key for the uniform that accepts or rejects its proposed token
-# (independent of the draw that samples the row's token).
-_ACCEPT_SALT = 0x5EC
-
-
-def _verify_random(x: jax.Array, md: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
+def _verify_random(x: jax.Array, md: SamplingMetadata, u: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rejection sampling of deterministic proposals (xlm's proposers propose one token
     per position, a point mass q): accept draft d with probability min(1, p(d)/q(d)) =
     p(d); on rejection draw from the residual max(0, p - q), which is p without d,
-    renormalized. Returns (the logits to draw the row's token from, accepted)."""
+    renormalized; `u`: each row's acceptance uniform. Returns (the logits to draw the row's
+    token from, accepted)."""
     V = x.shape[-1]
     draft = md.draft_token_ids
     has_draft = draft >= 0
     safe = jnp.maximum(draft, 0)
     logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
     p_draft = jnp.exp(jnp.take_along_axis(logp, safe[:, None], axis=-1)[:, 0])
-    keys = jax.vmap(jax.random.fold_in)(_sampling_keys(md), jnp.full_like(draft, _ACCEPT_SALT))
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
     accepted = has_draft & (u < p_draft)
     is_draft = has_draft[:, None] & (jnp.arange(V)[None, :] == draft[:, None])
     residual = jnp.where(is_draft, -jnp.inf, x)
@@ -287,14 +285,13 @@ def _verify_random(x: jax.Array, md: SamplingMetadata) -> tuple[jax.Array, jax.A
     return jnp.where(empty, x, residual), accepted
 
 
-def _sample_random(x: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Inverse-CDF sampling with one uniform draw per row from its own key.
+def _sample_random(x: jax.Array, u: jax.Array) -> jax.Array:
+    """Inverse-CDF sampling with one uniform draw `u` per row.
 
     Two-level search (block sums, then one block) instead of a full-vocab cumsum, which
     XLA:CPU runs ~10x slower.
     """
     R, V = x.shape
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(_sampling_keys(md))
     num_blocks = min(256, V)
     block = -(-V // num_blocks)
     unnorm = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
@@ -355,10 +352,11 @@ def sample(logits: jax.Array, md: SamplingMetadata, config: SamplerConfig) -> Sa
 
     def random_branch() -> tuple[jax.Array, jax.Array, jax.Array]:
         x = _random_logits(logits, md, config.top_k_cap)
+        u_draw, u_accept = row_uniforms(md)
         draw_from, accepted = jax.lax.cond(
-            md.any_draft, _verify_random, lambda x, _: (x, no_accept), x, md
+            md.any_draft, _verify_random, lambda x, *_: (x, no_accept), x, md, u_accept
         )
-        return _sample_random(draw_from, md), x, accepted
+        return _sample_random(draw_from, u_draw), x, accepted
 
     def greedy_branch() -> tuple[jax.Array, jax.Array, jax.Array]:
         return greedy_ids, logits, no_accept
