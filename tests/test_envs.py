@@ -150,3 +150,35 @@ def test_transformers_advisories_are_quiet_unless_set(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "0")
     envs.quiet_transformers_advisories()
     assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "0"
+
+
+def test_only_envs_reads_or_writes_the_environment():
+    """Every environment variable xlm reads or sets goes through xlm/envs.py."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(envs.__file__).parent
+    pattern = re.compile(r"os\.environ|os\.getenv|os\.putenv")
+    offenders = [
+        f"{path.relative_to(root.parent)}:{n}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "envs.py" or path.parent != root
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert offenders == [], offenders
+
+
+def test_deviceless_libtpu_and_gpu_memory_fraction(monkeypatch):
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "0")  # the user's choice stays
+    envs.allow_deviceless_libtpu()
+    assert os.environ["TPU_ACCELERATOR_TYPE"] == ""
+    assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "0"
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert envs.gpu_memory_fraction() == 0.75
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert envs.gpu_memory_fraction() == 0.5
+    monkeypatch.setenv("XLM_TEST_SET_VARIABLES", "")
+    envs.set_variables({"XLM_TEST_SET_VARIABLES": "1"})
+    assert os.environ["XLM_TEST_SET_VARIABLES"] == "1"

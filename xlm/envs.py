@@ -215,6 +215,26 @@ def quiet_transformers_advisories() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
+def set_variables(variables: dict[str, str]) -> None:
+    """Set these variables in this process's environment (a data-parallel rank's device
+    visibility, applied in its engine process before JAX starts)."""
+    os.environ.update(variables)
+
+
+def allow_deviceless_libtpu() -> None:
+    """Let libtpu start without a TPU host (deviceless compiles need none) unless the user
+    set these: no TPU accelerator type to look for (it warns otherwise), and several
+    processes at once (libtpu's machine-wide lock is for processes that own chips)."""
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def gpu_memory_fraction() -> float:
+    """The share of a GPU's memory JAX gives a process (XLA_PYTHON_CLIENT_MEM_FRACTION,
+    JAX's default 0.75)."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+
+
 def cuda_visible_devices() -> list[str] | None:
     """The GPU ids CUDA_VISIBLE_DEVICES names, or None when it is unset."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import EngineCoreOutput
 from xlm.engine.core import EngineCore
@@ -255,7 +256,7 @@ class EngineCoreProc(EngineCore):
 
         `rank_env` and `rank_cpus` (a data-parallel rank's, from its platform) are applied
         first, before JAX starts: its visible devices and the cores it runs on."""
-        os.environ.update(rank_env or {})
+        envs.set_variables(rank_env or {})
         if rank_cpus:
             os.sched_setaffinity(0, rank_cpus)
         # The front end handles Ctrl-C and tells us to stop; SIGTERM stops us cleanly.

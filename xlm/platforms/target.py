@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Any
 
 from jax.experimental import topologies
 
-from xlm import platforms
+from xlm import envs, platforms
 from xlm.platforms.cuda import CudaPlatform
 from xlm.platforms.interface import Platform
 from xlm.platforms.tpu import TpuPlatform
@@ -191,11 +190,7 @@ def compile_target(topology: str) -> CompileTarget:
         )
     if gpu is not None:
         return _gpu_target(topology, CHIPS[gpu.group(1)], int(gpu.group(2)))
-    # libtpu warns about a missing TPU host environment; deviceless compiles need none.
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "")
-    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for processes that own
-    # TPU chips; compiling owns none, so several processes (a plan beside a test run) may.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    envs.allow_deviceless_libtpu()  # a plan beside a test run: both load libtpu
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     except Exception as e:
@@ -219,8 +214,7 @@ def _gpu_target(topology: str, chip: Chip, count: int) -> CompileTarget:
         ) from e
     # JAX gives a process XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU's memory (0.75 unless
     # set): that is the memory the engine would see there, so it is what is planned.
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-    usable = dataclasses.replace(chip, hbm_bytes=int(chip.hbm_bytes * fraction))
+    usable = dataclasses.replace(chip, hbm_bytes=int(chip.hbm_bytes * envs.gpu_memory_fraction()))
     return CompileTarget(topology, usable, tuple(desc.devices))
 
 

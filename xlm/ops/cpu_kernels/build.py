@@ -14,6 +14,7 @@ jax (for the FFI headers) but not xlm's other dependencies.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -37,8 +38,10 @@ class BuildError(Exception):
     """Why the library cannot be built."""
 
 
+@functools.cache
 def read_texts() -> tuple[dict[str, str], dict[str, str]]:
-    """The sources' and headers' text, by file name."""
+    """The sources' and headers' text, by file name (read once per process: the key, the
+    targets' names and a build all use them)."""
     return (
         {name: (HERE / name).read_text() for name in SOURCES},
         {name: (HERE / name).read_text() for name in HEADERS},
