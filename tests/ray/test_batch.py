@@ -210,14 +210,19 @@ def check_results(results: list[dict], records: list[dict], local_llm) -> None:
 
 
 @pytest.mark.slow
-def test_run_batch_ray_jsonl_every_record_once_and_a_rerun_resumes(
+def test_run_batch_ray_parquet_in_jsonl_out_every_record_once_and_a_rerun_resumes(
     ray_cluster, model, local_llm, tmp_path
 ):
+    """Parquet in (each body a JSON string), JSONL out, 2 replicas: every record once, in
+    input order, the local engine's greedy text; a rerun resumes. JSONL in and Parquet out
+    are the embeddings test's (one job per format pair would start another replica)."""
     from xlm.ray.batch import run_batch_on_ray
 
     records = batch_records(NUM_RECORDS)
-    infile = tmp_path / "in.jsonl"
-    infile.write_text("".join(json.dumps(r) + "\n" for r in records))
+    infile = tmp_path / "in.parquet"
+    pq.write_table(
+        pa.Table.from_pylist([{**r, "body": json.dumps(r["body"])} for r in records]), infile
+    )
     outfile = tmp_path / "out.jsonl"
     summary = run_batch_on_ray(run_batch_args(model, infile, outfile))
 
@@ -231,33 +236,6 @@ def test_run_batch_ray_jsonl_every_record_once_and_a_rerun_resumes(
     again = run_batch_on_ray(run_batch_args(model, infile, outfile))
     assert again["records"] == 0
     assert outfile.read_text().splitlines() == [json.dumps(r) for r in results]
-
-
-@pytest.mark.slow
-def test_run_batch_ray_parquet_in_and_out(ray_cluster, model, local_llm, tmp_path):
-    from xlm.ray.batch import run_batch_on_ray
-
-    records = batch_records(60)
-    table = pa.Table.from_pylist(
-        [{**r, "body": json.dumps(r["body"])} for r in records]  # body as a JSON string
-    )
-    pq.write_table(table, tmp_path / "in.parquet")
-    outfile = tmp_path / "out.parquet"
-    # One replica: the two-replica path is the JSONL test's; this one is about the formats.
-    run_batch_on_ray(run_batch_args(model, tmp_path / "in.parquet", outfile, replicas=1))
-
-    rows = pq.read_table(outfile).to_pylist()
-    results = [
-        {
-            "id": r["id"],
-            "custom_id": r["custom_id"],
-            "response": json.loads(r["response"]),
-            "error": json.loads(r["error"]) if r["error"] else None,
-        }
-        for r in rows
-    ]
-    assert [r["status_code"] for r in rows] == [r["response"]["status_code"] for r in results]
-    check_results(results, records, local_llm)
 
 
 @pytest.mark.slow
@@ -339,26 +317,39 @@ def test_row_that_kills_its_replica_ends_as_error_record(ray_cluster, model, loc
 
 
 @pytest.mark.slow
-def test_run_batch_ray_embeddings_to_parquet_lists(ray_cluster, model, tmp_path):
-    """/v1/embeddings lines (each input kind: one text, two texts, token ids) on one replica
-    (the two-replica merge is the JSONL test's): every line once, LLM.embed's vectors, and
-    the Parquet result keeps them as a list column."""
+def test_run_batch_ray_jsonl_in_embeddings_out_as_parquet_lists(ray_cluster, model, tmp_path):
+    """JSONL in, Parquet out, one replica (the two-replica merge is the other run-batch
+    test's): /v1/embeddings lines of each input kind (one text, two texts, token ids) once
+    each, in input order, with LLM.embed's vectors, kept as a list column; a rejected line's
+    status and error in their columns."""
     from tests.e2e.test_run_batch_jobs import check_embedding_results, embedding_records
     from xlm.ray.batch import run_batch_on_ray
 
     # The reference first: its programs are in the program cache when the replica starts.
     llm = xlm.LLM(model=model, runner="pooling", **ENGINE)
     records = embedding_records(30)
+    bad = {**records[4], "custom_id": "bad-dimensions"}
+    bad["body"] = {**bad["body"], "dimensions": 0}
+    records.insert(5, bad)
     infile = tmp_path / "in.jsonl"
     infile.write_text("".join(json.dumps(r) + "\n" for r in records))
     outfile = tmp_path / "out.parquet"
     extra = ("--runner", "pooling", "--served-model-name", "m")
     summary = run_batch_on_ray(run_batch_args(model, infile, outfile, *extra, replicas=1))
-    assert summary["records"] == len(records) and summary["failed"] == 0
+    assert summary["records"] == len(records) and summary["failed"] == 1
 
     rows = pq.read_table(outfile).to_pylist()
+    assert [r["custom_id"] for r in rows] == [r["custom_id"] for r in records]
+    assert len({r["id"] for r in rows}) == len(records)
+    assert all(r["id"].startswith("batch_req_") for r in rows)
+    rejected = rows.pop(5)
+    assert rejected["status_code"] == 400 and rejected["embedding"] is None
+    assert json.loads(rejected["response"])["status_code"] == 400
+    assert "dimensions" in json.loads(rejected["error"])["message"]
+    records.pop(5)
+    assert [r["status_code"] for r in rows] == [200] * len(rows)
     results = [
-        {"custom_id": r["custom_id"], "response": json.loads(r["response"]), "error": None}
+        {"custom_id": r["custom_id"], "response": json.loads(r["response"]), "error": r["error"]}
         for r in rows
     ]
     check_embedding_results(results, records, llm)
