@@ -88,8 +88,10 @@ def reference_outputs(local_llm, rows: list[dict]) -> list:
 
 
 def test_processor_parquet_every_row_exactly_once_equal_to_generate(
-    ray_cluster, model, local_llm, tmp_path
+    model, local_llm, ray_cluster, tmp_path
 ):
+    # local_llm before ray_cluster: the module's first test compiles the reference's
+    # programs before the cluster's daemons start, not while they run beside it.
     rows = []
     for i in range(NUM_RECORDS):
         row = {"idx": i, "sampling_params": {"max_tokens": max_tokens(i)}}
