@@ -1,6 +1,10 @@
 """xlm on Ray Data, on a local Ray cluster (127.0.0.1, 2 CPUs) with 2 replicas of the tiny
 model: every record exactly once, greedy text equal to the local LLM.generate, Parquet and
-JSONL, and a replica killed by pid mid-job."""
+JSONL, and a replica killed by pid mid-job.
+
+What a test costs is mostly its replicas' start-ups (a Ray worker and an engine each), not
+its rows: the counts here are enough batches for each replica to hold several at once
+(max_concurrent_batches) with more queued behind them."""
 
 from __future__ import annotations
 
@@ -23,7 +27,10 @@ from tests.ray.tiny_engine import ENGINE, ENGINE_FLAGS  # noqa: E402
 from xlm.ray import ProcessorConfig, build_llm_processor  # noqa: E402
 from xlm.ray.replica import FATAL_ROW_ERROR, LLMReplica  # noqa: E402
 
-NUM_RECORDS = 500
+# 8 batches of 20: both replicas hold 4 at once, and each row kind (text, chat, token ids,
+# a row longer than the model) is there.
+NUM_RECORDS = 160
+BATCH_SIZE = 20
 # Replicas take half a CPU each so Ray's read and split tasks still find one.
 REPLICA_CPUS = 0.5
 
@@ -35,7 +42,9 @@ def model(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def local_llm(model):
-    """The reference: the same model and engine options, in this process, no Ray."""
+    """The reference: the same model and engine options, in this process, no Ray. A test
+    asks for it before its job runs, so its programs (ENGINE's startup_programs="all") are
+    in the program cache when the replicas start."""
     return xlm.LLM(model=model, **ENGINE)
 
 
@@ -48,7 +57,7 @@ def max_tokens(i: int) -> int:
 
 
 def config(model: str, **kw) -> ProcessorConfig:
-    options = dict(engine_kwargs=ENGINE, replicas=2, batch_size=25, num_cpus=REPLICA_CPUS)
+    options = dict(engine_kwargs=ENGINE, replicas=2, batch_size=BATCH_SIZE, num_cpus=REPLICA_CPUS)
     return ProcessorConfig(model=model, **{**options, **kw})
 
 
@@ -78,9 +87,11 @@ def reference_outputs(local_llm, rows: list[dict]) -> list:
     return outputs
 
 
-def test_processor_parquet_500_rows_exactly_once_equal_to_generate(
-    ray_cluster, model, local_llm, tmp_path
+def test_processor_parquet_every_row_exactly_once_equal_to_generate(
+    model, local_llm, ray_cluster, tmp_path
 ):
+    # local_llm before ray_cluster: the module's first test compiles the reference's
+    # programs before the cluster's daemons start, not while they run beside it.
     rows = []
     for i in range(NUM_RECORDS):
         row = {"idx": i, "sampling_params": {"max_tokens": max_tokens(i)}}
@@ -165,7 +176,16 @@ def run_batch_args(model: str, infile, outfile, *extra: str, replicas: int = 2):
     from xlm.entrypoints.cli import build_parser
 
     argv = ["run-batch", "--ray", f"--replicas={replicas}", f"--replica-cpus={REPLICA_CPUS}"]
-    argv += ["--ray-batch-size", "25", "-i", str(infile), "-o", str(outfile), "--model", model]
+    argv += [
+        "--ray-batch-size",
+        str(BATCH_SIZE),
+        "-i",
+        str(infile),
+        "-o",
+        str(outfile),
+        "--model",
+        model,
+    ]
     return build_parser().parse_args([*argv, *ENGINE_FLAGS, *extra])
 
 
@@ -192,12 +212,19 @@ def check_results(results: list[dict], records: list[dict], local_llm) -> None:
 
 
 @pytest.mark.slow
-def test_run_batch_ray_jsonl_500_records(ray_cluster, model, local_llm, tmp_path):
+def test_run_batch_ray_parquet_in_jsonl_out_every_record_once_and_a_rerun_resumes(
+    ray_cluster, model, local_llm, tmp_path
+):
+    """Parquet in (each body a JSON string), JSONL out, 2 replicas: every record once, in
+    input order, the local engine's greedy text; a rerun resumes. JSONL in and Parquet out
+    are the embeddings test's (one job per format pair would start another replica)."""
     from xlm.ray.batch import run_batch_on_ray
 
     records = batch_records(NUM_RECORDS)
-    infile = tmp_path / "in.jsonl"
-    infile.write_text("".join(json.dumps(r) + "\n" for r in records))
+    infile = tmp_path / "in.parquet"
+    pq.write_table(
+        pa.Table.from_pylist([{**r, "body": json.dumps(r["body"])} for r in records]), infile
+    )
     outfile = tmp_path / "out.jsonl"
     summary = run_batch_on_ray(run_batch_args(model, infile, outfile))
 
@@ -214,35 +241,8 @@ def test_run_batch_ray_jsonl_500_records(ray_cluster, model, local_llm, tmp_path
 
 
 @pytest.mark.slow
-def test_run_batch_ray_parquet_in_and_out(ray_cluster, model, local_llm, tmp_path):
-    from xlm.ray.batch import run_batch_on_ray
-
-    records = batch_records(60)
-    table = pa.Table.from_pylist(
-        [{**r, "body": json.dumps(r["body"])} for r in records]  # body as a JSON string
-    )
-    pq.write_table(table, tmp_path / "in.parquet")
-    outfile = tmp_path / "out.parquet"
-    # One replica: the two-replica path is the JSONL test's; this one is about the formats.
-    run_batch_on_ray(run_batch_args(model, tmp_path / "in.parquet", outfile, replicas=1))
-
-    rows = pq.read_table(outfile).to_pylist()
-    results = [
-        {
-            "id": r["id"],
-            "custom_id": r["custom_id"],
-            "response": json.loads(r["response"]),
-            "error": json.loads(r["error"]) if r["error"] else None,
-        }
-        for r in rows
-    ]
-    assert [r["status_code"] for r in rows] == [r["response"]["status_code"] for r in results]
-    check_results(results, records, local_llm)
-
-
-@pytest.mark.slow
 def test_replica_killed_mid_job_every_row_exactly_once(ray_cluster, model, local_llm):
-    n = 400
+    n = 160  # 16 batches of 10: each replica holds 4 when the kill lands, the rest queued
     rows = [{"idx": i, "prompt": prompt_text(i)} for i in range(n)]
     # Long enough rows that the replica still holds the ones it started when the kill
     # lands (with 12 tokens a faster engine finished them between the snapshot and the
@@ -319,27 +319,41 @@ def test_row_that_kills_its_replica_ends_as_error_record(ray_cluster, model, loc
 
 
 @pytest.mark.slow
-def test_run_batch_ray_embeddings_to_parquet_lists(ray_cluster, model, tmp_path):
-    """100 /v1/embeddings lines on one replica (the two-replica merge is the JSONL test's):
-    every line once, LLM.embed's vectors, and the Parquet result keeps them as a list
-    column."""
+def test_run_batch_ray_jsonl_in_embeddings_out_as_parquet_lists(ray_cluster, model, tmp_path):
+    """JSONL in, Parquet out, one replica (the two-replica merge is the other run-batch
+    test's): /v1/embeddings lines of each input kind (one text, two texts, token ids) once
+    each, in input order, with LLM.embed's vectors, kept as a list column; a rejected line's
+    status and error in their columns."""
     from tests.e2e.test_run_batch_jobs import check_embedding_results, embedding_records
     from xlm.ray.batch import run_batch_on_ray
 
-    records = embedding_records(100)
+    # The reference first: its programs are in the program cache when the replica starts.
+    llm = xlm.LLM(model=model, runner="pooling", **ENGINE)
+    records = embedding_records(30)
+    bad = {**records[4], "custom_id": "bad-dimensions"}
+    bad["body"] = {**bad["body"], "dimensions": 0}
+    records.insert(5, bad)
     infile = tmp_path / "in.jsonl"
     infile.write_text("".join(json.dumps(r) + "\n" for r in records))
     outfile = tmp_path / "out.parquet"
     extra = ("--runner", "pooling", "--served-model-name", "m")
     summary = run_batch_on_ray(run_batch_args(model, infile, outfile, *extra, replicas=1))
-    assert summary["records"] == 100 and summary["failed"] == 0
+    assert summary["records"] == len(records) and summary["failed"] == 1
 
     rows = pq.read_table(outfile).to_pylist()
+    assert [r["custom_id"] for r in rows] == [r["custom_id"] for r in records]
+    assert len({r["id"] for r in rows}) == len(records)
+    assert all(r["id"].startswith("batch_req_") for r in rows)
+    rejected = rows.pop(5)
+    assert rejected["status_code"] == 400 and rejected["embedding"] is None
+    assert json.loads(rejected["response"])["status_code"] == 400
+    assert "dimensions" in json.loads(rejected["error"])["message"]
+    records.pop(5)
+    assert [r["status_code"] for r in rows] == [200] * len(rows)
     results = [
-        {"custom_id": r["custom_id"], "response": json.loads(r["response"]), "error": None}
+        {"custom_id": r["custom_id"], "response": json.loads(r["response"]), "error": r["error"]}
         for r in rows
     ]
-    llm = xlm.LLM(model=model, runner="pooling", **ENGINE)
     check_embedding_results(results, records, llm)
     for row, result in zip(rows, results):
         listed = row["embedding"]

@@ -33,7 +33,9 @@ def _messages(urls: list[str], text: str) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-def test_rows_with_images_equal_llm_chat(ray_cluster, tiny_llava, tiny_llava_llm):
+def test_rows_with_images_equal_llm_chat(tiny_llava, tiny_llava_llm, ray_cluster):
+    # The reference engine first: its programs are compiled (into the program cache the
+    # replica loads them from) before the cluster's daemons start.
     one, two = _data_url(40), _data_url(41)
     conversations = [_messages([one], "w5 w9"), _messages([one, two], "w3"), _messages([two], "w7")]
     rows = [{"id": i, "messages": m} for i, m in enumerate(conversations)]

@@ -13,6 +13,7 @@ openai = pytest.importorskip("openai")
 
 import xlm  # noqa: E402
 from tests.ports import free_ports  # noqa: E402
+from tests.ray.cluster import local_cluster  # noqa: E402
 from tests.ray.tiny_engine import ENGINE  # noqa: E402
 from xlm.entrypoints.openai.admission import default_max_waiting  # noqa: E402
 from xlm.ray.serve import build_openai_app, replica_placement, serve_args  # noqa: E402
@@ -39,23 +40,16 @@ def expected(model) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def served(model) -> str:
     """The app with 2 replicas on a local cluster; yields the proxy's URL."""
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=128 * 1024**2,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
-    port = free_ports(1)
-    try:
+    with local_cluster():
+        port = free_ports(1)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        engine_args = {"model": model, **ENGINE, "disable_log_stats": True, "api_key": API_KEY}
-        app = build_openai_app(engine_args, num_replicas=2, ray_actor_options={"num_cpus": 0.5})
-        serve.run(app, name="xlm", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            engine_args = {"model": model, **ENGINE, "disable_log_stats": True, "api_key": API_KEY}
+            app = build_openai_app(engine_args, num_replicas=2, ray_actor_options={"num_cpus": 0.5})
+            serve.run(app, name="xlm", route_prefix="/")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
 
 
 @pytest.mark.slow
