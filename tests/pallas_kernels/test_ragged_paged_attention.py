@@ -267,15 +267,26 @@ def _tpu_topology_mesh(topology_name: str) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
 
 
+# Every pair of values of the four factors (chip generation, dtype, window and cap, decode or
+# prefill knobs: `default_knobs_tpu` reads only shapes and dtype) compiled together at least
+# once: 6 compiles where the full product is 24, each factor's every value on each chip.
+TPU_COMPILES = [
+    # (topology, dtype, (window, cap), (num_tokens, num_reqs)): (8, 8) decode, (256, 8) prefill
+    ("v5e:2x2", jnp.bfloat16, (None, None), (8, 8)),
+    ("v5e:2x2", jnp.float32, (64, 30.0), (256, 8)),
+    ("v6e:2x2", jnp.bfloat16, (64, 30.0), (256, 8)),
+    ("v6e:2x2", jnp.float32, (None, None), (8, 8)),
+    ("v5p:2x2x1", jnp.bfloat16, (None, None), (256, 8)),
+    ("v5p:2x2x1", jnp.float32, (64, 30.0), (8, 8)),
+]
+
+
 @needs_libtpu
-@pytest.mark.parametrize("topology_name", ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("window,cap", [(None, None), (64, 30.0)])
-@pytest.mark.parametrize("num_tokens,num_reqs", [(8, 8), (256, 8)])  # decode and prefill knobs
-def test_tpu_kernel_compiles_for_tpu(topology_name, dtype, window, cap, num_tokens, num_reqs):
+@pytest.mark.parametrize("topology_name,dtype,window_cap,tokens_reqs", TPU_COMPILES)
+def test_tpu_kernel_compiles_for_tpu(topology_name, dtype, window_cap, tokens_reqs):
     # libtpu compiles for a TPU topology without a TPU attached: Mosaic's lowering (block
-    # tiling checks) and its compile to TPU code both run. Under the topology's mesh the
-    # kernel picks its tuning from the target's device kind, not from the CPU default device.
+    # tiling checks) and its compile to TPU code both run, under the topology's mesh.
+    (window, cap), (num_tokens, num_reqs) = window_cap, tokens_reqs
     s = jax.ShapeDtypeStruct
     t, r, hq, hkv, d, num_blocks, bs, max_blocks = num_tokens, num_reqs, 32, 8, 128, 64, 16, 16
     mesh = _tpu_topology_mesh(topology_name)
