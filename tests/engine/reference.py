@@ -22,8 +22,13 @@ TINY_ENGINE = dict(
     num_gpu_blocks_override=24,
 )
 SMOLLM2_ENGINE = dict(TINY_ENGINE, num_gpu_blocks_override=20)
+# TINY_ENGINE with half its programs: one token bucket (one model program) and 8 request
+# rows (one sampler program, FEW_ROWS's). For tests whose behaviour is not about buckets or
+# wide steps: a batch of 32 still preempts (8 running requests outgrow the 24 blocks).
+SMALL_ENGINE = dict(TINY_ENGINE, max_num_seqs=8, token_buckets=[64])
 
 _tiny_engines: dict[str, object] = {}
+_small_engines: dict[str, object] = {}
 
 
 def tiny_engine(path: str):
@@ -34,6 +39,15 @@ def tiny_engine(path: str):
 
         _tiny_engines[path] = xlm.LLM(model=path, **TINY_ENGINE)
     return _tiny_engines[path]
+
+
+def small_engine(path: str):
+    """The session's one SMALL_ENGINE LLM of a checkpoint (like tiny_engine)."""
+    if path not in _small_engines:
+        import xlm
+
+        _small_engines[path] = xlm.LLM(model=path, **SMALL_ENGINE)
+    return _small_engines[path]
 
 
 def cli_engine_flags(engine: dict) -> list[str]:

@@ -11,11 +11,11 @@ import pytest
 
 import xlm
 from tests.engine.reference import (
+    SMALL_ENGINE,
     SMOLLM2_ENGINE,
-    TINY_ENGINE,
     num_preemptions,
     scheduler,
-    tiny_engine,
+    small_engine,
 )
 from xlm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -76,17 +76,19 @@ def reference_ids(path: str) -> list[list[int]]:
     checkpoint: both proposers' tests compare with it)."""
     if path not in _references:
         prompts, params = batch_of_32()
-        _references[path] = token_ids(tiny_engine(path).generate(prompts, params, use_tqdm=False))
+        _references[path] = token_ids(small_engine(path).generate(prompts, params, use_tqdm=False))
     return _references[path]
 
 
 def check_speculating_batch(path: str, spec: dict, *, accepts: bool = True) -> None:
     """The 32-request batch (it preempts, with prefix-cache hits) with `spec` equals the
     engine without it token for token, compiles nothing after warm-up, and leaves the KV
-    pool whole (rolled-back proposals kept no block); one of its requests alone too."""
+    pool whole (rolled-back proposals kept no block); one of its requests alone too. The
+    engines have SMALL_ENGINE's shapes (8 requests run at once, so 32 still preempt): the
+    step programs speculation adds are the same at any size, and fewer compile."""
     prompts, params = batch_of_32()
     want = reference_ids(path)
-    llm = xlm.LLM(model=path, speculative_config=spec, **TINY_ENGINE)
+    llm = xlm.LLM(model=path, speculative_config=spec, **SMALL_ENGINE)
     compiled = llm.llm_engine.num_compilations
     got = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.num_compilations == compiled, "a program compiled after warm-up"
@@ -164,7 +166,12 @@ def spec_smollm2(request, smollm2_gguf):
             "num_speculative_tokens": 4,
             "adaptive": False,
         }
-    return xlm.LLM(model=smollm2_gguf, speculative_config=spec, **SMOLLM2_ENGINE)
+    return xlm.LLM(model=smollm2_gguf, speculative_config=spec, **SPEC_SMOLLM2_ENGINE)
+
+
+# SmolLM2's engine shapes with one token bucket and 8 request rows (the tests below run at
+# most 5 requests): half the programs to compile, the draft's included.
+SPEC_SMOLLM2_ENGINE = dict(SMOLLM2_ENGINE, max_num_seqs=8, token_buckets=[64])
 
 
 # Input-grounded prompts: the answer copies spans of the prompt.
@@ -177,9 +184,19 @@ GROUNDED = [
 ]
 
 
+_smollm2_references: dict[str, list] = {}
+
+
+def smollm2_reference(llm, name: str, prompts: list[str], params) -> list:
+    """SmolLM2's outputs without speculation, once for both proposers' tests."""
+    if name not in _smollm2_references:
+        _smollm2_references[name] = llm.generate(prompts, params, use_tqdm=False)
+    return _smollm2_references[name]
+
+
 def test_smollm2_greedy_and_logprobs_equal_with_speculation(smollm2_llm, spec_smollm2):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
-    want = smollm2_llm.generate(GROUNDED, params, use_tqdm=False)
+    want = smollm2_reference(smollm2_llm, "grounded", GROUNDED, params)
     compiled = spec_smollm2.llm_engine.num_compilations
     before = spec_smollm2.get_stats()
     got = spec_smollm2.generate(GROUNDED, params, use_tqdm=False)
@@ -215,7 +232,7 @@ def test_constrained_requests_beside_speculating_ones(smollm2_llm, spec_smollm2)
     )
     prompts = [*GROUNDED, "Names of three cities:"]
     params = [greedy] * len(GROUNDED) + [constrained]
-    want = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    want = smollm2_reference(smollm2_llm, "constrained", prompts, params)
     before = spec_smollm2.get_stats()
     got = spec_smollm2.generate(prompts, params, use_tqdm=False)
     assert token_ids(got) == token_ids(want)
