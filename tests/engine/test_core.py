@@ -58,6 +58,7 @@ def draft_spec(model: str) -> dict:
 
 
 _references: dict[str, list[list[int]]] = {}
+SPEC_ENGINE = dict(SMALL_ENGINE, num_gpu_blocks_override=16)
 
 
 def batch_of_32() -> tuple[list[dict], list[SamplingParams]]:
@@ -84,11 +85,12 @@ def check_speculating_batch(path: str, spec: dict, *, accepts: bool = True) -> N
     """The 32-request batch (it preempts, with prefix-cache hits) with `spec` equals the
     engine without it token for token, compiles nothing after warm-up, and leaves the KV
     pool whole (rolled-back proposals kept no block); one of its requests alone too. The
-    engines have SMALL_ENGINE's shapes (8 requests run at once, so 32 still preempt): the
-    step programs speculation adds are the same at any size, and fewer compile."""
+    engines have SMALL_ENGINE's shapes (8 requests at once: fewer programs to compile than
+    32, and speculation's are the same at any size) with a pool of 16 blocks, which 8
+    running requests outgrow (24 held the Llama batch without a preemption)."""
     prompts, params = batch_of_32()
     want = reference_ids(path)
-    llm = xlm.LLM(model=path, speculative_config=spec, **SMALL_ENGINE)
+    llm = xlm.LLM(model=path, speculative_config=spec, **SPEC_ENGINE)
     compiled = llm.llm_engine.num_compilations
     got = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.num_compilations == compiled, "a program compiled after warm-up"

@@ -86,8 +86,9 @@ def mixed(tiny_checkpoint, tmp_path_factory):
     for i, r in ((1, 8), (2, 4), (3, 6)):
         write_adapter(base, str(root / f"a{i}"), "llama", seed=10 + i, r=r)
         loras.append(xlm.LoRARequest(f"a{i}", i, str(root / f"a{i}")))
-    # Host cache of 2 < 3 adapters: one is read again from its directory when needed.
-    llm = xlm.LLM(model=base, **LORA_ENGINE, max_cpu_loras=2)
+    # Host cache of 2 < 3 adapters: one is read again from its directory when needed. A
+    # pool of 16 blocks, which 8 running requests outgrow: the batch of 32 preempts.
+    llm = xlm.LLM(model=base, **dict(LORA_ENGINE, num_gpu_blocks_override=16), max_cpu_loras=2)
     return llm, loras
 
 

@@ -308,7 +308,7 @@ def test_background_build_and_a_concurrent_process_build_the_library_once(tmp_pa
                 break
             time.sleep(0.05)
         gate.touch()
-        outs = [p.communicate(timeout=300) for p in procs]
+        outs = [p.communicate(timeout=600) for p in procs]  # a C++ -O3 build, on a busy machine
     finally:
         late_gate.cancel()
         gate.touch()
