@@ -58,7 +58,7 @@ def draft_spec(model: str) -> dict:
 
 
 _references: dict[str, list[list[int]]] = {}
-SPEC_ENGINE = dict(SMALL_ENGINE, num_gpu_blocks_override=16)
+SPEC_ENGINE = dict(SMALL_ENGINE, num_gpu_blocks_override=16, max_model_len=128)
 
 
 def batch_of_32() -> tuple[list[dict], list[SamplingParams]]:
@@ -87,7 +87,8 @@ def check_speculating_batch(path: str, spec: dict, *, accepts: bool = True) -> N
     pool whole (rolled-back proposals kept no block); one of its requests alone too. The
     engines have SMALL_ENGINE's shapes (8 requests at once: fewer programs to compile than
     32, and speculation's are the same at any size) with a pool of 16 blocks, which 8
-    running requests outgrow (24 held the Llama batch without a preemption)."""
+    running requests outgrow (24 held the Llama batch without a preemption), and requests
+    of at most 128 tokens (16 blocks hold one)."""
     prompts, params = batch_of_32()
     want = reference_ids(path)
     llm = xlm.LLM(model=path, speculative_config=spec, **SPEC_ENGINE)

@@ -87,8 +87,10 @@ def mixed(tiny_checkpoint, tmp_path_factory):
         write_adapter(base, str(root / f"a{i}"), "llama", seed=10 + i, r=r)
         loras.append(xlm.LoRARequest(f"a{i}", i, str(root / f"a{i}")))
     # Host cache of 2 < 3 adapters: one is read again from its directory when needed. A
-    # pool of 16 blocks, which 8 running requests outgrow: the batch of 32 preempts.
-    llm = xlm.LLM(model=base, **dict(LORA_ENGINE, num_gpu_blocks_override=16), max_cpu_loras=2)
+    # pool of 16 blocks, which 8 running requests outgrow: the batch of 32 preempts (its
+    # requests are under 128 tokens; 16 blocks hold one).
+    engine = dict(LORA_ENGINE, num_gpu_blocks_override=16, max_model_len=128)
+    llm = xlm.LLM(model=base, **engine, max_cpu_loras=2)
     return llm, loras
 
 

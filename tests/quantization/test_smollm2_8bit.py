@@ -47,9 +47,8 @@ floats = xlm.LLM(model=model, **dict(AGREEMENT_ENGINE, startup_programs="used"))
 floats = floats.generate(PROMPTS, params, use_tqdm=False)
 print(json.dumps({scheme: agreement(model, scheme, params, floats) for scheme in schemes}))
 """
-# SMOLLM2_ENGINE's shapes with 8 request rows (the batch of 8 prompts): one sampler program
-# instead of three, each compiled with XLA's default optimisation here.
-AGREEMENT_ENGINE = dict(SMOLLM2_ENGINE, max_num_seqs=8)
+# The shapes the agreement bounds were measured with (other shapes may move a near-tie).
+AGREEMENT_ENGINE = SMOLLM2_ENGINE
 
 
 def agreement(model: str, scheme: str, params, floats: list) -> list[int] | str:
@@ -94,7 +93,7 @@ def agreements(smollm2_gguf) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1500,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -104,6 +103,7 @@ SCHEMES = ["int8", "w8a8"]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the first one's setup builds the three engines
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_8bit_agrees_with_float32(scheme, agreements):
     prefixes = agreements[scheme]
