@@ -24,8 +24,11 @@ TINY_ENGINE = dict(
 SMOLLM2_ENGINE = dict(TINY_ENGINE, num_gpu_blocks_override=20)
 # TINY_ENGINE with half its programs: one token bucket (one model program) and 8 request
 # rows (one sampler program, FEW_ROWS's). For tests whose behaviour is not about buckets or
-# wide steps: a batch of 32 still preempts (8 running requests outgrow the 24 blocks).
-SMALL_ENGINE = dict(TINY_ENGINE, max_num_seqs=8, token_buckets=[64])
+# wide steps. A pool of 12 blocks, so that 8 running requests outgrow it (a batch of 32
+# preempts, sliding-window families too), holds one request of max_model_len=176.
+SMALL_ENGINE = dict(
+    TINY_ENGINE, max_num_seqs=8, token_buckets=[64], num_gpu_blocks_override=12, max_model_len=176
+)
 
 _tiny_engines: dict[str, object] = {}
 _small_engines: dict[str, object] = {}

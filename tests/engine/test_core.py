@@ -58,7 +58,6 @@ def draft_spec(model: str) -> dict:
 
 
 _references: dict[str, list[list[int]]] = {}
-SPEC_ENGINE = dict(SMALL_ENGINE, num_gpu_blocks_override=16, max_model_len=128)
 
 
 def batch_of_32() -> tuple[list[dict], list[SamplingParams]]:
@@ -86,12 +85,10 @@ def check_speculating_batch(path: str, spec: dict, *, accepts: bool = True) -> N
     engine without it token for token, compiles nothing after warm-up, and leaves the KV
     pool whole (rolled-back proposals kept no block); one of its requests alone too. The
     engines have SMALL_ENGINE's shapes (8 requests at once: fewer programs to compile than
-    32, and speculation's are the same at any size) with a pool of 16 blocks, which 8
-    running requests outgrow (24 held the Llama batch without a preemption), and requests
-    of at most 128 tokens (16 blocks hold one)."""
+    32, and speculation's are the same at any size; its 12 blocks make them preempt)."""
     prompts, params = batch_of_32()
     want = reference_ids(path)
-    llm = xlm.LLM(model=path, speculative_config=spec, **SPEC_ENGINE)
+    llm = xlm.LLM(model=path, speculative_config=spec, **SMALL_ENGINE)
     compiled = llm.llm_engine.num_compilations
     got = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.num_compilations == compiled, "a program compiled after warm-up"

@@ -14,7 +14,7 @@ from tests.lora.adapters import TARGETS, write_adapter
 
 NEW_TOKENS = 16
 # SMALL_ENGINE's shapes (one token bucket, 8 request rows: half of TINY_ENGINE's programs;
-# a batch of 32 still preempts) with two adapter slots.
+# a batch of 32 preempts its 12 blocks) with two adapter slots.
 LORA_ENGINE = dict(SMALL_ENGINE, enable_lora=True, max_loras=2, max_lora_rank=8)
 
 
@@ -86,11 +86,8 @@ def mixed(tiny_checkpoint, tmp_path_factory):
     for i, r in ((1, 8), (2, 4), (3, 6)):
         write_adapter(base, str(root / f"a{i}"), "llama", seed=10 + i, r=r)
         loras.append(xlm.LoRARequest(f"a{i}", i, str(root / f"a{i}")))
-    # Host cache of 2 < 3 adapters: one is read again from its directory when needed. A
-    # pool of 16 blocks, which 8 running requests outgrow: the batch of 32 preempts (its
-    # requests are under 128 tokens; 16 blocks hold one).
-    engine = dict(LORA_ENGINE, num_gpu_blocks_override=16, max_model_len=128)
-    llm = xlm.LLM(model=base, **engine, max_cpu_loras=2)
+    # Host cache of 2 < 3 adapters: one is read again from its directory when needed.
+    llm = xlm.LLM(model=base, **LORA_ENGINE, max_cpu_loras=2)
     return llm, loras
 
 
