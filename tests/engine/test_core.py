@@ -194,9 +194,24 @@ def smollm2_reference(llm, name: str, prompts: list[str], params) -> list:
     return _smollm2_references[name]
 
 
-def test_smollm2_greedy_and_logprobs_equal_with_speculation(smollm2_llm, spec_smollm2):
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
-    want = smollm2_reference(smollm2_llm, "grounded", GROUNDED, params)
+# Greedy tokens per request: prompt lookup starts copying late (at 24 tokens only 15 of
+# 4 x 24 were accepted); SmolLM2 drafting for itself is accepted from the first token on
+# and costs 5 steps a round, so it decodes fewer.
+GREEDY_TOKENS = {"ngram": 40, "draft_model": 24}
+
+
+@pytest.fixture
+def greedy_tokens(request, spec_smollm2) -> int:
+    """GREEDY_TOKENS of the proposer this test runs with."""
+    return GREEDY_TOKENS[request.node.callspec.params["spec_smollm2"]]
+
+
+def test_smollm2_greedy_and_logprobs_equal_with_speculation(
+    smollm2_llm, spec_smollm2, greedy_tokens
+):
+    n = greedy_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
+    want = smollm2_reference(smollm2_llm, f"grounded-{n}", GROUNDED, params)
     compiled = spec_smollm2.llm_engine.num_compilations
     before = spec_smollm2.get_stats()
     got = spec_smollm2.generate(GROUNDED, params, use_tqdm=False)
@@ -212,8 +227,8 @@ def test_smollm2_greedy_and_logprobs_equal_with_speculation(smollm2_llm, spec_sm
             )
     after = spec_smollm2.get_stats()
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-    # Copying text: most of the 4 x 40 tokens come from accepted proposals.
-    assert accepted > 40, after
+    # Copying text: many of the 4 x n tokens come from accepted proposals.
+    assert accepted > n, after
     assert after.spec_mean_accepted_length > 1.5
     # Alone, too.
     (alone,) = spec_smollm2.generate(GROUNDED[2:3], params, use_tqdm=False)
@@ -221,18 +236,18 @@ def test_smollm2_greedy_and_logprobs_equal_with_speculation(smollm2_llm, spec_sm
     assert spec_smollm2.llm_engine.num_compilations == compiled
 
 
-def test_constrained_requests_beside_speculating_ones(smollm2_llm, spec_smollm2):
+def test_constrained_requests_beside_speculating_ones(smollm2_llm, spec_smollm2, greedy_tokens):
     """A grammar-constrained request is never proposed tokens (its mask depends on every
     token before), yet shares the steps of requests that are: all outputs equal the
     engine without speculation, and the constrained one matches its regex."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=greedy_tokens - 8, ignore_eos=True)
     regex = r"[A-Z][a-z]{2,8}( [A-Z][a-z]{2,8}){1,3}"
     constrained = SamplingParams(
         temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex)
     )
     prompts = [*GROUNDED, "Names of three cities:"]
     params = [greedy] * len(GROUNDED) + [constrained]
-    want = smollm2_reference(smollm2_llm, "constrained", prompts, params)
+    want = smollm2_reference(smollm2_llm, f"constrained-{greedy_tokens}", prompts, params)
     before = spec_smollm2.get_stats()
     got = spec_smollm2.generate(prompts, params, use_tqdm=False)
     assert token_ids(got) == token_ids(want)
