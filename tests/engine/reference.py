@@ -24,11 +24,12 @@ TINY_ENGINE = dict(
 SMOLLM2_ENGINE = dict(TINY_ENGINE, num_gpu_blocks_override=20)
 # TINY_ENGINE with half its programs: one token bucket (one model program) and 8 request
 # rows (one sampler program, FEW_ROWS's). For tests whose behaviour is not about buckets or
-# wide steps. A pool of 12 blocks, so that 8 running requests outgrow it (a batch of 32
-# preempts, sliding-window families too), holds one request of max_model_len=176.
-SMALL_ENGINE = dict(
-    TINY_ENGINE, max_num_seqs=8, token_buckets=[64], num_gpu_blocks_override=12, max_model_len=176
-)
+# wide steps: a batch of 32 still preempts its 24 blocks (8 running requests outgrow
+# them), except where few blocks per request are held (PREEMPTING_POOL).
+SMALL_ENGINE = dict(TINY_ENGINE, max_num_seqs=8, token_buckets=[64])
+# A pool 8 running requests outgrow even when each holds few blocks (a sliding window, short
+# requests), for models of one KV cache group (it holds one request of max_model_len).
+PREEMPTING_POOL = dict(num_gpu_blocks_override=12, max_model_len=176)
 
 _tiny_engines: dict[str, object] = {}
 _small_engines: dict[str, object] = {}

@@ -11,6 +11,7 @@ import pytest
 
 import xlm
 from tests.engine.reference import (
+    PREEMPTING_POOL,
     SMALL_ENGINE,
     SMOLLM2_ENGINE,
     num_preemptions,
@@ -80,15 +81,17 @@ def reference_ids(path: str) -> list[list[int]]:
     return _references[path]
 
 
-def check_speculating_batch(path: str, spec: dict, *, accepts: bool = True) -> None:
+def check_speculating_batch(
+    path: str, spec: dict, *, accepts: bool = True, pool: dict | None = None
+) -> None:
     """The 32-request batch (it preempts, with prefix-cache hits) with `spec` equals the
     engine without it token for token, compiles nothing after warm-up, and leaves the KV
     pool whole (rolled-back proposals kept no block); one of its requests alone too. The
     engines have SMALL_ENGINE's shapes (8 requests at once: fewer programs to compile than
-    32, and speculation's are the same at any size; its 12 blocks make them preempt)."""
+    32, and speculation's are the same at any size), with `pool` changing its KV pool."""
     prompts, params = batch_of_32()
     want = reference_ids(path)
-    llm = xlm.LLM(model=path, speculative_config=spec, **SMALL_ENGINE)
+    llm = xlm.LLM(model=path, speculative_config=spec, **dict(SMALL_ENGINE, **(pool or {})))
     compiled = llm.llm_engine.num_compilations
     got = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.num_compilations == compiled, "a program compiled after warm-up"
@@ -139,7 +142,10 @@ def test_a_draft_that_disagrees_changes_nothing(tiny_checkpoint, tmp_path):
     from tests.conftest import write_tiny_checkpoint
 
     draft = write_tiny_checkpoint("llama", str(tmp_path / "draft"), seed=7, num_hidden_layers=1)
-    check_speculating_batch(tiny_checkpoint("llama"), draft_spec(draft), accepts=False)
+    # Llama's batch of 8 running requests fits 24 blocks: a smaller pool makes it preempt.
+    check_speculating_batch(
+        tiny_checkpoint("llama"), draft_spec(draft), accepts=False, pool=PREEMPTING_POOL
+    )
 
 
 def test_a_draft_of_another_vocabulary_is_refused(tiny_checkpoint, tmp_path):

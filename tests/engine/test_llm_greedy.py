@@ -8,6 +8,7 @@ import pytest
 import xlm
 from tests.conftest import TINY_CONFIGS, VOCAB_SIZE
 from tests.engine.reference import (
+    PREEMPTING_POOL,
     SMALL_ENGINE,
     TINY_ENGINE,
     hf_greedy,
@@ -59,7 +60,10 @@ def tiny_case(request, tiny_checkpoint):
     family; the bucket choice and wide steps are model-independent (the half-weight test
     below runs TINY_ENGINE's two buckets and 32 rows)."""
     path = tiny_checkpoint(request.param)
-    llm = small_engine(path)
+    if request.param == "mistral":  # a window of 8 holds few blocks: a smaller pool preempts
+        llm = xlm.LLM(model=path, **dict(SMALL_ENGINE, **PREEMPTING_POOL))
+    else:
+        llm = small_engine(path)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(6, VOCAB_SIZE, size=n).tolist() for n in (5, 17, 70)]
     hf = load_hf(path)

@@ -14,7 +14,7 @@ from tests.lora.adapters import TARGETS, write_adapter
 
 NEW_TOKENS = 16
 # SMALL_ENGINE's shapes (one token bucket, 8 request rows: half of TINY_ENGINE's programs;
-# a batch of 32 preempts its 12 blocks) with two adapter slots.
+# a batch of 32 still preempts) with two adapter slots.
 LORA_ENGINE = dict(SMALL_ENGINE, enable_lora=True, max_loras=2, max_lora_rank=8)
 
 
