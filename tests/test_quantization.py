@@ -11,7 +11,7 @@ import pytest
 
 import xlm
 from tests.conftest import VOCAB_SIZE, write_tiny_checkpoint
-from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf
+from tests.engine.reference import SMALL_ENGINE, hf_greedy, load_hf, small_engine
 from tests.quantization.reference import quantize_hf_model
 from xlm.quantization import get_scheme, weight_groups
 
@@ -40,9 +40,11 @@ def runner_of(llm):
 
 
 def check_against_reference(base: str, scheme: str) -> xlm.LLM:
+    """Three prompts through a SMALL_ENGINE (one token bucket, 8 rows: the quantized
+    projections are the same ops in every bucket) against the quantized reference."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(6, VOCAB_SIZE, size=n).tolist() for n in (5, 17, 70)]
-    llm = xlm.LLM(model=base, quantization=scheme, **TINY_ENGINE)
+    llm = xlm.LLM(model=base, quantization=scheme, **SMALL_ENGINE)
     compiled = llm.llm_engine.num_compilations
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert llm.llm_engine.num_compilations == compiled
@@ -113,8 +115,8 @@ def test_scheme_equals_quantized_reference(arch, scheme, tiny_checkpoint):
 @pytest.mark.parametrize("arch", ["llama", "llama3"])
 def test_int8_stores_embeddings_and_head_in_8_bits(arch, tiny_checkpoint):
     base = tiny_checkpoint(arch)
-    floats = stored_params(xlm.LLM(model=base, **TINY_ENGINE))
-    llm = xlm.LLM(model=base, quantization="int8", **TINY_ENGINE)
+    floats = stored_params(small_engine(base))
+    llm = xlm.LLM(model=base, quantization="int8", **SMALL_ENGINE)
     params = stored_params(llm)
     # Prompt logprobs run the head on float hidden states (not the int8 table's dtype).
     prompt = list(range(6, 26))
@@ -170,4 +172,4 @@ def test_cli_flag_and_bad_values(tiny_checkpoint):
     with pytest.raises(SystemExit):  # argparse names the choices
         parser.parse_args(["--quantization", "int3"])
     with pytest.raises(ValueError, match="quantization='int3'.*int8"):
-        xlm.LLM(model=tiny_checkpoint("llama"), quantization="int3", **TINY_ENGINE)
+        xlm.LLM(model=tiny_checkpoint("llama"), quantization="int3", **SMALL_ENGINE)

@@ -22,8 +22,17 @@ TINY_ENGINE = dict(
     num_gpu_blocks_override=24,
 )
 SMOLLM2_ENGINE = dict(TINY_ENGINE, num_gpu_blocks_override=20)
+# TINY_ENGINE with half its programs: one token bucket (one model program) and 8 request
+# rows (one sampler program, FEW_ROWS's). For tests whose behaviour is not about buckets or
+# wide steps: a batch of 32 still preempts its 24 blocks (8 running requests outgrow
+# them), except where few blocks per request are held (PREEMPTING_POOL).
+SMALL_ENGINE = dict(TINY_ENGINE, max_num_seqs=8, token_buckets=[64])
+# A pool 8 running requests outgrow even when each holds few blocks (a sliding window, short
+# requests), for models of one KV cache group (it holds one request of max_model_len).
+PREEMPTING_POOL = dict(num_gpu_blocks_override=12, max_model_len=176)
 
 _tiny_engines: dict[str, object] = {}
+_small_engines: dict[str, object] = {}
 
 
 def tiny_engine(path: str):
@@ -34,6 +43,15 @@ def tiny_engine(path: str):
 
         _tiny_engines[path] = xlm.LLM(model=path, **TINY_ENGINE)
     return _tiny_engines[path]
+
+
+def small_engine(path: str):
+    """The session's one SMALL_ENGINE LLM of a checkpoint (like tiny_engine)."""
+    if path not in _small_engines:
+        import xlm
+
+        _small_engines[path] = xlm.LLM(model=path, **SMALL_ENGINE)
+    return _small_engines[path]
 
 
 def cli_engine_flags(engine: dict) -> list[str]:

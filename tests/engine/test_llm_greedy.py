@@ -8,12 +8,14 @@ import pytest
 import xlm
 from tests.conftest import TINY_CONFIGS, VOCAB_SIZE
 from tests.engine.reference import (
+    PREEMPTING_POOL,
+    SMALL_ENGINE,
     TINY_ENGINE,
     hf_greedy,
     load_hf,
     mixed_batch,
     num_preemptions,
-    tiny_engine,
+    small_engine,
 )
 
 TINY_NEW_TOKENS = 24
@@ -53,9 +55,15 @@ def run_in_preempting_batch(llm, prompts, max_tokens, vocab_size, max_prompt, ma
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def tiny_case(request, tiny_checkpoint):
-    """(engine, transformers references) for one architecture, built once."""
+    """(engine, transformers references) for one architecture, built once. SMALL_ENGINE's
+    shapes (one token bucket, 8 request rows: half of TINY_ENGINE's programs) run every
+    family; the bucket choice and wide steps are model-independent (the half-weight test
+    below runs TINY_ENGINE's two buckets and 32 rows)."""
     path = tiny_checkpoint(request.param)
-    llm = tiny_engine(path)
+    if request.param == "mistral":  # a window of 8 holds few blocks: a smaller pool preempts
+        llm = xlm.LLM(model=path, **dict(SMALL_ENGINE, **PREEMPTING_POOL))
+    else:
+        llm = small_engine(path)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(6, VOCAB_SIZE, size=n).tolist() for n in (5, 17, 70)]
     hf = load_hf(path)
@@ -128,9 +136,10 @@ def test_tiny_float32_through_the_kernel_equals_xla_dot(tiny_checkpoint, monkeyp
     path = tiny_checkpoint("llama")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(6, VOCAB_SIZE, size=n).tolist() for n in (5, 17, 70)]
-    plain = tiny_engine(path).generate(prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
+    plain = small_engine(path).generate(prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
     monkeypatch.setattr(FloatMatmul, "float32_kernel", True)  # part of the programs' key
-    llm = xlm.LLM(model=path, **TINY_ENGINE)
+    # SMALL_ENGINE's 8 logit rows: the LM head's 1- and 8-row steps take the kernel.
+    llm = xlm.LLM(model=path, **SMALL_ENGINE)
     compiled = llm.llm_engine.num_compilations
     outs = llm.generate(prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
@@ -208,7 +217,7 @@ def test_smollm2_greedy_in_preempting_batch_equals_transformers(smollm2_case):
 def test_block_size_past_the_cpu_kernels_limit_equals_transformers(tiny_checkpoint):
     """Pages of 512 tokens (more than the CPU kernel takes) run on the jnp path."""
     path = tiny_checkpoint("llama")
-    engine = dict(TINY_ENGINE, block_size=512, num_gpu_blocks_override=4)
+    engine = dict(SMALL_ENGINE, block_size=512, num_gpu_blocks_override=4)
     llm = xlm.LLM(model=path, **engine)
     prompt = np.random.default_rng(3).integers(6, VOCAB_SIZE, size=17).tolist()
     (out,) = llm.generate([prompt], greedy(TINY_NEW_TOKENS), use_tqdm=False)

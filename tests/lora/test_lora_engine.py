@@ -9,11 +9,13 @@ import pytest
 
 import xlm
 from tests.conftest import VOCAB_SIZE
-from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf, tiny_engine
+from tests.engine.reference import SMALL_ENGINE, hf_greedy, load_hf, small_engine
 from tests.lora.adapters import TARGETS, write_adapter
 
 NEW_TOKENS = 16
-LORA_ENGINE = dict(TINY_ENGINE, enable_lora=True, max_loras=2, max_lora_rank=8)
+# SMALL_ENGINE's shapes (one token bucket, 8 request rows: half of TINY_ENGINE's programs;
+# a batch of 32 still preempts) with two adapter slots.
+LORA_ENGINE = dict(SMALL_ENGINE, enable_lora=True, max_loras=2, max_lora_rank=8)
 
 
 def greedy(n: int = NEW_TOKENS) -> xlm.SamplingParams:
@@ -184,7 +186,7 @@ def test_bad_adapters_fail_alone(mixed, tmp_path):
 
 
 def test_lora_request_without_enable_lora_is_refused(tiny_checkpoint, tmp_path):
-    llm = tiny_engine(tiny_checkpoint("llama"))
+    llm = small_engine(tiny_checkpoint("llama"))
     lora = xlm.LoRARequest("a", 1, str(tmp_path))
     with pytest.raises(ValueError, match="LoRA is off: start the engine with enable_lora=True"):
         llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False, lora_request=lora)

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -242,25 +243,15 @@ def test_a_prebuilt_library_with_another_key_is_ignored(tmp_path) -> None:
     assert "no-such-compiler" in proc.stderr
 
 
-BACKGROUND = """
-    import os, pathlib, shutil
+FIRST = """
+    import os, pathlib
     from xlm.ops import cpu_kernels
     cpu_kernels.start_build()
     cpu_kernels.start_build()  # already under way: no second build
-    # The compiler waits for this file: start_build returned while it runs.
-    pathlib.Path(os.environ["GATE"]).touch()
+    print("started", flush=True)  # the compiler waits for the test's gate meanwhile
     assert cpu_kernels.available()
     print("built", len(list(pathlib.Path(os.environ["XLM_CACHE_ROOT"]).rglob("*.so"))))
 """
-
-
-def test_build_runs_in_the_background_and_available_waits(tmp_path) -> None:
-    """start_build() returns while the compiler runs; available() waits for the library."""
-    compiler, gate, _ = _gated_compiler(tmp_path)
-    proc = _run(BACKGROUND, tmp_path, CXX=str(compiler), GATE=str(gate), XLM_LOGGING_LEVEL="INFO")
-    assert proc.returncode == 0, proc.stderr
-    assert "built 1" in proc.stdout
-    assert proc.stderr.count("Compiling xlm CPU kernels") == 1, proc.stderr
 
 
 def _gated_compiler(tmp_path) -> tuple[Path, Path, Path]:
@@ -276,15 +267,17 @@ def _gated_compiler(tmp_path) -> tuple[Path, Path, Path]:
     return compiler, gate, marks
 
 
-CONCURRENT = """
+SECOND = """
     from xlm.ops import cpu_kernels
     print("start", flush=True)
     assert cpu_kernels.available()
 """
 
 
-def test_concurrent_processes_build_the_library_once(tmp_path) -> None:
-    """A second process waits for the first one's build instead of compiling beside it."""
+def test_background_build_and_a_concurrent_process_build_the_library_once(tmp_path) -> None:
+    """start_build() returns while the compiler runs (twice: one build) and available()
+    waits for the library; a second process started meanwhile waits for the first one's
+    build instead of compiling beside it. One build serves both checks."""
     compiler, gate, marks = _gated_compiler(tmp_path)
     env = {
         **os.environ,
@@ -293,16 +286,21 @@ def test_concurrent_processes_build_the_library_once(tmp_path) -> None:
         "XLM_LOGGING_LEVEL": "INFO",
         "XLM_CPU_KERNELS_PREBUILT": "0",
     }
-    argv = [sys.executable, "-c", textwrap.dedent(CONCURRENT)]
     kw = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sources = len({file for file, _ in cpu_kernels._KERNELS.values()})
-    procs = [subprocess.Popen(argv, **kw)]
+    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(FIRST)], **kw)
+    procs = [first]
+    # Should start_build() wait for the compiler, the gate opens late and the check fails.
+    late_gate = threading.Timer(600, gate.touch)
+    late_gate.start()
     try:
         for _ in range(6000):  # until the first one compiles (and holds the build)
-            if len(list(marks.iterdir())) >= sources or procs[0].poll() is not None:
+            if len(list(marks.iterdir())) >= sources or first.poll() is not None:
                 break
             time.sleep(0.05)
-        procs.append(subprocess.Popen(argv, **kw))
+        assert first.stdout.readline() == "started\n"
+        assert not gate.exists(), "start_build() waited for the compiler"
+        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(SECOND)], **kw))
         second = procs[1]
         assert second.stdout.readline() == "start\n"
         for _ in range(100):  # give the second one time to start a compile of its own
@@ -310,12 +308,15 @@ def test_concurrent_processes_build_the_library_once(tmp_path) -> None:
                 break
             time.sleep(0.05)
         gate.touch()
-        logs = [p.communicate(timeout=300)[1] for p in procs]
+        outs = [p.communicate(timeout=600) for p in procs]  # a C++ -O3 build, on a busy machine
     finally:
+        late_gate.cancel()
         gate.touch()
         for p in procs:
             p.kill()
+    logs = [err for _, err in outs]
     assert [p.returncode for p in procs] == [0, 0], logs
+    assert "built 1" in outs[0][0], outs[0]
     assert sum(log.count("Compiling xlm CPU kernels") for log in logs) == 1, logs
     assert len(list(marks.iterdir())) == sources + 1  # each source and the link, once
 

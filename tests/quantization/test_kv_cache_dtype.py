@@ -11,7 +11,7 @@ import pytest
 
 import xlm
 from tests.conftest import VOCAB_SIZE
-from tests.engine.reference import TINY_ENGINE, hf_greedy, load_hf
+from tests.engine.reference import SMALL_ENGINE, TINY_ENGINE, hf_greedy, load_hf
 
 NEW_TOKENS = 12
 
@@ -52,7 +52,7 @@ def test_fp8_kv_cache_equals_reference(kv_dtype, torch_name, tiny_checkpoint):
     base = tiny_checkpoint("llama")
     rng = np.random.default_rng(2)
     prompts = [rng.integers(6, VOCAB_SIZE, size=n).tolist() for n in (5, 40)]
-    llm = xlm.LLM(model=base, kv_cache_dtype=kv_dtype, **TINY_ENGINE)
+    llm = xlm.LLM(model=base, kv_cache_dtype=kv_dtype, **SMALL_ENGINE)
     params = xlm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     reference = fp8_attention_reference(base, getattr(torch, torch_name))
@@ -103,7 +103,9 @@ def test_kv_cache_dtype_sizes_blocks_and_refuses_bad_values(tiny_checkpoint):
     from xlm.config import CacheConfig
 
     base = tiny_checkpoint("llama")
+    # Sizing only: no step runs, so no program is compiled ("used": each when a step needs it).
     engine = {k: v for k, v in TINY_ENGINE.items() if k != "num_gpu_blocks_override"}
+    engine["startup_programs"] = "used"
     blocks = {}
     for kv_dtype in ("float32", "bfloat16", "fp8"):
         llm = xlm.LLM(model=base, kv_cache_dtype=kv_dtype, kv_cache_memory=0.01, **engine)
