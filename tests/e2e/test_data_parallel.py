@@ -41,7 +41,7 @@ def test_dp2_tp2_equals_one_engine_for_32_prompts(tiny_checkpoint, monkeypatch):
     # that with its own tensor_parallel_size (xlm.platforms.cpu).
     monkeypatch.setenv("XLA_FLAGS", fake_devices_env(8)["XLA_FLAGS"])
     path = tiny_checkpoint("llama")
-    prompts = _prompts(32)  # two batches of max_num_seqs over both ranks
+    prompts = _prompts(32)  # a full batch (max_num_seqs) on each rank
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     one = LLM(model=path, multiprocess=True, **ENGINE)
