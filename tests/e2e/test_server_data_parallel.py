@@ -20,15 +20,23 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.conftest import write_tiny_checkpoint
 from tests.e2e.server_utils import DEFAULT_ARGS, REPO_ROOT, RemoteServer, metric_value
 from tests.ports import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-# Both tests' engines: the same flags (with DEFAULT_ARGS' --max-model-len 256) and the same
-# checkpoint, so the second test's ranks load the programs the first one's compiled.
-ENGINE = ["--token-buckets", "16,64,256", "--startup-programs", "all", "--max-num-seqs", "8"]
-FLAGS = [*ENGINE, "--data-parallel-size", "2", "--disable-log-stats"]
+FLAGS = [
+    "--data-parallel-size",
+    "2",
+    "--token-buckets",
+    "64,256",
+    "--startup-programs",
+    "all",
+    "--disable-log-stats",
+    "--max-model-len",
+    "1024",
+]
 READY = re.compile(r"Engine core process (\d+) ready: .*'data_parallel_rank': (\d+)")
 BLOCK = 16  # the default --block-size
 
@@ -51,9 +59,10 @@ def _per_engine(url: str, name: str) -> list[float]:
     return [metric_value(text, name, {"engine": str(r)}) or 0.0 for r in range(2)]
 
 
-def test_two_ranks_route_by_load_and_prefix_and_survive_a_dead_rank(tiny_checkpoint):
+def test_two_ranks_route_by_load_and_prefix_and_survive_a_dead_rank(tmp_path):
     rng = np.random.default_rng(0)
-    model = tiny_checkpoint("llama")
+    # A context long enough for a request that runs while its rank is killed.
+    model = write_tiny_checkpoint("llama", str(tmp_path / "llama"), max_position_embeddings=1024)
     with RemoteServer([*FLAGS, "--served-model-name", "tiny"], model=model) as srv:
         pids = {int(rank): int(pid) for pid, rank in READY.findall(srv.log_tail(400))}
         assert sorted(pids) == [0, 1], srv.log_tail()
@@ -79,8 +88,7 @@ def test_two_ranks_route_by_load_and_prefix_and_survive_a_dead_rank(tiny_checkpo
 
         # Kill the holder while it runs a request of the prefix: that request fails cleanly.
         with ThreadPoolExecutor(1) as pool:
-            # As long as the context allows: it runs while its rank is killed.
-            doomed = pool.submit(_complete, srv.url, [*prefix, 100], 256 - len(prefix) - 1)
+            doomed = pool.submit(_complete, srv.url, [*prefix, 100], 900)
             deadline = time.monotonic() + 120
             while _per_engine(srv.url, "xlm:num_requests_running")[holder] < 1:
                 assert time.monotonic() < deadline, "the request never ran"
@@ -109,7 +117,7 @@ def test_a_rank_on_another_host_serves_and_its_death_leaves_rank_0(tmp_path, tin
     import xlm
 
     model = tiny_checkpoint("llama")
-    engine = ENGINE
+    engine = ["--token-buckets", "16,64,256", "--startup-programs", "all", "--max-num-seqs", "8"]
     prompts = [f"w{i} w{i + 3} w{2 * i + 5} w{i + 1}" for i in range(8)]
     reference = xlm.LLM(model=model, max_model_len=256, kv_cache_memory=0.1, max_num_seqs=8)
     params = xlm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
