@@ -1,7 +1,9 @@
 """Tensor-parallel checks run in ONE subprocess with eight fake CPU devices.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.distributed.tp_checks \
-        OUT.json ARCH=DIR:TP,TP[@ADAPTER_DIR,ADAPTER_DIR][#QUANTIZATION] ...
+        OUT.json [pallas] ARCH=DIR:TP,TP[@ADAPTER_DIR,ADAPTER_DIR][#QUANTIZATION] ...
+
+`pallas`: also compare the Pallas attention kernel per head shard with one device's.
 
 With adapter directories the engine serves LoRA (2 slots) and the prompts alternate
 between the base model and the adapters; with a quantization the weights are quantized
@@ -198,7 +200,10 @@ def pallas_per_shard(tp: int) -> float:
 def main() -> None:
     out, specs = sys.argv[1], sys.argv[2:]
     engine = dict(ENGINE)
-    results: dict[str, dict[str, dict]] = {"pallas_per_shard": {"4": pallas_per_shard(4)}}
+    results: dict[str, dict[str, dict]] = {}
+    if "pallas" in specs:
+        specs.remove("pallas")
+        results["pallas_per_shard"] = {"4": pallas_per_shard(4)}
     for spec in specs:
         name, _, rest = spec.partition("=")
         rest, _, quantization = rest.partition("#")

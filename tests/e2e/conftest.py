@@ -36,9 +36,9 @@ def batch_job(tiny_checkpoint, tmp_path_factory):
         tmp = tmp_path_factory.mktemp(name)
         infile = tmp / "in.jsonl"
         infile.write_text("".join(json.dumps(r) + "\n" for r in records))
-        env = dict(
-            os.environ, XLM_COMPILATION_CACHE_DIR=str(tmp / "cc"), XLM_DISABLE_PROGRESS_BARS="1"
-        )
+        # The session's program cache (tests/conftest.py): jobs with the same engine flags,
+        # in this module or another, load what the first one compiled.
+        env = dict(os.environ, XLM_DISABLE_PROGRESS_BARS="1")
         return tiny_checkpoint("llama"), tmp, infile, env
 
     return make

@@ -113,10 +113,17 @@ def texts(results: list[dict]) -> list[object]:
     return out
 
 
-def test_results_in_order_with_openai_shapes_and_errors(setup):
+@pytest.fixture(scope="module")
+def full_run(setup):
+    """One uninterrupted run of the batch (its process), the reference the other runs meet."""
     model, tmp, infile, env = setup
     outfile = tmp / "out.jsonl"
     proc = run_batch(model, infile, outfile, env, rc=1)  # two records failed: exit 1
+    return proc, outfile
+
+
+def test_results_in_order_with_openai_shapes_and_errors(full_run):
+    proc, outfile = full_run
     assert "2 of 8 records failed" in proc.stderr_text
     results = read(outfile)
     assert [r["custom_id"] for r in results] == [r["custom_id"] for r in batch_records()]
@@ -135,12 +142,11 @@ def test_results_in_order_with_openai_shapes_and_errors(setup):
     assert "/v1/audio/transcriptions" in bad_url["response"]["body"]["error"]["message"]
 
 
-def test_rerun_resumes_after_a_crash(setup):
+def test_rerun_resumes_after_a_crash(setup, full_run):
     model, tmp, infile, env = setup
+    full = read(full_run[1])
+    lines = open(full_run[1]).read().splitlines(keepends=True)
     outfile = tmp / "resume.jsonl"
-    run_batch(model, infile, outfile, env, rc=1)
-    full = read(outfile)
-    lines = open(outfile).read().splitlines(keepends=True)
     # A crash after three results, in the middle of writing the fourth.
     open(outfile, "w").write("".join(lines[:3]) + lines[3][:20])
     run_batch(model, infile, outfile, env, rc=1)
@@ -150,10 +156,8 @@ def test_rerun_resumes_after_a_crash(setup):
     assert texts(resumed) == texts(full)  # greedy: the redone ones agree
 
 
-def test_two_replicas_merge_into_input_order(setup):
+def test_two_replicas_merge_into_input_order(setup, full_run):
     model, tmp, infile, env = setup
-    single = tmp / "single.jsonl"
-    run_batch(model, infile, single, env, rc=1)
     sharded = tmp / "sharded.jsonl"
     procs = [
         run_batch(
@@ -166,7 +170,7 @@ def test_two_replicas_merge_into_input_order(setup):
         assert proc.returncode == 1 and "1 of 4 records failed" in err, err[-3000:]
     merged = read(sharded)
     assert [r["custom_id"] for r in merged] == [r["custom_id"] for r in batch_records()]
-    assert texts(merged) == texts(read(single))
+    assert texts(merged) == texts(read(full_run[1]))
 
 
 def test_bad_input_file_is_a_clear_error(setup, tmp_path):
@@ -228,20 +232,25 @@ def embedding_inputs(record: dict) -> list:
 def check_embedding_results(results: list[dict], records: list[dict], llm) -> None:
     """Every line once, in input order, with LLM.embed's vectors."""
     assert [r["custom_id"] for r in results] == [r["custom_id"] for r in records]
-    for record, result in zip(records, results):
+    inputs = [embedding_inputs(record) for record in records]
+    # One embed call for every record's inputs (one batch, not one engine pass per line).
+    vectors = iter(o.outputs.data for o in llm.embed(sum(inputs, []), use_tqdm=False))
+    for record, result, record_inputs in zip(records, results, inputs):
         assert result["error"] is None, result
         body = result["response"]["body"]
-        want = [o.outputs.data for o in llm.embed(embedding_inputs(record), use_tqdm=False)]
+        want = [next(vectors) for _ in record_inputs]
         got = [d["embedding"] for d in sorted(body["data"], key=lambda d: d["index"])]
-        assert len(got) == len(want)
+        assert len(got) == len(want), record["custom_id"]
         for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=record["custom_id"])
 
 
 @pytest.mark.slow
 def test_embedding_lines_equal_llm_embed(batch_job):
-    model, tmp, infile, env = batch_job("batch-embed", embedding_records(200))
+    """18 lines: each input shape (one text, two texts, token ids) at each of the six text
+    lengths, token ids 3, 6 and 9 long, more sequences than the engine runs at once."""
+    model, tmp, infile, env = batch_job("batch-embed", embedding_records(18))
     outfile = tmp / "out.jsonl"
     run_batch(model, infile, outfile, env, "--runner", "pooling", "--served-model-name", "m")
     llm = xlm.LLM(model=model, runner="pooling", **EMBED_ENGINE)
-    check_embedding_results(read(outfile), embedding_records(200), llm)
+    check_embedding_results(read(outfile), embedding_records(18), llm)
