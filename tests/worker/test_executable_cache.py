@@ -127,3 +127,49 @@ def test_engine_fingerprint_follows_the_image_processor_config(tiny_qwen_vl):
         for kwargs in (None, {"max_pixels": 1024}, '{"max_pixels": 2048}')
     }
     assert len(fingerprints) == 3
+
+
+_PARTIAL_MESH_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from xlm.worker.compilation import MeshSpec, ProgramKey, ProgramKind
+from xlm.worker.executable_cache import ExecutableCache
+
+devices = jax.devices()[:2]  # a mesh over 2 of the process's 4 devices
+mesh = Mesh(np.array(devices), ("model",))
+spec = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+fn = jax.jit(lambda x: (x * 2 + 1,))
+args = (spec,)
+in_tree, out_tree = jax.tree_util.tree_structure((args, {})), jax.tree_util.tree_structure((0,))
+key = ProgramKey(ProgramKind.SAMPLER, 8, MeshSpec.of(mesh))
+assert key.mesh.device_ids == (0, 1), key.mesh
+cache = ExecutableCache(sys.argv[1], "engine")
+cache.store(key, fn.lower(*args).compile())
+x = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(mesh, PartitionSpec()))
+(out,) = cache.load(key, in_tree, out_tree, devices=devices)(x)
+np.testing.assert_array_equal(np.asarray(out), np.arange(8) * 2 + 1)
+print("ok")
+"""
+
+
+def test_a_program_of_a_mesh_over_some_devices_loads_onto_those(tmp_path):
+    """A program saved from a mesh over 2 of 4 devices runs on those 2 when loaded (JAX's
+    loader places it on every device of the backend unless told), and its key names them."""
+    import subprocess
+    import sys
+
+    from tests.conftest import fake_devices_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _PARTIAL_MESH_SCRIPT, str(tmp_path)],
+        env=fake_devices_env(4, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    other = MeshSpec((("model", 2),), 1, (2, 3))
+    assert ProgramKey(ProgramKind.SAMPLER, 8, other) != ProgramKey(
+        ProgramKind.SAMPLER, 8, MeshSpec((("model", 2),), 1, (0, 1))
+    )

@@ -50,29 +50,28 @@ class ProgramKind(enum.Enum):
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Where a program runs: mesh axis sizes and the number of processes (single device:
-    no axes, one process). Part of every key and of the fingerprint, so programs compiled
-    for one mesh are never reused on another."""
+    """Where a program runs: mesh axis sizes, processes and device ids in mesh order
+    (single device: none of them). Part of every key, so programs compiled for one mesh
+    (or one set of devices) are never reused on another."""
 
     axes: tuple[tuple[str, int], ...] = ()
     num_processes: int = 1
+    device_ids: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, mesh: jax.sharding.Mesh | None) -> MeshSpec:
         """The spec of a device mesh (None: one device, one process)."""
         if mesh is None:
             return cls()
-        processes = len({d.process_index for d in mesh.devices.flat})
-        return cls(tuple(mesh.shape.items()), processes)
+        devices = list(mesh.devices.flat)
+        processes = len({d.process_index for d in devices})
+        return cls(tuple(mesh.shape.items()), processes, tuple(d.id for d in devices))
 
 
 @dataclass(frozen=True)
 class ProgramKey:
-    """Which compiled program: its kind, its bucket size, and its mesh.
-
-    ``size`` is the token bucket for MODEL and the row count for SAMPLER and
-    PROMPT_LOGPROBS.
-    """
+    """Which compiled program: its kind, its bucket size (MODEL's token bucket, the rows of
+    SAMPLER and PROMPT_LOGPROBS), and its mesh."""
 
     kind: ProgramKind
     size: int
@@ -331,7 +330,8 @@ class ProgramStore:
 
     def _load(self, key: ProgramKey) -> Any | None:
         spec = self._specs[key]
-        return self._cache.load(key, spec.in_tree(), spec.out_tree, spec.static)
+        devices = None if spec.mesh is None else list(spec.mesh.devices.flat)
+        return self._cache.load(key, spec.in_tree(), spec.out_tree, spec.static, devices)
 
     def _lower(self, key: ProgramKey) -> Any:
         with self._trace_lock:

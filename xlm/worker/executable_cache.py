@@ -87,8 +87,12 @@ class ExecutableCache:
         """Whether a saved program of this key exists (it may still fail to load)."""
         return bool(self.directory) and os.path.exists(self.path(key, layout))
 
-    def load(self, key: Any, in_tree: Any, out_tree: Any, layout: Any = None) -> Any | None:
-        """The saved program, or None when absent or unreadable (then it is recompiled)."""
+    def load(
+        self, key: Any, in_tree: Any, out_tree: Any, layout: Any = None, devices: Any = None
+    ) -> Any | None:
+        """The saved program, or None when absent or unreadable (then it is recompiled).
+        `devices`: the mesh's, in order, that it runs on (None: all of the backend's, which
+        misplaces a program of a mesh over some of them)."""
         if not self.directory:
             return None
         path = self.path(key, layout)
@@ -98,7 +102,7 @@ class ExecutableCache:
         from jax.experimental.serialize_executable import deserialize_and_load
 
         try:
-            return deserialize_and_load(payload, in_tree, out_tree)
+            return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
         except Exception as e:  # an incompatible file: compile instead, and replace it
             logger.warning("Ignoring unreadable cached program %s: %s", path, e)
             disk_cache.discard(path)
