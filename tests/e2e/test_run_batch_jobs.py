@@ -72,21 +72,14 @@ def setup(batch_job):
     return batch_job("batch", batch_records())
 
 
+def job_files(model: str, infile, outfile) -> list[str]:
+    """`xlm run-batch`'s input, output and model arguments."""
+    return ["-i", str(infile), "-o", str(outfile), "--model", model]
+
+
 def run_batch(model, infile, outfile, env, *extra, wait=True, rc=0):
-    cmd = [
-        sys.executable,
-        "-m",
-        "xlm.entrypoints.cli",
-        "run-batch",
-        "-i",
-        str(infile),
-        "-o",
-        str(outfile),
-        "--model",
-        model,
-        *ENGINE_FLAGS,
-        *extra,
-    ]
+    cli = [sys.executable, "-m", "xlm.entrypoints.cli", "run-batch"]
+    cmd = [*cli, *job_files(model, infile, outfile), *ENGINE_FLAGS, *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
         return proc

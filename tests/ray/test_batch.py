@@ -173,19 +173,11 @@ def batch_records(n: int) -> list[dict]:
 
 
 def run_batch_args(model: str, infile, outfile, *extra: str, replicas: int = 2):
+    from tests.e2e.test_run_batch_jobs import job_files
     from xlm.entrypoints.cli import build_parser
 
     argv = ["run-batch", "--ray", f"--replicas={replicas}", f"--replica-cpus={REPLICA_CPUS}"]
-    argv += [
-        "--ray-batch-size",
-        str(BATCH_SIZE),
-        "-i",
-        str(infile),
-        "-o",
-        str(outfile),
-        "--model",
-        model,
-    ]
+    argv += ["--ray-batch-size", str(BATCH_SIZE), *job_files(model, infile, outfile)]
     return build_parser().parse_args([*argv, *ENGINE_FLAGS, *extra])
 
 
