@@ -31,27 +31,27 @@ SMALL_ENGINE = dict(TINY_ENGINE, max_num_seqs=8, token_buckets=[64])
 # requests), for models of one KV cache group (it holds one request of max_model_len).
 PREEMPTING_POOL = dict(num_gpu_blocks_override=12, max_model_len=176)
 
-_tiny_engines: dict[str, object] = {}
-_small_engines: dict[str, object] = {}
+# (checkpoint, engine options' name) -> the session's one LLM of them.
+_session_engines: dict[tuple[str, str], object] = {}
+
+
+def _session_engine(path: str, name: str, options: dict):
+    if (path, name) not in _session_engines:
+        import xlm
+
+        _session_engines[path, name] = xlm.LLM(model=path, **options)
+    return _session_engines[path, name]
 
 
 def tiny_engine(path: str):
     """The session's one TINY_ENGINE LLM of a checkpoint: tests that only generate greedily
     with it share it (each build loads weights and every program again)."""
-    if path not in _tiny_engines:
-        import xlm
-
-        _tiny_engines[path] = xlm.LLM(model=path, **TINY_ENGINE)
-    return _tiny_engines[path]
+    return _session_engine(path, "tiny", TINY_ENGINE)
 
 
 def small_engine(path: str):
     """The session's one SMALL_ENGINE LLM of a checkpoint (like tiny_engine)."""
-    if path not in _small_engines:
-        import xlm
-
-        _small_engines[path] = xlm.LLM(model=path, **SMALL_ENGINE)
-    return _small_engines[path]
+    return _session_engine(path, "small", SMALL_ENGINE)
 
 
 def cli_engine_flags(engine: dict) -> list[str]:
