@@ -10,7 +10,7 @@ process's start until its output (one token: `--max-tokens 1`) reaches stdout; t
 its exit is reported too. The built-in model runs with the README's flags (its default
 max_model_len); the deep shape with 512.
 
-    python benchmarks/startup.py                 # built-in model, default cases
+    python benchmarks/startup.py --xlm VENV/bin/xlm   # a README install's xlm, default cases
     python benchmarks/startup.py --deep          # also the 32-layer dummy shape
     python benchmarks/startup.py --json out.json
 
@@ -48,6 +48,10 @@ PROMPT = "The history of the printing press begins in the fifteenth century, whe
 DEEP = HERE / "configs" / "Qwen3-32L"
 # The deep shape has SmolLM2's vocabulary, so the built-in tokenizer serves it.
 DEEP_FLAGS = ["--load-format", "dummy", "--tokenizer", "smollm2-135m", "--max-model-len", "512"]
+# The `xlm` executable timed (--xlm): name it by path. A bare `xlm` resolves through PATH,
+# which a pyenv shim running this script rewrites (its own bin first): that timed the
+# development environment, torch and all, instead of the README install.
+XLM = ["xlm"]
 READY = re.compile(r"ready in ([0-9.]+) s: (.*)$")
 FIRST_STEP = re.compile(r"First step \((\d+) tokens\): (\d+) ms")
 ALL_READY = re.compile(r"All (\d+) programs ready .*background ([0-9.]+) s")
@@ -95,7 +99,7 @@ def _first_output(cmd: list[str], env: dict[str, str] | None = None) -> tuple[di
 
 
 def run_generate(cache_root: str, model_flags: list[str], extra: list[str]) -> dict:
-    cmd = ["xlm", "generate", *model_flags, PROMPT, "--max-tokens", "1", "--temperature", "0"]
+    cmd = [XLM[0], "generate", *model_flags, PROMPT, "--max-tokens", "1", "--temperature", "0"]
     out, stderr = _first_output([*cmd, *extra], _env(cache_root))
     return {**out, **_phases(stderr)}
 
@@ -136,7 +140,7 @@ def run_serve(cache_root: str, model: str, extra: list[str]) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-    cmd = ["xlm", "serve", model, "--host", "127.0.0.1", "--port", str(port), *extra]
+    cmd = [XLM[0], "serve", model, "--host", "127.0.0.1", "--port", str(port), *extra]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=_env(cache_root), stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -189,6 +193,12 @@ def cold_and_warm(name: str, run, warm_repeats: int) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _has_torch(xlm: str) -> bool:
+    python = Path(xlm).parent / "python"
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"
+    return subprocess.run([str(python), "-c", probe]).returncode == 0
+
+
 def _span(values: list[float]) -> str:
     if not values:
         return "-"
@@ -231,7 +241,16 @@ def main() -> None:
         default="",
         help="python of a venv with llama-cpp-python: also time llama.cpp on the same GGUF",
     )
+    parser.add_argument(
+        "--xlm",
+        default=shutil.which("xlm"),
+        help="the xlm executable to time (default: the one on PATH); e.g. a README "
+        "install's /path/to/venv/bin/xlm",
+    )
     args = parser.parse_args()
+    if not args.xlm:
+        parser.error("no xlm executable on PATH: pass --xlm")
+    XLM[0] = str(Path(args.xlm).absolute())
     builtin = ["--model", "smollm2-135m"]  # the README's command
     deep = ["--model", str(DEEP), *DEEP_FLAGS]
     cases = {
@@ -250,6 +269,9 @@ def main() -> None:
     results = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "load_before": float(load),
+        "xlm": XLM[0],
+        # Whether that environment has torch (transformers then imports it: slower starts).
+        "torch_installed": _has_torch(XLM[0]),
         "cases": {},
     }
     for name, run in cases.items():

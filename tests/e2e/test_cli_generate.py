@@ -53,13 +53,17 @@ def test_generate_prints_the_greedy_completion(tiny_path):
     wall_s = time.monotonic() - started
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"
-    # Start-up is printed by phase, and the phases add up to the total printed, which is
-    # part of the process's life as timed from outside it; importing jax takes time.
+    # Start-up is printed by phase, per process (the engine core runs in its own, spawned
+    # first), and the phases add up to the total printed, which is part of the process's
+    # life as timed from outside it; importing jax takes time.
     total, phases = parse_startup_line(result.stderr)
     assert 0 < total < wall_s
     assert phases["imports"] > 0
-    assert list(phases)[:2] == ["imports", "tokenizer"]
-    assert {"weights", "KV cache", "programs"} <= set(phases)
+    assert list(phases) == ["imports", "engine core process", "tokenizer"]
+    core_total, core = parse_startup_line(result.stderr, "Engine core process")
+    assert 0 < core_total < wall_s
+    assert list(core)[:2] == ["imports", "config"]
+    assert {"weights", "KV cache", "programs"} <= set(core)
     assert "First step (" in result.stderr
 
 
@@ -114,11 +118,11 @@ def test_a_cold_gguf_start_writes_its_dequantized_cache_after_the_first_token(
     assert not list((tmp_path / "cache" / "gguf_weights").glob(".tmp-*"))
 
 
-def parse_startup_line(stderr: str) -> tuple[float, dict[str, float]]:
-    """The total and phase -> seconds from the "Engine ready in T s: name S s, ..." line
+def parse_startup_line(stderr: str, what: str = "Engine") -> tuple[float, dict[str, float]]:
+    """The total and phase -> seconds from the "{what} ready in T s: name S s, ..." line
     (the sum checked)."""
-    line = next(x for x in stderr.splitlines() if "Engine ready in" in x)
-    total, _, rest = line.split("Engine ready in ", 1)[1].partition(" s: ")
+    line = next(x for x in stderr.splitlines() if f"] {what} ready in" in x)
+    total, _, rest = line.split(f"{what} ready in ", 1)[1].partition(" s: ")
     # "name S s" or "name S s (note)", joined by ", "; notes may hold commas.
     parts = re.findall(r"([A-Za-z][A-Za-z ]*?) ([0-9.]+) s(?: \([^)]*\))?(?:, |\.$)", rest)
     phases = {name: float(seconds) for name, seconds in parts}
@@ -157,3 +161,6 @@ def test_bad_engine_flag_exits_with_a_clear_message(tiny_path, flags, message):
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+    # Reported once: the engine process, spawned before the config is built, refuses the
+    # same config quietly.
+    assert sum("error" in line.lower() for line in result.stderr.splitlines()) == 1, result.stderr

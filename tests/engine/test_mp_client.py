@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
 from tests.engine.fake_core import FakeEngineCoreProc, FakeRequest
+from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.dp_client import make_async_client
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.mp_client import AsyncMPClient, SyncMPClient, _EngineProcess
@@ -131,3 +134,43 @@ def test_engine_spawned_early_that_fails_to_start_raises_and_is_reaped():
     with pytest.raises(RuntimeError, match="boom at start"):
         make_async_client({}, True, engine=engine)
     assert not engine.proc.is_alive() and not os.path.exists(engine.tmpdir)
+
+
+def test_engine_spawned_with_refused_engine_args_says_why():
+    """`xlm serve` and `xlm generate` spawn the engine with its EngineArgs, before building
+    the config themselves: an engine whose config is refused exits quietly, and its
+    client's wait for READY raises with the reason."""
+    engine = _EngineProcess(
+        EngineArgs(model="/nonexistent/model"), True, FakeEngineCoreProc, wait=False
+    )
+    with pytest.raises(RuntimeError, match="configuration refused.*/nonexistent/model"):
+        engine.wait_until_ready()
+    assert not engine.proc.is_alive() and not os.path.exists(engine.tmpdir)
+
+
+_EXIT_WITHOUT_SHUTDOWN = """
+from tests.engine.fake_core import FakeEngineCoreProc, FakeRequest
+from xlm.engine.mp_client import SyncMPClient
+client = SyncMPClient({}, True, FakeEngineCoreProc)
+client.add_request(FakeRequest("a", [10], max_tokens=1))
+while not client.get_output().outputs:
+    pass
+print(client.engine.proc.pid, flush=True)
+"""
+
+
+def test_sync_client_left_open_at_exit_stops_its_engine_and_exits():
+    """A script that never calls shutdown() (`xlm generate`) exits and reaps its engine:
+    the client's finalizer stops the engine, wakes and joins the reader, then ends the
+    sockets' context (ending it under a reader blocked in recv hung one exit; this test
+    does not force that interleaving)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITHOUT_SHUTDOWN],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    pid = int(out.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

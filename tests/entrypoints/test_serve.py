@@ -1,6 +1,6 @@
 """`xlm serve`'s own checks: `--headless` needs a start rank past the server's and the
 API server's address (one line on stderr, exit code 2); the engine process is spawned
-before the API server's imports."""
+before the API server's imports and its config."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import sys
 from xlm.entrypoints import cli, serve
 
 def probe(config, log_stats=True):
-    heavy = ("fastapi", "uvicorn", "xlm.entrypoints.openai.api_server")
+    heavy = ("fastapi", "jax", "transformers", "uvicorn", "xlm.entrypoints.openai.api_server")
     print("imported at spawn:", sorted(m for m in heavy if m in sys.modules))
     sys.exit(0)
 
@@ -47,7 +47,8 @@ cli.main(["serve", sys.argv[1], "--port", "0"])
 
 
 def test_engine_process_is_spawned_before_the_server_imports(tiny_checkpoint):
-    """The engine loads while the API server imports FastAPI and its handlers."""
+    """The engine loads while the API server builds the config (importing JAX and
+    transformers) and imports FastAPI and its handlers."""
     model = tiny_checkpoint("llama")
     out = subprocess.run(
         [sys.executable, "-c", _SPAWN_PROBE, model],

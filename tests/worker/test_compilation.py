@@ -92,8 +92,8 @@ def test_first_use_pads_to_ready_buckets_and_equals_compile_all(
     buckets: list[tuple[int, int]] = []
     choose = runner.readiness.ready_bucket
 
-    def spy(num_tokens: int) -> int:
-        bucket = choose(num_tokens)
+    def spy(num_tokens: int, real_rows: int) -> int:
+        bucket = choose(num_tokens, real_rows)
         buckets.append((runner.buckets.token_bucket(num_tokens), bucket))
         return bucket
 
@@ -111,6 +111,24 @@ def test_first_use_pads_to_ready_buckets_and_equals_compile_all(
     compiled = llm.llm_engine.num_compilations
     assert _run(llm) == reference
     assert llm.llm_engine.num_compilations == compiled, "a step compiled after the background"
+
+
+def test_used_compiles_only_the_programs_its_steps_run(model, reference, tmp_path, monkeypatch):
+    """Start-up mode "used" (`xlm generate`) compiles a step's model and the one sampler its
+    rows take, not its bucket's other sampler: a 12-token prompt's prefill (and its
+    decodes, padded into that ready bucket) run the 16-token model with the few-rows
+    sampler."""
+    monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "programs"))
+    llm = xlm.LLM(model=model, startup_programs="used", **{**ENGINE, "max_num_seqs": 16})
+    runner = _runner(llm)
+    model16, *samplers = runner.readiness.bucket_keys(16)
+    assert [k.size for k in samplers] == [16, 8]  # its logit rows' sampler, and few rows'
+    out = llm.generate([_prompts()[3]], [_params()[3]], use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == reference[3]
+    store = runner.program_store
+    assert store.is_ready(model16) and store.is_ready(samplers[1])
+    assert not store.is_ready(samplers[0])
+    assert store.num_compiled == 2
 
 
 def test_largest_first_serves_while_background_compiles(model, reference, tmp_path, monkeypatch):

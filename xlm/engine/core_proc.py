@@ -23,6 +23,7 @@ import zmq
 from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import EngineCoreOutput
+from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.core import EngineCore
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest, OutputType, RequestType
 from xlm.engine.serial import MsgpackDecoder, MsgpackEncoder
@@ -43,6 +44,24 @@ def error_file_path(output_address: str) -> str | None:
     if not output_address.startswith("ipc://"):
         return None
     return os.path.join(os.path.dirname(output_address.removeprefix("ipc://")), "engine_error")
+
+
+def _config_of(engine_args: EngineArgs, output_address: str) -> XlmConfig:
+    """The config an engine spawned with its EngineArgs builds. A refused one exits
+    quietly: the parent builds the same and reports it; should the parent's succeed, it
+    finds the reason in the error file (`_EngineProcess`'s wait for READY)."""
+    try:
+        with startup.phase("config"):
+            return engine_args.create_config()
+    except Exception as e:
+        path = error_file_path(output_address)
+        try:
+            if path is not None:
+                with open(path, "w") as f:
+                    f.write(f"engine core process: configuration refused: {e}")
+        except OSError:
+            pass
+        os._exit(1)
 
 
 class EngineCoreProc(EngineCore):
@@ -244,7 +263,7 @@ class EngineCoreProc(EngineCore):
     @classmethod
     def run_engine_core(
         cls,
-        config: XlmConfig,
+        config: XlmConfig | EngineArgs,
         input_address: str,
         output_address: str,
         log_stats: bool = True,
@@ -274,6 +293,8 @@ class EngineCoreProc(EngineCore):
         if parent_pid is not None:
             threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
         startup.begin()
+        if isinstance(config, EngineArgs):  # spawned before the parent built its config
+            config = _config_of(config, output_address)
         try:
             proc = cls(config, input_address, output_address, log_stats)
             startup.report("Engine core process")

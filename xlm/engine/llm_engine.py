@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from xlm.config import XlmConfig
@@ -10,7 +11,7 @@ from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.core_client import EngineCoreClient, InprocClient
 from xlm.engine.dp_client import DPSyncMPClient
 from xlm.engine.exceptions import EngineBusyError, EngineDeadError
-from xlm.engine.mp_client import SyncMPClient
+from xlm.engine.mp_client import SyncMPClient, start_engine_process
 from xlm.engine.output_processor import OutputProcessor
 from xlm.engine.processor import Processor
 from xlm.logger import init_logger
@@ -28,29 +29,60 @@ class LLMEngine:
     """The synchronous engine behind `xlm.LLM`."""
 
     def __init__(
-        self, config: XlmConfig, multiprocess: bool = False, log_stats: bool = False
+        self,
+        config: XlmConfig,
+        multiprocess: bool = False,
+        log_stats: bool = False,
+        engine_process: Any = None,
     ) -> None:
         startup.begin()
         self.config = config
-        with startup.phase("tokenizer"):
-            self.processor = Processor.from_config(config)
+        # The tokenizer (importing transformers, ~1 s) loads on a thread while the engine
+        # core is built: its weights and programs load mostly outside the GIL.
+        with ThreadPoolExecutor(1, thread_name_prefix="xlm-tokenizer") as pool:
+            processor = pool.submit(Processor.from_config, config)
+            self.engine_core = self._make_core(config, multiprocess, log_stats, engine_process)
+            try:
+                with startup.phase("tokenizer"):
+                    self.processor = processor.result()
+            except BaseException:
+                self.engine_core.shutdown()
+                raise
+        startup.note("tokenizer", "loaded beside the engine core: the wait after it")
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core: EngineCoreClient
+        startup.report("Engine")
+
+    @staticmethod
+    def _make_core(
+        config: XlmConfig, multiprocess: bool, log_stats: bool, engine_process: Any
+    ) -> EngineCoreClient:
         if config.parallel_config.data_parallel_size > 1:  # one process per rank
             with startup.phase("engine core processes"):
-                self.engine_core = DPSyncMPClient(config, log_stats)
-        elif multiprocess:
+                return DPSyncMPClient(config, log_stats)
+        if multiprocess:
             with startup.phase("engine core process"):
-                self.engine_core = SyncMPClient(config, log_stats)
-        else:
-            self.engine_core = InprocClient(config, log_stats=log_stats)
-        startup.report("Engine")
+                if engine_process is not None:
+                    engine_process.wait_until_ready()  # stopped if it failed to start
+                return SyncMPClient(config, log_stats, engine=engine_process)
+        return InprocClient(config, log_stats=log_stats)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
+        """`multiprocess`: the engine core runs in its own process, spawned first thing
+        (as `xlm serve`'s): it imports JAX and builds its config while this process builds
+        the same, and loads the model while this one loads the tokenizer."""
         load_general_plugins()
-        return cls(engine_args.create_config(), multiprocess=multiprocess)
+        engine_process = None
+        if multiprocess and engine_args.data_parallel_size == 1:
+            engine_process = start_engine_process(engine_args, log_stats=False)
+        try:
+            config = engine_args.create_config()
+        except BaseException:
+            if engine_process is not None:
+                engine_process.close()
+            raise
+        return cls(config, multiprocess=multiprocess, engine_process=engine_process)
 
     def add_request(
         self,

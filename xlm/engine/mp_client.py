@@ -30,6 +30,7 @@ import zmq.asyncio
 from xlm import envs
 from xlm.config import XlmConfig
 from xlm.core.outputs import SchedulerStats
+from xlm.engine.arg_utils import EngineArgs
 from xlm.engine.core_proc import EngineCoreProc, error_file_path
 from xlm.engine.exceptions import EngineDeadError
 from xlm.engine.messages import EngineCoreOutputs, EngineCoreRequest, OutputType, RequestType
@@ -86,7 +87,7 @@ class _EngineProcess:
 
     def __init__(
         self,
-        xlm_config: XlmConfig,
+        xlm_config: XlmConfig | EngineArgs,
         log_stats: bool,
         engine_core_proc_class: type[EngineCoreProc],
         rank_env: dict[str, str] | None = None,
@@ -135,9 +136,15 @@ class _EngineProcess:
     def _wait_for_ready(self) -> dict[str, Any]:
         def check_alive() -> None:
             if not self.proc.is_alive():
+                reason = "see its log above"
+                try:  # a config it refused (spawned with EngineArgs) is only there
+                    with open(error_file_path(self.output_address) or "") as f:
+                        reason = f.read()
+                except OSError:
+                    pass
                 raise RuntimeError(
                     f"engine core process exited with code {self.proc.exitcode} before it "
-                    "was ready; see its log above"
+                    f"was ready: {reason}"
                 )
 
         return wait_for_ready(self.output_socket, check_alive)
@@ -206,11 +213,13 @@ class _EngineProcess:
         self.close_sockets()
 
 
-def start_engine_process(xlm_config: XlmConfig, log_stats: bool = True) -> _EngineProcess:
+def start_engine_process(engine_args: EngineArgs, log_stats: bool = True) -> _EngineProcess:
     """Spawn the engine process without waiting for it; `make_async_client(...,
-    engine=...)` waits for its READY. The server starts it before its own imports, so the
-    engine loads the model while the API server imports FastAPI and the handlers."""
-    return _EngineProcess(xlm_config, log_stats, EngineCoreProc, wait=False)
+    engine=...)` waits for its READY. The server starts it first thing, with the engine
+    arguments the engine builds its config from, so the engine imports JAX and loads the
+    model while the API server builds the same config and imports FastAPI and the
+    handlers."""
+    return _EngineProcess(engine_args, log_stats, EngineCoreProc, wait=False)
 
 
 class _MPClientBase:
@@ -330,6 +339,10 @@ class SyncMPClient(_MPClientBase):
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_outputs, daemon=True)
         self._reader.start()
+        # Collected or at exit without shutdown(): the reader leaves its socket before the
+        # context ends (a context ended under a reader blocked in recv never returns).
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop_sync_client, self.engine, self._reader)
 
     def _read_outputs(self) -> None:
         socket = self.engine.output_socket
@@ -409,12 +422,17 @@ class SyncMPClient(_MPClientBase):
 
     def shutdown(self) -> None:
         """Stop the engine process and the reader thread."""
-        if self.engine.ctx.closed:
-            return
-        self.engine.stop_process()
-        self.engine.wake_reader("the engine core was shut down")
-        self._reader.join(timeout=5)
         self._finalizer()
+
+
+def _stop_sync_client(engine: _EngineProcess, reader: threading.Thread) -> None:
+    """Stop a SyncMPClient's engine process, then its reader thread, then the sockets."""
+    if engine.ctx.closed:
+        return
+    engine.stop_process()
+    engine.wake_reader("the engine core was shut down")
+    reader.join(timeout=5)
+    engine.close()
 
 
 class AsyncMPClient(_MPClientBase):

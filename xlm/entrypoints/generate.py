@@ -50,7 +50,10 @@ def _make_llm(args: argparse.Namespace, startup_programs: str):
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.startup_programs is None:  # --startup-programs wins
         engine_args.startup_programs = startup_programs
-    return LLM.from_engine_args(engine_args)
+    # The engine in its own process, spawned first: it imports JAX and loads the model
+    # while this process does the same imports and loads the tokenizer (on 2 cores, the
+    # tokenizer no longer waits behind the weights or competes with them for the GIL).
+    return LLM.from_engine_args(engine_args, multiprocess=True)
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
 """`xlm serve MODEL [flags]`: the subcommand that parses the flags and runs the server.
 
 Its own module so that the flags (`openai/cli_args.py`) and the server
-(`openai/api_server.py`) do not import each other: this one imports both. It imports the
-server only after spawning the engine process, so the engine imports JAX and loads the
-model while this process imports FastAPI and the handlers (seconds each on a small host).
+(`openai/api_server.py`) do not import each other: this one imports both. It spawns the
+engine process first, with the engine arguments, then imports the server and builds the
+config: the engine imports JAX, builds the same config and loads the model while this
+process imports FastAPI and the handlers (seconds each on a small host).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from xlm.engine.mp_client import start_engine_process
 from xlm.entrypoints.openai.cli_args import (
     create_engine_config,
+    engine_args_from,
     expand_config_file,
     make_arg_parser,
     settle_args,
@@ -42,13 +44,16 @@ def _run(args: argparse.Namespace) -> int:
         return _run_headless(args)
     # SIGTERM while the engine loads exits cleanly (the finally below stops the engine).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    config = create_engine_config(args)
+    engine_args = engine_args_from(args)
     engine_process = None
-    if config.parallel_config.data_parallel_size == 1:  # ranks start in their client
-        engine_process = start_engine_process(config)
+    if engine_args.data_parallel_size == 1:  # ranks start in their client
+        engine_process = start_engine_process(engine_args)
     try:
         from xlm.entrypoints.openai import api_server
 
+        # The engine builds the same config meanwhile; after the imports, a cold start
+        # finds the GGUF config the engine cached instead of converting it again.
+        config = engine_args.create_config()
         return api_server.run_server(args, config, engine_process)
     finally:
         if engine_process is not None:

@@ -94,6 +94,14 @@ class Buckets:
             f"step of {num_tokens} tokens exceeds the largest token bucket {self.token_buckets[-1]}"
         )
 
+    def serving_buckets(self) -> list[int]:
+        """The token buckets made ready before serving ("largest"): the largest, which holds
+        any step, and the first fine one (FINE_BUCKETS_FROM), which holds a short prompt's
+        prefill and the decodes of as many requests; such a step padded into the largest
+        instead costs ~100x more on a CPU (docs/engine.md, "Start-up")."""
+        first = self.token_bucket(min(FINE_BUCKETS_FROM, self.token_buckets[-1]))
+        return sorted({first, self.token_buckets[-1]})
+
     def rows_for_tokens(self, num_tokens_padded: int) -> int:
         """Request rows of a model step of this token bucket."""
         return min(num_tokens_padded, self.max_num_seqs)

@@ -6,8 +6,7 @@ bucket. The runner asks for a program by a ``ProgramKey`` (kind and bucket size,
 mesh it runs on). At start-up only the programs the first work needs are made ready; the
 rest are compiled on a background thread while requests are served, a step whose bucket
 is not ready yet running in the next larger ready one (docs/engine.md, "Start-up").
-Once every program is ready, a compile is counted (``num_compilations``) and logged,
-since it is a bug.
+Once every program is ready, a compile is a bug: counted (``num_compilations``), logged.
 """
 
 from __future__ import annotations
@@ -177,13 +176,10 @@ def _cpu_kernels_in_use() -> bool | None:
 
 
 def executable_cache_dir(config: XlmConfig) -> str | None:
-    """Where compiled programs are saved, or None when the cache is off.
-
-    This replaces JAX's persistent compilation cache for the step programs: that cache
-    still traces and lowers each program (~1 s each), and on XLA:CPU an executable it
-    loaded cannot be serialized again (the reloaded copy fails with "Function ... not
-    found"), so the two must not be mixed.
-    """
+    """Where compiled programs are saved, or None when the cache is off. It replaces JAX's
+    persistent cache for the step programs (docs/engine.md, "Compiled programs are cached
+    by xlm": that one still traces and lowers each; its loaded CPU executables cannot be
+    saved again)."""
     cache_dir = envs.XLM_COMPILATION_CACHE_DIR
     if not config.compilation_config.enable_compilation_cache or not cache_dir:
         return None
@@ -285,26 +281,26 @@ class ProgramStore:
 
     def _make_ready(self, keys: list[ProgramKey]) -> None:
         """Load the saved ones of `keys` in parallel threads while the others are lowered
-        here; compile those (and any saved one that failed to load) in parallel threads,
-        saving each. Every key leaves the busy set, ready or not."""
+        here, model programs first, each compiling on a thread as soon as it is lowered
+        (so are saved ones that failed to load), and saved. Every key leaves the busy set,
+        ready or not."""
         if not keys:
             return
-        start, loaded, lowered = time.perf_counter(), 0, {}
+        start, loaded, futures = time.perf_counter(), 0, {}
         try:
             workers = min(len(keys), os.cpu_count() or 1)
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 loads = {key: pool.submit(self._load, key) for key in keys if key in self._saved}
-                for key in keys:
+                for key in sorted(keys, key=lambda k: k.kind != ProgramKind.MODEL):
                     if key not in loads:
-                        lowered[key] = self._lower(key)
+                        futures[key] = pool.submit(self._lower(key).compile)
                 for key, future in loads.items():
                     program = future.result()  # None: unreadable, with a warning
                     if program is None:
-                        lowered[key] = self._lower(key)
+                        futures[key] = pool.submit(self._lower(key).compile)
                     else:
                         self._install(key, program, compiled=False)
                         loaded += 1
-                futures = {key: pool.submit(low.compile) for key, low in lowered.items()}
                 progress = tqdm(
                     futures.items(),
                     desc="Compiling",
@@ -322,7 +318,7 @@ class ProgramStore:
                         event.set()
         logger.debug(
             "%d programs compiled, %d loaded in %.1f s: %s",
-            len(lowered),
+            len(futures),
             loaded,
             time.perf_counter() - start,
             ", ".join(f"{k.kind.value}[{k.size}]" for k in keys),
@@ -504,11 +500,16 @@ class BucketReadiness:
     def bucket_keys(self, bucket: int) -> list[ProgramKey]:
         return self.keys[bucket]
 
-    def ready_bucket(self, num_tokens: int) -> int:
-        """The token bucket a step of `num_tokens` runs in: its own when its programs are
-        ready, else the next larger ready one (more padding, the same tokens out) while
-        its own moves to the front of the background queue; when none larger is ready,
-        its own is made ready now (the first step of `startup_programs="first-use"`)."""
+    def step_keys(self, bucket: int, real_rows: int) -> list[ProgramKey]:
+        """A step's programs: its bucket's model (or pooler) and its rows' one sampler."""
+        rows = self.buckets.sampler_rows(self.buckets.logit_rows_for_tokens(bucket), real_rows)
+        return [k for k in self.keys[bucket] if k.kind != ProgramKind.SAMPLER or k.size == rows]
+
+    def ready_bucket(self, num_tokens: int, real_rows: int) -> int:
+        """The token bucket a step of `num_tokens` and `real_rows` logit rows runs in: its
+        own when its programs are ready, else the next larger ready one (more padding, the
+        same tokens out) while its own moves to the front of the background queue; when
+        none is, its own step's programs are made ready now ("first-use", "used")."""
         exact = self.buckets.token_bucket(num_tokens)
         store = self.store
         if store.all_ready:
@@ -516,16 +517,16 @@ class BucketReadiness:
         ready = [
             b
             for b in self.buckets.token_buckets
-            if b >= exact and all(store.is_ready(k) for k in self.bucket_keys(b))
+            if b >= exact and all(store.is_ready(k) for k in self.step_keys(b, real_rows))
         ]
         if ready and ready[0] != exact:
             store.prefer(self.bucket_keys(exact))
-        # The chosen bucket's programs at once: saved ones load in parallel, the others
-        # compile (only when no bucket was ready); in memory already, nothing to do.
-        store.require(self.bucket_keys(ready[0] if ready else exact))
+        # Saved programs load in parallel, others compile (only when none was ready).
+        chosen = ready[0] if ready else exact
+        store.require(self.step_keys(chosen, real_rows))
         if self.startup_programs != "used":  # after the first step's programs (once)
             store.start_background(self.background_order())
-        return ready[0] if ready else exact
+        return chosen
 
     def background_order(self) -> list[ProgramKey]:
         """Smallest token bucket first, each with its sampler (or pooler): every model
@@ -535,7 +536,7 @@ class BucketReadiness:
         return [k for b in self.buckets.token_buckets for k in self.bucket_keys(b)]
 
     def warmup(self, specs: dict[ProgramKey, ProgramSpec], startup_programs: str) -> None:
-        """Make programs ready before serving: every one ("all"), the largest token
+        """Make programs ready before serving: every one ("all"), the largest and first fine
         bucket's with the rest compiled in the background ("largest"), or none until the
         first step, whose bucket is compiled then and the rest in the background
         ("first-use") or each when a step first needs it ("used")."""
@@ -545,5 +546,5 @@ class BucketReadiness:
             return
         self.store.register(specs)
         if startup_programs == "largest":
-            self.store.require(self.bucket_keys(self.buckets.token_buckets[-1]))
+            self.store.require([k for b in self.buckets.serving_buckets() for k in self.keys[b]])
             self.store.start_background(self.background_order())

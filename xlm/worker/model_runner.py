@@ -282,12 +282,11 @@ class ModelRunner:
         started = time.perf_counter()
         transfers = scheduler_output.kv_transfers
         if transfers is not None and self.host_kv is not None:
-            # Before the forward: saves read blocks this step may overwrite, loads fill
-            # blocks it reads.
+            # Before the forward: saves blocks it may overwrite, loads blocks it reads.
             self.kv_caches = self.host_kv.apply(self.kv_caches, transfers)
         batch = self.input_batch
         if self.lora is not None:
-            self.lora.track(scheduler_output, self.input_batch.requests)
+            self.lora.track(scheduler_output, batch.requests)
         batch.update(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if not req_ids:
@@ -295,11 +294,13 @@ class ModelRunner:
             self._in_flight.append(None)
             return
         num_scheduled = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
-        num_tokens_padded = self.readiness.ready_bucket(scheduler_output.total_num_scheduled_tokens)
         spec_lens = None
         if self.speculator is not None:
             proposals = scheduler_output.scheduled_spec_decode_tokens
             spec_lens = self.speculator.write_proposals(batch, req_ids, proposals)
+        rows = len(req_ids) + (0 if spec_lens is None else int(spec_lens.sum()))  # logit rows
+        total = scheduler_output.total_num_scheduled_tokens
+        num_tokens_padded = self.readiness.ready_bucket(total, rows)
         step = self._prepare_inputs(
             req_ids, num_scheduled, num_tokens_padded, scheduler_output, spec_lens
         )
@@ -373,8 +374,7 @@ class ModelRunner:
 
     def _other_specs(self) -> dict[ProgramKey, ProgramSpec]:
         """The prompt-logprobs program (and a multimodal model's encoder programs)."""
-        # The hidden states' dtype: the model's (not its first leaf's, which may be an int8
-        # embedding table under quantization).
+        # The hidden states' dtype: the model's (its first leaf may be an int8 embedding).
         model_config = self.config.model_config
         dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
         specs = self.programs.prompt_logprobs_specs(self.state, self.hidden_size, dtype)

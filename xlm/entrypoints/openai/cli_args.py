@@ -285,12 +285,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, skip=("served_model_name",))
 
 
-def create_engine_config(args: argparse.Namespace) -> Any:
-    """The XlmConfig for parsed arguments."""
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs of parsed arguments (picklable: the engine process builds its config
+    from them)."""
     engine_args = EngineArgs.from_cli_args(args)
     if args.served_model_name:
         engine_args.served_model_name = args.served_model_name[0]
-    return engine_args.create_config()
+    return engine_args
+
+
+def create_engine_config(args: argparse.Namespace) -> Any:
+    """The XlmConfig for parsed arguments."""
+    return engine_args_from(args).create_config()
 
 
 def config_file_args(path: str) -> list[str]:
