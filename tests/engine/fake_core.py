@@ -38,12 +38,13 @@ class FakeRequest:
 class FakeEngineCore(EngineCore):
     """Emits last-token+1 each step; a prompt starting with -1 makes step() raise.
 
-    Its config is a dict: {"fail_start": bool, "step_sleep": seconds}.
+    Its config is a dict: {"fail_start": bool, "start_sleep": seconds, "step_sleep": seconds}.
     """
 
     def __init__(self, config: Any, log_stats: bool = True, executor_class: Any = None) -> None:
         if config.get("fail_start"):
             raise RuntimeError("boom at start")
+        time.sleep(config.get("start_sleep", 0.0))
         self.step_sleep = config.get("step_sleep", 0.0)
         self.requests: dict[str, tuple[FakeRequest, list[int]]] = {}
 

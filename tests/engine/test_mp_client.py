@@ -148,6 +148,16 @@ def test_engine_spawned_with_refused_engine_args_says_why():
     assert not engine.proc.is_alive() and not os.path.exists(engine.tmpdir)
 
 
+def test_an_engine_given_up_before_ready_stops_at_once():
+    """A front end that refuses the config closes the engine it spawned first: stopped
+    with SIGTERM, not sent a SHUTDOWN nobody reads yet and then waited for."""
+    engine = _EngineProcess({"start_sleep": 60}, True, FakeEngineCoreProc, wait=False)
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5
+    assert not engine.proc.is_alive() and not os.path.exists(engine.tmpdir)
+
+
 _EXIT_WITHOUT_SHUTDOWN = """
 from tests.engine.fake_core import FakeEngineCoreProc, FakeRequest
 from xlm.engine.mp_client import SyncMPClient

@@ -171,13 +171,18 @@ class _EngineProcess:
         return self.proc.is_alive()
 
     def stop_process(self, timeout: float = 5.0, grace: float = 120.0) -> None:
-        """Stop the engine process: SHUTDOWN, then SIGTERM, then SIGKILL.
+        """Stop the engine process: SHUTDOWN (once ready), then SIGTERM, then SIGKILL.
 
         SHUTDOWN gets `grace` seconds: the engine finishes the program its background
         thread is compiling first (a process that exits during a compile aborts), which
         took over 5 s on a loaded 2-core machine and ended a clean stop with SIGTERM."""
         self.closing = True
-        if self.proc.is_alive():
+        if self.proc.is_alive() and not self.ready_info:
+            # Not ready (a start given up, e.g. its front end refused the config): nothing
+            # to finish, and no socket peer yet to hear SHUTDOWN, which waited `timeout`
+            # and then `grace` for an engine that went on loading.
+            self.proc.terminate()
+        elif self.proc.is_alive():
             # Blocking for up to `timeout`: right after READY the engine's end of the input
             # socket may still be connecting, and a non-blocking send found no peer, dropped
             # SHUTDOWN and left the process running until SIGTERM (`grace` seconds later).
