@@ -20,6 +20,7 @@ from xlm.models.loader.safetensors_format import (
     iter_safetensors_tensors,
     safetensors_dtypes,
     safetensors_files,
+    write_safetensors,
 )
 
 RNG = np.random.default_rng(0)
@@ -55,6 +56,19 @@ def test_one_file_of_every_dtype(tmp_path):
     _assert_same({n: np.array(v) for n, v in iter_safetensors_tensors(str(tmp_path))}, TENSORS)
     assert safetensors_dtypes(str(tmp_path)) == DTYPES
     assert count_safetensors_tensors(str(tmp_path)) == len(TENSORS)
+
+
+def test_the_writer_round_trips_every_dtype_and_the_package_reads_it(tmp_path):
+    """xlm's writer (the placed-weights cache's): read back by xlm's reader, and by the
+    `safetensors` package where numpy has the dtype."""
+    from safetensors.numpy import load_file
+
+    path = str(tmp_path / "model.safetensors")
+    write_safetensors(path, TENSORS)
+    _assert_same({n: np.array(v) for n, v in iter_safetensors_file(path)}, TENSORS)
+    native = {n: v for n, v in TENSORS.items() if n not in ("bf16", "fp8")}
+    write_safetensors(path, native)
+    _assert_same(load_file(path), native)
 
 
 def test_shards_come_from_the_index_and_stray_files_are_ignored(tmp_path):

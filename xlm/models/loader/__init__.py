@@ -21,11 +21,12 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from xlm import envs, platforms
+from xlm import disk_cache, envs, platforms
 from xlm.config import XlmConfig, set_current_xlm_config
 from xlm.logger import init_logger
 from xlm.metrics import startup
 from xlm.models.classifier import as_seq_cls_model
+from xlm.models.loader import placed_cache
 from xlm.models.loader.compressed_tensors import (
     compressed_tensors_weights,
     keep_float_projections,
@@ -132,8 +133,10 @@ def resolve_weight_dtype(dtype: str) -> Any:
 
 
 def _tensor_source(
-    model: str, load_format: str, keep_quantized: bool = False
+    model: str, load_format: str, keep_quantized: bool = False, cache: bool = True
 ) -> tuple[Iterator[tuple[str, Any]], int]:
+    """(name, tensor) pairs of a checkpoint and their count (None: unknown). `cache`: a
+    GGUF read without a dequantized copy in the cache gets one after the first step."""
     if load_format == "safetensors":
         return iter_safetensors_tensors(model), count_safetensors_tensors(model)
     if load_format == "gguf" and keep_quantized:  # decoding is fast: no cached copy
@@ -145,7 +148,8 @@ def _tensor_source(
         # Writing the copy (and fsyncing it) is not needed for the first token: the GGUF
         # is dequantized in memory now and the copy written after the first step.
         startup.note("weights", "GGUF dequantized; cached after the first step")
-        startup.defer("the dequantized GGUF's cache", lambda: _dequantized_gguf_dir(model))
+        if cache:
+            startup.defer("the dequantized GGUF's cache", lambda: _dequantized_gguf_dir(model))
         return iter_gguf_tensors(model), None
     raise ValueError(f"load_format={load_format!r} has no tensor source")
 
@@ -403,11 +407,62 @@ def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx
         return abstract_weights(model, dtype=dtype, mesh=mesh)
     if load_format == "dummy":
         return load_dummy_weights(model, dtype=dtype, seed=model_config.seed, mesh=mesh)
+    keep_quantized = model_config.quantization == "gguf"
+    placed = None  # a GGUF's placed cache entry (xlm.models.loader.placed_cache)
+    if load_format == "gguf" and not keep_quantized and placed_cache.applies(mesh):
+        placed = placed_cache.entry_dir(model_config.model, _signature(model, dtype))
+        loaded = _load_placed(model, dtype, placed[0])
+        if loaded is not None:
+            return loaded
     tensors, total = _tensor_source(
-        model_config.model, load_format, keep_quantized=model_config.quantization == "gguf"
+        model_config.model, load_format, keep_quantized, cache=placed is None
     )
     if compressed:  # each quantized layer's codes and scales, as they are stored
         tensors = compressed_tensors_weights(tensors)
     if headless:
         tensors = ((_in_model(n), t) for n, t in tensors)
-    return load_weights(model, tensors, dtype=dtype, mesh=mesh, total=total, headless=headless)
+    loaded = load_weights(model, tensors, dtype=dtype, mesh=mesh, total=total, headless=headless)
+    if placed is not None:  # the parameters as placed, saved after the first step
+        arrays = {p: v.get_value() for p, v in _variables(loaded).items()}
+        for path in lora_paths(_variables(loaded)):
+            arrays.pop(path)
+        startup.defer("the placed GGUF weights", lambda: placed_cache.write(*placed, arrays))
+    return loaded
+
+
+def _variables(model: nnx.Module) -> dict[str, nnx.Variable]:
+    """A model's parameters by dotted path."""
+    return {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.split(model)[1])}
+
+
+def _signature(model: nnx.Module, dtype: Any) -> str:
+    """The placed cache's key over the parameters as they will be stored."""
+    variables = _variables(model)
+    return placed_cache.signature(
+        {p: (tuple(v.shape), str(stored_dtype(v, dtype))) for p, v in variables.items()}
+    )
+
+
+def _load_placed(model: nnx.Module, dtype: Any, directory: str) -> nnx.Module | None:
+    """The abstract model filled from a placed cache entry; None when there is none (or
+    it does not match the model: discarded)."""
+    saved = placed_cache.read(directory)
+    if saved is None:
+        return None
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    variables = {".".join(map(str, path)): var for path, var in flat}
+    slots = lora_paths(variables)
+    wanted = {p: (tuple(v.shape), stored_dtype(v, dtype)) for p, v in variables.items()}
+    found = {p: (tuple(a.shape), a.dtype) for p, a in saved.items()}
+    if found != {p: w for p, w in wanted.items() if p not in slots}:
+        logger.warning("Discarding the placed-weights cache %s: another model's.", directory)
+        disk_cache.discard(directory)
+        return None
+    placer = WeightPlacer(variables, dtype, None)
+    for path, value in saved.items():
+        placer.put_placed(path, value)
+    for path in slots:  # adapter slots start empty
+        placer.place_zeros(path)
+    startup.note("weights", "placed GGUF weights from the cache")
+    return _merge(graphdef, flat, placer.placed)

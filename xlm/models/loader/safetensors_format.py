@@ -96,3 +96,27 @@ def iter_safetensors_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
             yield name, raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
     finally:
         del mm
+
+
+def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write `arrays` as one .safetensors file (any dtype `iter_safetensors_file` reads),
+    streaming each array's bytes after the header."""
+    names = {np.dtype(t): n for n, t in _DTYPES.items()}
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, array in arrays.items():
+        if np.dtype(array.dtype) not in names:
+            raise ValueError(f"tensor {name!r}: dtype {array.dtype} has no safetensors name")
+        header[name] = {
+            "dtype": names[np.dtype(array.dtype)],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for array in arrays.values():
+            f.write(np.ascontiguousarray(array).data)
