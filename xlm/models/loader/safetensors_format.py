@@ -119,4 +119,4 @@ def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
         f.write(struct.pack("<Q", len(header_bytes)))
         f.write(header_bytes)
         for array in arrays.values():
-            f.write(np.ascontiguousarray(array).data)
+            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
