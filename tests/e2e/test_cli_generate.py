@@ -96,11 +96,10 @@ def test_generate_imports_no_server_or_cluster_modules(tiny_path):
 
 
 @pytest.mark.slow
-def test_a_cold_gguf_start_writes_its_dequantized_cache_after_the_first_token(
-    smollm2_gguf, tmp_path
-):
-    """Cold: the GGUF is dequantized in memory and its cache written after the first step
-    (before the process exits); warm: loaded from that cache, the same greedy token."""
+def test_a_cold_gguf_start_writes_its_placed_cache_after_the_first_token(smollm2_gguf, tmp_path):
+    """Cold: the GGUF is dequantized in memory and its parameters saved as placed after
+    the first step (before the process exits); warm: loaded from that cache without
+    dequantizing, the same greedy token."""
     env = dict(os.environ, XLM_CACHE_ROOT=str(tmp_path / "cache"), XLM_DISABLE_PROGRESS_BARS="1")
     argv = [sys.executable, "-m", "xlm.entrypoints.cli", "generate", "--model", smollm2_gguf]
     argv += ["The capital of France is", "--max-tokens", "1", "--temperature", "0"]
@@ -112,10 +111,11 @@ def test_a_cold_gguf_start_writes_its_dequantized_cache_after_the_first_token(
         assert result.returncode == 0, result.stderr
     cold, warm = (r.stderr for r in runs)
     assert "GGUF dequantized; cached after the first step" in cold
-    assert cold.index("First step (") < cold.index("Dequantizing")
-    assert "dequantized GGUF from the cache" in warm and "Dequantizing" not in warm
+    assert cold.index("First step (") < cold.index("Saving the placed weights")
+    assert "placed GGUF weights from the cache" in warm and "Saving the placed" not in warm
+    assert "Dequantizing" not in cold + warm  # no copy in the checkpoint's layout on a CPU
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
-    assert not list((tmp_path / "cache" / "gguf_weights").glob(".tmp-*"))
+    assert len(list((tmp_path / "cache" / "gguf_placed").iterdir())) == 1  # no .tmp-* left
 
 
 def parse_startup_line(stderr: str, what: str = "Engine") -> tuple[float, dict[str, float]]:

@@ -84,6 +84,7 @@ def write(directory: str, stale_prefix: str, arrays: dict[str, jax.Array]) -> No
     """Save `arrays` (the placed parameters) as the entry, and drop the entries of other
     source versions of the same GGUF and parameters."""
     host = {path: np.asarray(value) for path, value in arrays.items()}
+    logger.info("Saving the placed weights in %s.", directory)
     with disk_cache.atomic_directory(directory) as tmp:
         write_safetensors(os.path.join(tmp, FILE), host)
     root, name = os.path.split(directory)
