@@ -89,3 +89,22 @@ def test_cpu_detector_on_this_machine():
     assert platforms.cpu_platform_plugin() == CPU
     assert platforms.cuda_platform_plugin() is None
     assert platforms.tpu_platform_plugin() is None
+
+
+@pytest.mark.parametrize(
+    ("jax_platforms", "expected"), [("cpu", CPU), ("", CUDA), ("cuda,cpu", CUDA), ("gpu", CUDA)]
+)
+def test_jax_platforms_decides_whether_a_present_gpu_is_the_platform(
+    monkeypatch, jax_platforms, expected
+):
+    """A GPU machine (plugin and device files present) with JAX_PLATFORMS=cpu runs on the
+    CPU: the first GPU run found "cuda" chosen while JAX could start only "cpu"."""
+    monkeypatch.setattr(platforms, "_has_module_prefix", lambda prefix: prefix == "jax_cuda")
+    monkeypatch.setattr(platforms, "_has_module", lambda name: name == "jaxlib")
+    monkeypatch.setattr(
+        platforms.glob, "glob", lambda pattern: [pattern] if "nvidia" in pattern else []
+    )
+    monkeypatch.setenv("JAX_PLATFORMS", jax_platforms)
+    monkeypatch.delenv("XLM_TARGET_PLATFORM", raising=False)
+    monkeypatch.setattr("xlm.plugins.load_plugins_by_group", lambda group: {})
+    assert resolve_current_platform_cls_qualname() == expected

@@ -42,7 +42,19 @@ def _has_module_prefix(prefix: str) -> bool:
     return any(m.name.startswith(prefix) for m in pkgutil.iter_modules())
 
 
+def _jax_may_start(backend: str) -> bool:
+    """Whether JAX_PLATFORMS (when set) lets JAX start `backend`: an accelerator it leaves
+    out is not this process's platform, so JAX_PLATFORMS=cpu on a GPU machine runs on the
+    CPU (the first GPU run found "cuda" detected where JAX had only "cpu")."""
+    allowed = {p.strip() for p in envs.jax_platforms().split(",") if p.strip()}
+    if "gpu" in allowed:  # JAX's name for either GPU backend
+        allowed |= {"cuda", "rocm"}
+    return not allowed or backend in allowed
+
+
 def _tpu_present() -> str | None:
+    if not _jax_may_start("tpu"):
+        return None
     if not (_has_module("libtpu") or _has_module_prefix("libtpu")):
         return None
     if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
@@ -51,6 +63,8 @@ def _tpu_present() -> str | None:
 
 
 def _cuda_present() -> str | None:
+    if not _jax_may_start("cuda"):
+        return None
     plugin = _has_module_prefix("jax_cuda") or _has_module("jax_plugins.xla_cuda12")
     if plugin and (glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/nvidiactl")):
         return "JAX CUDA plugin installed and NVIDIA device files present"
@@ -58,6 +72,8 @@ def _cuda_present() -> str | None:
 
 
 def _rocm_present() -> str | None:
+    if not _jax_may_start("rocm"):
+        return None
     if _has_module_prefix("jax_rocm") and glob.glob("/dev/kfd"):
         return "JAX ROCm plugin installed and /dev/kfd present"
     return None
