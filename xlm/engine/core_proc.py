@@ -46,6 +46,17 @@ def error_file_path(output_address: str) -> str | None:
     return os.path.join(os.path.dirname(output_address.removeprefix("ipc://")), "engine_error")
 
 
+def _write_error_file(output_address: str, message: str) -> None:
+    """Leave `message` where the client looks for a failed engine's error (best effort)."""
+    path = error_file_path(output_address)
+    try:
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(message)
+    except OSError:
+        pass
+
+
 def _config_of(engine_args: EngineArgs, output_address: str) -> XlmConfig:
     """The config an engine spawned with its EngineArgs builds. A refused one exits
     quietly: the parent builds the same and reports it; should the parent's succeed, it
@@ -54,13 +65,7 @@ def _config_of(engine_args: EngineArgs, output_address: str) -> XlmConfig:
         with startup.phase("config"):
             return engine_args.create_config()
     except Exception as e:
-        path = error_file_path(output_address)
-        try:
-            if path is not None:
-                with open(path, "w") as f:
-                    f.write(f"engine core process: configuration refused: {e}")
-        except OSError:
-            pass
+        _write_error_file(output_address, f"engine core process: configuration refused: {e}")
         os._exit(1)
 
 
@@ -204,13 +209,7 @@ class EngineCoreProc(EngineCore):
     def _send_error(self, message: str) -> None:
         self.output_queue.put((OutputType.ENGINE_ERROR, message))
         # Also on disk: the process exits right after, and ZeroMQ may not have sent it yet.
-        path = error_file_path(self._output_address)
-        try:
-            if path is not None:
-                with open(path, "w") as f:
-                    f.write(message)
-        except OSError:
-            pass
+        _write_error_file(self._output_address, message)
 
     # ---- IO threads -------------------------------------------------------------------
 
