@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -21,6 +20,7 @@ from xlm.logger import init_logger
 from xlm.models.loader.gguf_quants import SUPPORTED, decode, dequantize_raw, unpermute_rotary
 from xlm.models.loader.gguf_reader import GGUFFile
 from xlm.models.loader.gguf_tokenizer import gguf_tokenizer
+from xlm.models.loader.safetensors_format import encode_header
 from xlm.quantization import QuantLayout
 
 logger = init_logger(__name__)
@@ -432,12 +432,8 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
     return {key: config[key] for key in keys if key in config}
 
 
-def _safetensors_dtype(dtype: str) -> tuple[str, Any]:
-    return {
-        "float32": ("F32", np.float32),
-        "float16": ("F16", np.float16),
-        "bfloat16": ("BF16", ml_dtypes.bfloat16),
-    }[dtype]
+def _safetensors_dtype(dtype: str) -> Any:
+    return {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
 
 
 def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
@@ -449,26 +445,17 @@ def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
     config.dtype = dtype
     names = gguf_tensor_names(path)
     os.makedirs(out_dir, exist_ok=True)
-    st_dtype, np_dtype = _safetensors_dtype(dtype)
-    itemsize = np.dtype(np_dtype).itemsize
+    np_dtype = _safetensors_dtype(dtype)
 
     # Stream tensors into the file: the header is known from the tensor table, so only one
     # dequantized tensor is ever in memory.
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for gguf_name, hf_name in names.items():
-        shape = _hf_shape(
+    shapes = {
+        hf_name: _hf_shape(
             gguf_file.architecture, gguf_name, list(gguf_file.tensors[gguf_name].shape)
         )
-        size = int(np.prod(shape)) * itemsize
-        header[hf_name] = {
-            "dtype": st_dtype,
-            "shape": shape,
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
+        for gguf_name, hf_name in names.items()
+    }
+    header_bytes = encode_header((name, np_dtype, shape) for name, shape in shapes.items())
 
     target = os.path.join(out_dir, "model.safetensors")
     progress = tqdm(
@@ -479,11 +466,10 @@ def gguf_to_safetensors(path: str, out_dir: str, dtype: str = "float32") -> str:
     )
     try:
         with open(target + ".tmp", "wb") as f, progress:
-            f.write(len(header_bytes).to_bytes(8, "little"))
             f.write(header_bytes)
             for hf_name, weights in iter_gguf_tensors(path):
                 data = np.ascontiguousarray(weights.astype(np_dtype, copy=False))
-                assert list(data.shape) == header[hf_name]["shape"], hf_name
+                assert list(data.shape) == shapes[hf_name], hf_name
                 data.tofile(f)
                 progress.update()
         os.replace(target + ".tmp", target)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -98,25 +99,32 @@ def iter_safetensors_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
         del mm
 
 
-def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write `arrays` as one .safetensors file (any dtype `iter_safetensors_file` reads),
-    streaming each array's bytes after the header."""
+def encode_header(tensors: Iterable[tuple[str, Any, Sequence[int]]]) -> bytes:
+    """A .safetensors file's opening bytes (length, then the JSON header padded to 8) for
+    tensors of these (name, dtype, shape), stored one after the other in that order."""
     names = {np.dtype(t): n for n, t in _DTYPES.items()}
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, array in arrays.items():
-        if np.dtype(array.dtype) not in names:
-            raise ValueError(f"tensor {name!r}: dtype {array.dtype} has no safetensors name")
+    for name, dtype, shape in tensors:
+        dtype = np.dtype(dtype)
+        if dtype not in names:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors name")
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         header[name] = {
-            "dtype": names[np.dtype(array.dtype)],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
+            "dtype": names[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
         }
-        offset += array.nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
+        offset += size
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write `arrays` as one .safetensors file (any dtype `iter_safetensors_file` reads),
+    streaming each array's bytes after the header."""
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
+        f.write(encode_header((n, a.dtype, a.shape) for n, a in arrays.items()))
         for array in arrays.values():
             f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
