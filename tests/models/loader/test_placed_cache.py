@@ -13,7 +13,7 @@ from tests.models.gguf_fixtures import random_hf_state_dict, write_gguf
 from xlm.engine.arg_utils import EngineArgs
 from xlm.metrics import startup
 from xlm.models import loader
-from xlm.models.loader import _variables, get_model, placed_cache
+from xlm.models.loader import _split, get_model, placed_cache
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def gguf(tmp_path, monkeypatch) -> str:
 def _load(path: str, **engine: object) -> dict[str, np.ndarray]:
     """Every parameter of the model loaded from `path`, on the host."""
     config = EngineArgs(model=path, max_model_len=64, **engine).create_config()
-    return {p: np.asarray(v.get_value()) for p, v in _variables(get_model(config)).items()}
+    return {p: np.asarray(v.get_value()) for p, v in _split(get_model(config))[2].items()}
 
 
 def _entries(tmp_path) -> list[str]:

@@ -225,9 +225,7 @@ def load_weights(
     `headless`: a base-model checkpoint, which has no language-model head; the head's
     parameters are zeros (a pooling runner never computes logits).
     """
-    graphdef, state = nnx.split(model)
-    flat = nnx.to_flat_state(state)
-    variables = {".".join(map(str, path)): var for path, var in flat}
+    graphdef, flat, variables = _split(model)
     placer = WeightPlacer(variables, dtype, mesh)
     unused = []
     for name, array in _progress(tensors, total, "Loading weights"):
@@ -291,9 +289,7 @@ def load_dummy_weights(
     model: nnx.Module, *, dtype: Any, seed: int, mesh: Mesh | None = None
 ) -> nnx.Module:
     """Fill an abstract model with deterministic random weights."""
-    graphdef, state = nnx.split(model)
-    flat = nnx.to_flat_state(state)
-    variables = {".".join(map(str, path)): var for path, var in flat}
+    graphdef, flat, variables = _split(model)
     placer = WeightPlacer(variables, dtype, mesh)
     empty = set(lora_paths(variables))
     for path in _progress(variables, len(variables), "Dummy weights"):
@@ -410,8 +406,9 @@ def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx
     keep_quantized = model_config.quantization == "gguf"
     placed = None  # a GGUF's placed cache entry (xlm.models.loader.placed_cache)
     if load_format == "gguf" and not keep_quantized and placed_cache.applies(mesh):
-        placed = placed_cache.entry_dir(model_config.model, _signature(model, dtype))
-        loaded = _load_placed(model, dtype, placed[0])
+        stored = {p: (tuple(v.shape), stored_dtype(v, dtype)) for p, v in _split(model)[2].items()}
+        placed = placed_cache.entry_dir(model_config.model, placed_cache.signature(stored))
+        loaded = _load_placed(model, dtype, placed[0], stored)
         if loaded is not None:
             return loaded
     tensors, total = _tensor_source(
@@ -423,39 +420,32 @@ def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx
         tensors = ((_in_model(n), t) for n, t in tensors)
     loaded = load_weights(model, tensors, dtype=dtype, mesh=mesh, total=total, headless=headless)
     if placed is not None:  # the parameters as placed, saved after the first step
-        arrays = {p: v.get_value() for p, v in _variables(loaded).items()}
-        for path in lora_paths(_variables(loaded)):
-            arrays.pop(path)
+        variables = _split(loaded)[2]
+        slots = set(lora_paths(variables))
+        arrays = {p: v.get_value() for p, v in variables.items() if p not in slots}
         startup.defer("the placed GGUF weights", lambda: placed_cache.write(*placed, arrays))
     return loaded
 
 
-def _variables(model: nnx.Module) -> dict[str, nnx.Variable]:
-    """A model's parameters by dotted path."""
-    return {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.split(model)[1])}
+def _split(model: nnx.Module) -> tuple[Any, Any, dict[str, nnx.Variable]]:
+    """A model's graph definition, flat state, and its parameters by dotted path."""
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    return graphdef, flat, {".".join(map(str, path)): var for path, var in flat}
 
 
-def _signature(model: nnx.Module, dtype: Any) -> str:
-    """The placed cache's key over the parameters as they will be stored."""
-    variables = _variables(model)
-    return placed_cache.signature(
-        {p: (tuple(v.shape), str(stored_dtype(v, dtype))) for p, v in variables.items()}
-    )
-
-
-def _load_placed(model: nnx.Module, dtype: Any, directory: str) -> nnx.Module | None:
+def _load_placed(
+    model: nnx.Module, dtype: Any, directory: str, stored: dict[str, tuple[tuple, np.dtype]]
+) -> nnx.Module | None:
     """The abstract model filled from a placed cache entry; None when there is none (or
-    it does not match the model: discarded)."""
+    it does not hold the parameters as `stored` says they are stored: discarded)."""
     saved = placed_cache.read(directory)
     if saved is None:
         return None
-    graphdef, state = nnx.split(model)
-    flat = nnx.to_flat_state(state)
-    variables = {".".join(map(str, path)): var for path, var in flat}
+    graphdef, flat, variables = _split(model)
     slots = lora_paths(variables)
-    wanted = {p: (tuple(v.shape), stored_dtype(v, dtype)) for p, v in variables.items()}
     found = {p: (tuple(a.shape), a.dtype) for p, a in saved.items()}
-    if found != {p: w for p, w in wanted.items() if p not in slots}:
+    if found != {p: w for p, w in stored.items() if p not in slots}:
         logger.warning("Discarding the placed-weights cache %s: another model's.", directory)
         disk_cache.discard(directory)
         return None

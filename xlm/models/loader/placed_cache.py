@@ -52,9 +52,9 @@ def _layout_source() -> str:
     return disk_cache.cache_key(fingerprint, length=12)
 
 
-def signature(shapes: dict[str, tuple[tuple[int, ...], str]]) -> str:
+def signature(stored: dict[str, tuple[tuple[int, ...], Any]]) -> str:
     """A key over the parameters' paths, physical shapes and stored dtypes."""
-    text = repr(sorted(shapes.items()))
+    text = repr(sorted((p, (shape, str(dtype))) for p, (shape, dtype) in stored.items()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
