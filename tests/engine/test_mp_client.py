@@ -148,14 +148,19 @@ def test_engine_spawned_with_refused_engine_args_says_why():
     assert not engine.proc.is_alive() and not os.path.exists(engine.tmpdir)
 
 
-def test_an_engine_given_up_before_ready_stops_at_once():
+def test_an_engine_given_up_before_ready_stops_at_once(capfd):
     """A front end that refuses the config closes the engine it spawned first: stopped
-    with SIGTERM, not sent a SHUTDOWN nobody reads yet and then waited for."""
+    with SIGTERM, not sent a SHUTDOWN nobody reads yet and then waited for. It leaves
+    quietly, even with the signal landing inside its construction (a SystemExit raised
+    there was logged as a failed start, with its traceback)."""
     engine = _EngineProcess({"start_sleep": 60}, True, FakeEngineCoreProc, wait=False)
+    time.sleep(1.0)  # into the construction's sleep
     started = time.monotonic()
     engine.close()
     assert time.monotonic() - started < 5
     assert not engine.proc.is_alive() and not os.path.exists(engine.tmpdir)
+    assert engine.proc.exitcode == 0
+    assert "Traceback" not in capfd.readouterr().err
 
 
 _EXIT_WITHOUT_SHUTDOWN = """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -286,7 +287,11 @@ class EngineCoreProc(EngineCore):
             if proc is not None:
                 proc.input_queue.put((RequestType.SHUTDOWN, None))
             else:
-                raise SystemExit(0)
+                # Given up before READY: nothing to hand back, so leave at once. Raising
+                # SystemExit here printed a traceback when the signal landed inside a
+                # callback (JAX's gc hook) or inside the engine's construction.
+                sys.stderr.flush()
+                os._exit(0)
 
         signal.signal(signal.SIGTERM, on_sigterm)
         if parent_pid is not None:
