@@ -1,0 +1,416 @@
+"""Issue 40's measurements on one GPU, one phase per process (device_check.sh runs them).
+
+    python benchmarks/gpu/device_check.py PHASE --shape {8b,tiny} --out DIR
+
+Phases, each appending JSON lines to DIR/device_check.jsonl as its figures come (a phase
+stopped by its time limit keeps what it wrote):
+- env: jax / jaxlib / torch versions, the devices and their kind, the driver.
+- bandwidth: device copy bandwidth, bytes read + written by a jitted `x + 1` over a
+  bfloat16 array (best of 10).
+- xlm: the engine on the shape with dummy bfloat16 weights: one-request decode (the
+  difference of 129 and 1 generated tokens, per token), TTFT of a 2048-token prompt,
+  output tok/s at 64 and 256 concurrent requests (512-token prompts, 128 new tokens), each
+  after a warm-up of the same workload, with the compilations counted in the timed runs.
+- torch: the same shape and workloads through transformers + torch (eager, bfloat16,
+  random weights) on the same device: the peer.
+- kernel: the Pallas GPU attention kernel against the plain-jnp reference on one layer's
+  decode batch (64 requests x 640 tokens), time per call.
+
+`--shape tiny` (the CPU dry run CI takes, `JAX_PLATFORMS=cpu`) runs every phase on a small
+llama of the same vocabulary with the workloads cut to a few requests and tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+LLAMA_8B = os.path.join(ROOT, "benchmarks", "configs", "Llama-3.1-8B", "config.json")
+
+# The workloads: issue 40's, and the dry run's cut to what a 2-core CPU runs in seconds.
+WORKLOADS = {
+    "8b": dict(
+        decode_prompt=16,
+        decode_tokens=128,
+        ttft_prompt=2048,
+        batch_prompt=512,
+        batch_tokens=128,
+        batches=(64, 256),
+        max_model_len=4096,
+        kernel_reqs=64,
+        kernel_ctx=640,
+        copy_bytes=2 << 30,
+        repeats=3,
+        token_buckets=[16, 64, 256, 2048],
+    ),
+    "tiny": dict(
+        decode_prompt=8,
+        decode_tokens=8,
+        ttft_prompt=64,
+        batch_prompt=16,
+        batch_tokens=4,
+        batches=(4, 8),
+        max_model_len=256,
+        kernel_reqs=2,
+        kernel_ctx=32,
+        copy_bytes=8 << 20,
+        repeats=1,
+        token_buckets=[16, 64, 2048],
+    ),
+}
+# The dry run's model: Llama-3.1-8B's vocabulary and layout, scaled down.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
+
+def emit(out: str, phase: str, **fields) -> None:
+    line = json.dumps({"phase": phase, "time": time.strftime("%H:%M:%S"), **fields})
+    print(line, flush=True)
+    with open(os.path.join(out, "device_check.jsonl"), "a") as f:
+        f.write(line + "\n")
+
+
+def model_dir(shape: str, out: str) -> str:
+    """A config-only checkpoint (weights come from --load-format dummy) with the tests'
+    small word-level tokenizer: prompts are token ids and outputs are not detokenized."""
+    path = os.path.join(out, f"model-{shape}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    with open(LLAMA_8B) as f:
+        config = json.load(f)
+    if shape == "tiny":
+        config.update(TINY)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    sys.path.insert(0, ROOT)
+    from tests.conftest import build_tokenizer
+
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, vocab, size=(count, length)).tolist()
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------ phases
+
+
+def phase_env(args, w) -> None:
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    driver = (
+        shutil.which("nvidia-smi")
+        and subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    emit(
+        args.out,
+        "env",
+        jax=jax.__version__,
+        jaxlib=jaxlib.__version__,
+        backend=jax.default_backend(),
+        device_kind=devices[0].device_kind,
+        devices=[str(d) for d in devices],
+        nvidia_smi=driver or None,
+        torch=torch_version,
+        python=sys.version.split()[0],
+        shape=args.shape,
+    )
+
+
+def phase_bandwidth(args, w) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((w["copy_bytes"] // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + 1)
+    f(x).block_until_ready()
+    best = min(timed(lambda: f(x).block_until_ready()) for _ in range(10))
+    emit(
+        args.out,
+        "bandwidth",
+        bytes_moved=2 * x.nbytes,
+        seconds=best,
+        bytes_per_s=2 * x.nbytes / best,
+        how="jit(x + 1) over bfloat16, read + write, best of 10",
+    )
+
+
+def phase_xlm(args, w) -> None:
+    import xlm
+
+    path = model_dir(args.shape, args.out)
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    started = time.perf_counter()
+    llm = xlm.LLM(
+        model=path,
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=w["max_model_len"],
+        max_num_seqs=max(w["batches"]),
+        enable_prefix_caching=False,
+        startup_programs="used",
+        token_buckets=w["token_buckets"],
+    )
+    engine = llm.llm_engine
+    emit(args.out, "xlm", what="engine_ready", seconds=time.perf_counter() - started)
+
+    def generate(ps: list[list[int]], tokens: int) -> list:
+        params = xlm.SamplingParams(
+            max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+        return outs
+
+    seed = iter(range(1000))
+
+    def measure(name: str, count: int, length: int, tokens: int) -> tuple[float, float, int]:
+        """Median seconds of `count` fresh prompts with 1 and with `tokens` new tokens,
+        after a warm-up of the same workload; compilations in the timed runs."""
+        generate(prompts(count, length, vocab, next(seed)), min(tokens, 4))
+        compiled = engine.num_compilations
+        firsts, fulls = [], []
+        for _ in range(w["repeats"]):
+            firsts.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), 1)))
+            fulls.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), tokens)))
+        return (
+            statistics.median(firsts),
+            statistics.median(fulls),
+            (engine.num_compilations - compiled),
+        )
+
+    first, full, compiles = measure("decode", 1, w["decode_prompt"], w["decode_tokens"] + 1)
+    per_token = (full - first) / w["decode_tokens"]
+    emit(
+        args.out,
+        "xlm",
+        what="one_request_decode",
+        prompt=w["decode_prompt"],
+        new_tokens=w["decode_tokens"],
+        seconds_per_token=per_token,
+        tok_per_s=1 / per_token,
+        first_token_s=first,
+        compilations_timed=compiles,
+    )
+    for count in w["batches"]:
+        first, full, compiles = measure("batch", count, w["batch_prompt"], w["batch_tokens"])
+        emit(
+            args.out,
+            "xlm",
+            what="concurrent",
+            requests=count,
+            prompt=w["batch_prompt"],
+            new_tokens=w["batch_tokens"],
+            seconds=full,
+            output_tok_per_s=count * w["batch_tokens"] / full,
+            prefill_and_first_token_s=first,
+            decode_step_s=(full - first) / (w["batch_tokens"] - 1),
+            compilations_timed=compiles,
+        )
+    first, _, compiles = measure("ttft", 1, w["ttft_prompt"], 2)
+    emit(
+        args.out,
+        "xlm",
+        what="ttft",
+        prompt=w["ttft_prompt"],
+        seconds=first,
+        compilations_timed=compiles,
+        compilations_total=engine.num_compilations,
+        seconds_total=time.perf_counter() - started,
+    )
+
+
+def phase_torch(args, w) -> None:
+    import torch
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = model_dir(args.shape, args.out)
+    config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    vocab = config.vocab_size
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def generate(ps: list[list[int]], tokens: int) -> None:
+        ids = torch.tensor(ps, device=device)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert out.shape[1] == ids.shape[1] + tokens
+        sync()
+
+    seed = iter(range(1000))
+
+    def measure(count: int, length: int, tokens: int) -> tuple[float, float]:
+        generate(prompts(count, length, vocab, next(seed)), min(tokens, 4))
+        firsts, fulls = [], []
+        for _ in range(w["repeats"]):
+            firsts.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), 1)))
+            fulls.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), tokens)))
+        return statistics.median(firsts), statistics.median(fulls)
+
+    first, full = measure(1, w["decode_prompt"], w["decode_tokens"] + 1)
+    per_token = (full - first) / w["decode_tokens"]
+    emit(
+        args.out,
+        "torch",
+        what="one_request_decode",
+        seconds_per_token=per_token,
+        tok_per_s=1 / per_token,
+        first_token_s=first,
+        transformers=transformers.__version__,
+    )
+    for count in w["batches"]:
+        first, full = measure(count, w["batch_prompt"], w["batch_tokens"])
+        emit(
+            args.out,
+            "torch",
+            what="concurrent",
+            requests=count,
+            seconds=full,
+            output_tok_per_s=count * w["batch_tokens"] / full,
+            prefill_and_first_token_s=first,
+            decode_step_s=(full - first) / (w["batch_tokens"] - 1),
+        )
+    first, _ = measure(1, w["ttft_prompt"], 2)
+    emit(args.out, "torch", what="ttft", prompt=w["ttft_prompt"], seconds=first)
+
+
+def phase_kernel(args, w) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, ROOT)
+    from pallas_kernels.ragged_paged_attention import (
+        kv_cache_shape,
+        ragged_paged_attention_gpu,
+        ragged_paged_attention_reference,
+    )
+
+    with open(LLAMA_8B) as f:
+        config = json.load(f)
+    if args.shape == "tiny":
+        config.update(TINY)
+    heads, kv_heads, dim = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
+    reqs, ctx, block = w["kernel_reqs"], w["kernel_ctx"], 16
+    per_req = -(-ctx // block)
+    rng = np.random.default_rng(0)
+    cache = jnp.asarray(
+        rng.standard_normal(kv_cache_shape(reqs * per_req + 1, block, kv_heads, dim)),
+        jnp.bfloat16,
+    )
+    q = jnp.asarray(rng.standard_normal((reqs, heads, dim)), jnp.bfloat16)
+    tables = jnp.asarray(1 + np.arange(reqs * per_req).reshape(reqs, per_req), jnp.int32)
+    lens = jnp.full((reqs,), ctx, jnp.int32)
+    starts = jnp.arange(reqs + 1, dtype=jnp.int32)
+    count = jnp.asarray([reqs], jnp.int32)
+    args_ = (q, cache, tables, lens, starts, count)
+    interpret = jax.default_backend() != "gpu"
+    kernels = {
+        "pallas_triton": jax.jit(
+            lambda *a: ragged_paged_attention_gpu(*a, sm_scale=dim**-0.5, interpret=interpret)
+        ),
+        "reference_jnp": jax.jit(
+            lambda *a: ragged_paged_attention_reference(*a, sm_scale=dim**-0.5)
+        ),
+    }
+    results = {}
+    for name, fn in kernels.items():
+        results[name] = fn(*args_).block_until_ready()
+        best = min(timed(lambda f=fn: f(*args_).block_until_ready()) for _ in range(20))
+        kv_bytes = 2 * reqs * ctx * kv_heads * dim * 2
+        emit(
+            args.out,
+            "kernel",
+            kernel=name,
+            requests=reqs,
+            context=ctx,
+            seconds=best,
+            kv_bytes_per_s=kv_bytes / best,
+        )
+    diff = float(
+        jnp.max(
+            jnp.abs(
+                results["pallas_triton"].astype(jnp.float32)
+                - results["reference_jnp"].astype(jnp.float32)
+            )
+        )
+    )
+    emit(args.out, "kernel", what="max_abs_difference", value=diff)
+
+
+PHASES = {
+    "env": phase_env,
+    "bandwidth": phase_bandwidth,
+    "xlm": phase_xlm,
+    "torch": phase_torch,
+    "kernel": phase_kernel,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("phase", choices=list(PHASES))
+    parser.add_argument("--shape", choices=list(WORKLOADS), default="8b")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    PHASES[args.phase](args, WORKLOADS[args.shape])
+
+
+if __name__ == "__main__":
+    main()

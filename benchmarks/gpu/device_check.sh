@@ -1,0 +1,32 @@
+#!/bin/bash
+# Issue 40's prepared device run: install from the carried wheels, the GPU tests, then the
+# measurements of device_check.py, each phase in its own process under its own time limit
+# (a phase that runs out keeps the JSON lines it wrote). Output in $1 (default $OUT).
+#   on the device:  bash benchmarks/gpu/device_check.sh            (carry: [".gpu_wheels"])
+#   CPU dry run:    JAX_PLATFORMS=cpu bash benchmarks/gpu/device_check.sh DIR tiny
+# Phase limits (seconds) come from DEVICE_CHECK_LIMITS="xlm=170 torch=60 ..." if set.
+# The wheels the device image lacks, downloaded here first into .gpu_wheels:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_17_x86_64 -d .gpu_wheels \
+#     pyzmq gguf llguidance fastapi starlette uvicorn msgspec
+OUT=${1:-${OUT:-/tmp/out}}; SHAPE=${2:-8b}; mkdir -p "$OUT"
+declare -A LIMIT=([env]=15 [bandwidth]=15 [xlm]=190 [torch]=55 [kernel]=25 [tests]=30)
+for kv in $DEVICE_CHECK_LIMITS; do LIMIT[${kv%%=*}]=${kv#*=}; done
+PY=${PYTHON:-python3}
+if [ -d .gpu_wheels ] && [ "$SHAPE" != tiny ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_wheels/*.whl \
+    > "$OUT/install.txt" 2>&1 && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+for phase in env bandwidth xlm torch kernel; do
+  timeout "${LIMIT[$phase]}" $PY benchmarks/gpu/device_check.py "$phase" --shape "$SHAPE" \
+    --out "$OUT" > "$OUT/$phase.log" 2>&1
+  echo "{\"phase\": \"$phase\", \"rc\": $?}" >> "$OUT/device_check.jsonl"
+done
+if [ "$SHAPE" != tiny ]; then  # the GPU tests (they skip without a GPU)
+  JAX_PLATFORMS=cuda,cpu timeout "${LIMIT[tests]}" $PY -m pytest -m gpu -n 0 -q \
+    -p no:cacheprovider tests/pallas_kernels > "$OUT/tests.log" 2>&1
+  echo "{\"phase\": \"tests\", \"rc\": $?}" >> "$OUT/device_check.jsonl"
+fi
+cat "$OUT/device_check.jsonl"
