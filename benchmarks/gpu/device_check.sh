@@ -19,14 +19,18 @@ if [ -d .gpu_wheels ] && [ "$SHAPE" != tiny ]; then
     > "$OUT/install.txt" 2>&1 && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-for phase in env bandwidth xlm torch kernel; do
-  timeout "${LIMIT[$phase]}" $PY benchmarks/gpu/device_check.py "$phase" --shape "$SHAPE" \
-    --out "$OUT" > "$OUT/$phase.log" 2>&1
+# DEVICE_CHECK_PHASES picks and orders the phases (default all); "tests" runs pytest -m gpu
+# (its tests skip without a GPU, so the dry run leaves it out).
+PHASES=${DEVICE_CHECK_PHASES:-env bandwidth xlm torch kernel tests}
+[ "$SHAPE" = tiny ] && PHASES=${PHASES/tests/}
+for phase in $PHASES; do
+  if [ "$phase" = tests ]; then
+    JAX_PLATFORMS=cuda,cpu timeout "${LIMIT[tests]}" $PY -m pytest -m gpu -n 0 -q \
+      -p no:cacheprovider tests/pallas_kernels > "$OUT/tests.log" 2>&1
+  else
+    timeout "${LIMIT[$phase]}" $PY benchmarks/gpu/device_check.py "$phase" --shape "$SHAPE" \
+      --out "$OUT" > "$OUT/$phase.log" 2>&1
+  fi
   echo "{\"phase\": \"$phase\", \"rc\": $?}" >> "$OUT/device_check.jsonl"
 done
-if [ "$SHAPE" != tiny ]; then  # the GPU tests (they skip without a GPU)
-  JAX_PLATFORMS=cuda,cpu timeout "${LIMIT[tests]}" $PY -m pytest -m gpu -n 0 -q \
-    -p no:cacheprovider tests/pallas_kernels > "$OUT/tests.log" 2>&1
-  echo "{\"phase\": \"tests\", \"rc\": $?}" >> "$OUT/device_check.jsonl"
-fi
 cat "$OUT/device_check.jsonl"

@@ -23,6 +23,14 @@ from .kv_quant import SCALE_BYTES, is_int8, scale_of
 from .reference import MASK_VALUE, token_metadata
 
 _MIN_ROWS = 16  # smallest M for tl.dot
+# The smallest K of a 16-bit tl.dot (the P @ V product contracts over block_kv). On an H200
+# a bfloat16 kernel with block_kv=8 returned exactly twice the reference: the 8-wide operand
+# was repeated to fill the MMA tile (interpret mode cannot show it).
+_MIN_BLOCK_KV = 16
+# Float32 queries get IEEE products: Triton's default for float32 dots is TF32 (10-bit
+# mantissas), which put the H200's float32 results 1e-3 off the reference. Other dtypes are
+# unaffected (their products are exact in the float32 accumulator).
+_PRECISION = lax.Precision.HIGHEST
 
 
 def _next_pow2(x: int) -> int:
@@ -135,7 +143,9 @@ def _kernel(
         slot = jnp.where(col_ok, page * block_size + col_pos % block_size, 0)
         k = load_rows(slot, col_ok)
         v = load_rows(slot + kv_plane, col_ok)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32
+        )
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -148,7 +158,11 @@ def _kernel(
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         l_new = alpha * l_prev + p.sum(axis=1)
         pv = lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            p.astype(v.dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            precision=_PRECISION,
+            preferred_element_type=jnp.float32,
         )
         return acc * alpha[:, None] + pv, m_new, l_new
 
@@ -223,8 +237,8 @@ def ragged_paged_attention_gpu(
     block_q = block_q or knobs["block_q"]
     block_kv = block_kv or knobs["block_kv"]
     num_splits = num_kv_splits or knobs["num_kv_splits"]
-    if block_kv & (block_kv - 1):
-        raise ValueError(f"block_kv must be a power of two, got {block_kv}")
+    if block_kv & (block_kv - 1) or block_kv < _MIN_BLOCK_KV:
+        raise ValueError(f"block_kv must be a power of two >= {_MIN_BLOCK_KV}, got {block_kv}")
     rows = max(_MIN_ROWS, _next_pow2(block_q * group))
 
     num_q_blocks = pl.cdiv(num_tokens, block_q) + num_reqs

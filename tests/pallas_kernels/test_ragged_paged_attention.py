@@ -126,9 +126,9 @@ def _check_kernel(kernel, b: Batch, dtype, window=None, cap=None, tol=None, **kn
 GPU_CASES = [
     # (case, dtype, sliding_window, soft_cap, knobs)
     ("decode", jnp.float32, None, None, {}),  # default knobs: block_q=1, kv splits
-    ("decode", jnp.bfloat16, 9, 30.0, dict(block_kv=8)),
+    ("decode", jnp.bfloat16, 9, 30.0, dict(block_kv=16)),
     ("prefill", jnp.float32, None, None, dict(block_kv=16)),
-    ("prefill", jnp.float32, 6, None, dict(block_q=4, block_kv=8, num_kv_splits=2)),
+    ("prefill", jnp.float32, 6, None, dict(block_q=4, block_kv=16, num_kv_splits=2)),
     ("mixed_mid_page", jnp.float32, 7, 5.0, dict(block_kv=16)),
     ("mixed_mid_page", jnp.bfloat16, None, None, dict(block_q=3, num_kv_splits=3)),
     ("mixed_gqa4_page16", jnp.float32, None, 5.0, dict(block_q=2, block_kv=32)),
