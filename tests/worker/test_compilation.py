@@ -131,6 +131,31 @@ def test_used_compiles_only_the_programs_its_steps_run(model, reference, tmp_pat
     assert store.num_compiled == 2
 
 
+def test_used_runs_a_step_past_the_fine_buckets_in_its_own_bucket(model, tmp_path, monkeypatch):
+    """ "used" compiles nothing in the background: a decode after a 40-token prompt (its
+    prefill in the 48-token bucket) compiles its own bucket rather than running padded into
+    48, which it then did for the rest of the request (on an H200 a 64-request decode ran in
+    the 2048-token bucket). Decodes up to the first fine bucket (16) may still take a larger
+    ready one. The tokens equal those of an engine prefilling in 16-token chunks."""
+    monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "programs"))
+    prompt = [[3 + (5 * j) % 90 for j in range(40)]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm = xlm.LLM(model=model, startup_programs="used", **{**ENGINE, "max_num_batched_tokens": 64})
+    runner = _runner(llm)
+    choose, buckets = runner.readiness.ready_bucket, []
+
+    def spy(num_tokens: int, real_rows: int) -> int:
+        buckets.append((runner.buckets.token_bucket(num_tokens), choose(num_tokens, real_rows)))
+        return buckets[-1][1]
+
+    monkeypatch.setattr(runner.readiness, "ready_bucket", spy)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert buckets[0] == (48, 48) and len(buckets) == 5
+    assert all(exact == 1 and chosen <= 16 for exact, chosen in buckets[1:]), buckets
+    chunked = xlm.LLM(model=model, startup_programs="used", **ENGINE)
+    assert out == chunked.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_largest_first_serves_while_background_compiles(model, reference, tmp_path, monkeypatch):
     monkeypatch.setenv("XLM_COMPILATION_CACHE_DIR", str(tmp_path / "programs"))
     llm = xlm.LLM(model=model, startup_programs="largest", **ENGINE)

@@ -99,8 +99,13 @@ class Buckets:
         any step, and the first fine one (FINE_BUCKETS_FROM), which holds a short prompt's
         prefill and the decodes of as many requests; such a step padded into the largest
         instead costs ~100x more on a CPU (docs/engine.md, "Start-up")."""
-        first = self.token_bucket(min(FINE_BUCKETS_FROM, self.token_buckets[-1]))
-        return sorted({first, self.token_buckets[-1]})
+        return sorted({self.first_fine_bucket, self.token_buckets[-1]})
+
+    @property
+    def first_fine_bucket(self) -> int:
+        """The bucket of a FINE_BUCKETS_FROM-token step: below it, a step is a few decodes,
+        whose time hardly depends on its padding."""
+        return self.token_bucket(min(FINE_BUCKETS_FROM, self.token_buckets[-1]))
 
     def rows_for_tokens(self, num_tokens_padded: int) -> int:
         """Request rows of a model step of this token bucket."""

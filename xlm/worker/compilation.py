@@ -514,10 +514,19 @@ class BucketReadiness:
         store = self.store
         if store.all_ready:
             return exact
+        # "used" compiles nothing in the background, so a step padded into a larger ready
+        # bucket would leave its own never ready and every later step of its size padded
+        # too (on an H200, a 64-request decode ran in the 2048-token bucket: 64 ms a step).
+        # There only a step of the smallest buckets takes a larger ready one, up to the first
+        # fine bucket; any other compiles its own now.
+        largest = self.buckets.token_buckets[-1]
+        if self.startup_programs == "used":
+            largest = max(exact, self.buckets.first_fine_bucket)
         ready = [
             b
             for b in self.buckets.token_buckets
-            if b >= exact and all(store.is_ready(k) for k in self.step_keys(b, real_rows))
+            if exact <= b <= largest
+            and all(store.is_ready(k) for k in self.step_keys(b, real_rows))
         ]
         if ready and ready[0] != exact:
             store.prefer(self.bucket_keys(exact))
