@@ -238,6 +238,44 @@ def phase_xlm(args, w) -> None:
         compilations_timed=compiles,
     )
 
+    def anatomy(count: int, length: int) -> None:
+        """Where a decode step's time goes: each step's model program, and its model and
+        sampler programs together, blocked on (so nothing overlaps: this run's steps are
+        slower than the measured ones), against the whole step."""
+        import jax
+
+        runner = engine.engine_core.engine_core.executor.worker.model_runner
+        spent: dict[str, list[float]] = {"model": [], "model_and_sampler": []}
+
+        def blocking(fn, name):
+            def call(*a):
+                start = time.perf_counter()
+                out = jax.block_until_ready(fn(*a))
+                spent[name].append(time.perf_counter() - start)
+                return out
+
+            return call
+
+        runner._run_model = blocking(runner._run_model, "model")
+        runner._run = blocking(runner._run, "model_and_sampler")
+        try:
+            elapsed = timed(lambda: generate(prompts(count, length, vocab, next(seed)), 33))
+        finally:
+            del runner._run_model, runner._run  # the class's methods again
+        decode = {k: statistics.median(v[-16:]) for k, v in spent.items()}  # decode steps
+        emit(
+            args.out,
+            "xlm",
+            what="anatomy",
+            requests=count,
+            steps=len(spent["model"]),
+            step_s=elapsed / len(spent["model"]),
+            model_s=decode["model"],
+            model_and_sampler_s=decode["model_and_sampler"],
+        )
+
+    anatomy(1, w["decode_prompt"])
+
     def concurrent(count: int) -> None:
         first, full, compiles = measure("batch", count, w["batch_prompt"], w["batch_tokens"])
         emit(
@@ -269,6 +307,7 @@ def phase_xlm(args, w) -> None:
     # its own decode bucket, so it comes last.
     smaller, *larger = w["batches"]
     concurrent(smaller)
+    anatomy(smaller, w["batch_prompt"])
     ttft()
     for count in larger:
         concurrent(count)
@@ -310,6 +349,16 @@ def phase_torch(args, w) -> None:
         )
         assert out.shape[1] == ids.shape[1] + tokens
         sync()
+
+    def copy_bandwidth() -> float:
+        """The copy bandwidth as torch measures it (a device-to-device copy_), beside jax's."""
+        x = torch.empty(w["copy_bytes"] // 2, dtype=torch.bfloat16, device=device)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        sync()
+        return 2 * x.nbytes / min(timed(lambda: (y.copy_(x), sync())) for _ in range(10))
+
+    emit(args.out, "torch", what="copy_bandwidth", bytes_per_s=copy_bandwidth())
 
     seed = iter(range(1000))
 

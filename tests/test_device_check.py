@@ -1,0 +1,42 @@
+"""The GPU machine's prepared script (benchmarks/gpu/device_check.sh) in its CPU dry run, so
+that it cannot rot between the rare runs on a GPU: every phase runs to the end on a small
+llama of Llama-3.1-8B's vocabulary, and its figures are well-formed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_device_check_dry_run_runs_every_phase(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": sys.executable}
+    subprocess.run(
+        ["bash", "benchmarks/gpu/device_check.sh", str(tmp_path), "tiny"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    records = [json.loads(line) for line in (tmp_path / "device_check.jsonl").open()]
+    status = {r["phase"]: r["rc"] for r in records if "rc" in r}
+    logs = {p: (tmp_path / f"{p}.log").read_text()[-2000:] for p in status if status[p]}
+    assert status == dict.fromkeys(["env", "bandwidth", "xlm", "torch", "kernel"], 0), logs
+    xlm = {
+        (r["what"], r.get("requests")): r for r in records if r["phase"] == "xlm" and "rc" not in r
+    }
+    # Timed runs compile nothing: each workload's warm-up made its programs ready.
+    timed = [r for r in xlm.values() if "compilations_timed" in r]
+    assert len(timed) == 4 and all(r["compilations_timed"] == 0 for r in timed)
+    assert {("concurrent", 4), ("concurrent", 8), ("anatomy", 1), ("anatomy", 4)} <= set(xlm)
+    assert all(r["tok_per_s"] > 0 for r in records if "tok_per_s" in r)
+    torch = {r["what"] for r in records if r["phase"] == "torch" and "rc" not in r}
+    assert torch == {"copy_bandwidth", "one_request_decode", "concurrent", "ttft"}
+    # The Pallas GPU kernel (interpret mode here) agrees with the plain-jnp reference.
+    (diff,) = [r["value"] for r in records if r.get("what") == "max_abs_difference"]
+    assert diff < 2e-2
