@@ -4,8 +4,11 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from xlm import envs
+from xlm.jax_version import check_jax_version
 
 __version__ = "0.1.0"
+
+check_jax_version()  # a clear message for an unsupported jax, before anything imports it
 
 # xlm reads configs, tokenizers and chat templates through transformers, which need no
 # PyTorch: its advisory warnings are off unless set, before anything imports it.

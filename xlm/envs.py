@@ -64,6 +64,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "XLM_TARGET_PLATFORM": lambda: os.environ.get("XLM_TARGET_PLATFORM") or None,
     # Turn tqdm progress bars off everywhere.
     "XLM_DISABLE_PROGRESS_BARS": _get_bool("XLM_DISABLE_PROGRESS_BARS", False),
+    # 1: import xlm with a jax outside the supported range (xlm.jax_version).
+    "XLM_SKIP_JAX_VERSION_CHECK": _get_bool("XLM_SKIP_JAX_VERSION_CHECK", False),
     # Use xlm's native CPU kernels (built with the system C++ compiler on first use);
     # 0 keeps every op on its plain-jnp path.
     "XLM_CPU_KERNELS": _get_bool("XLM_CPU_KERNELS", True),

@@ -14,6 +14,7 @@ import jax
 from xlm import platforms
 from xlm.entrypoints import collect_env as module
 from xlm.entrypoints.collect_env import PACKAGES, add_parser, collect_env
+from xlm.jax_version import SUPPORTED_TEXT
 from xlm.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
 
 
@@ -29,6 +30,8 @@ def test_the_report_agrees_with_python_metadata_and_jax():
     assert set(info["packages"]) == set(PACKAGES)
     assert info["packages"]["jax"] == metadata.version("jax") == jax.__version__
     assert info["packages"]["numpy"] == metadata.version("numpy")
+    assert info["packages"]["libtpu"] == metadata.version("libtpu")  # the test extra's
+    assert info["supported_jax"] == SUPPORTED_TEXT
     for group in (PLATFORM_PLUGINS_GROUP, GENERAL_PLUGINS_GROUP):
         names = sorted(ep["name"] for ep in info["plugins"][group])
         assert names == sorted(ep.name for ep in metadata.entry_points(group=group))
@@ -65,6 +68,7 @@ def test_the_command_prints_json_or_text(capsys):
     assert info["packages"]["jax"] == jax.__version__ and len(info["mesh_devices"]) == 1
     text = _cli([], capsys)
     assert f"Python: {sys.version.split()[0]}" in text
-    assert f"{'jax':>14}: {jax.__version__}" in text
+    assert f"{'jax':>17}: {jax.__version__}" in text
+    assert f"Supported jax: {SUPPORTED_TEXT}" in text
     assert f"Platform: {type(platforms.current_platform).__name__}" in text
     assert "Mesh: mesh (data=1" in text

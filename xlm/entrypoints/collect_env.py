@@ -12,12 +12,17 @@ from typing import Any
 from xlm import platforms
 from xlm.config import ParallelConfig
 from xlm.entrypoints import console
+from xlm.jax_version import SUPPORTED_TEXT
 from xlm.plugins import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
 
 PACKAGES = (
     "xlm",
     "jax",
     "jaxlib",
+    # The accelerator plugins (the extras cuda, cuda12 and tpu install one).
+    "jax-cuda13-plugin",
+    "jax-cuda12-plugin",
+    "libtpu",
     "flax",
     "numpy",
     "transformers",
@@ -44,6 +49,7 @@ def collect_env(tensor_parallel_size: int | None = None) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "os": py_platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
+        "supported_jax": SUPPORTED_TEXT,
     }
     plugins: dict[str, list[dict[str, str | None]]] = {}
     for group in (PLATFORM_PLUGINS_GROUP, GENERAL_PLUGINS_GROUP):
@@ -77,7 +83,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     console.out(f"Python: {info['python']}  ({info['os']})")
     for name, version in info["packages"].items():
-        console.out(f"{name:>14}: {version or 'not installed'}")
+        console.out(f"{name:>17}: {version or 'not installed'}")
+    console.out(f"Supported jax: {info['supported_jax']}")
     console.out(f"Platform: {info.get('platform', info.get('platform_error'))}")
     for device in info.get("devices", []):
         console.out(f"  device {device}")
