@@ -365,7 +365,7 @@ def phase_torch(args, w) -> None:
     def measure(count: int, length: int, tokens: int) -> tuple[float, float]:
         generate(prompts(count, length, vocab, next(seed)), min(tokens, 4))
         firsts, fulls = [], []
-        for _ in range(w["repeats"] if count == 1 else w["peer_repeats"]):
+        for _ in range(w["peer_repeats"]):
             firsts.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), 1)))
             fulls.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), tokens)))
         return statistics.median(firsts), statistics.median(fulls)
