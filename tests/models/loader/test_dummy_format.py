@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from xlm.models.loader.dummy_format import dummy_value
+from xlm.models.loader.dummy_format import dummy_value, dummy_values
 
 
 def test_values_are_deterministic_per_path_and_seed():
@@ -44,3 +44,15 @@ def test_matrices_have_unit_variance_times_fan_in(path, shape, fan_in):
     assert np.abs(value).max() <= bound * (1 + 1e-6)
     assert abs(value.std() * math.sqrt(fan_in) - 1) < 0.05
     assert abs(value.mean()) * math.sqrt(fan_in) < 0.05
+
+
+def test_values_drawn_on_threads_come_in_order_and_equal_one_by_one(monkeypatch):
+    """dummy_values (load_format="dummy" draws on a thread per core) yields each
+    parameter's dummy_value in the order asked, also with more parameters than threads."""
+    monkeypatch.setattr("os.cpu_count", lambda: 3)
+    params = [(f"model.layers.{i}.mlp.down_proj.kernel", (16 + i, 8)) for i in range(10)]
+    params.append(("model.norm.weight", (8,)))
+    got = list(dummy_values(params, seed=4))
+    assert [p for p, _ in got] == [p for p, _ in params]
+    for (path, shape), (_, value) in zip(params, got):
+        np.testing.assert_array_equal(value, dummy_value(path, shape, seed=4))

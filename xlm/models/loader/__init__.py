@@ -33,7 +33,7 @@ from xlm.models.loader.compressed_tensors import (
     quantization_config,
     resolve_quantization,
 )
-from xlm.models.loader.dummy_format import dummy_value
+from xlm.models.loader.dummy_format import dummy_values
 from xlm.models.loader.gguf import iter_gguf_tensors
 from xlm.models.loader.gguf_config import cached_gguf_config
 from xlm.models.loader.gguf_quants import QuantizedWeight
@@ -292,13 +292,14 @@ def load_dummy_weights(
     graphdef, flat, variables = _split(model)
     placer = WeightPlacer(variables, dtype, mesh)
     empty = set(lora_paths(variables))
-    for path in _progress(variables, len(variables), "Dummy weights"):
-        if path in empty:  # adapter slots start empty
-            placer.place_zeros(path)
-            continue
-        if is_scale(variables[path]):  # made as its kernel is quantized
-            continue
-        placer.place(path, path, None, dummy_value(path, placer.shapes[path], seed))
+    for path in empty:  # adapter slots start empty
+        placer.place_zeros(path)
+    drawn = [  # scales are made as their kernels are quantized
+        (p, placer.shapes[p]) for p in variables if p not in empty and not is_scale(variables[p])
+    ]
+    values = dummy_values(drawn, seed)
+    for path, value in _progress(values, len(drawn), "Dummy weights"):
+        placer.place(path, path, None, value)
     return _merge(graphdef, flat, placer.placed)
 
 

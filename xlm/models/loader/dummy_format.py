@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import zlib
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -37,3 +41,28 @@ def dummy_value(path: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     out = np.resize(window, math.prod(shape)).reshape(shape)
     out *= np.float32(fan_in**-0.5)
     return out
+
+
+def dummy_values(
+    params: Iterable[tuple[str, tuple[int, ...]]], seed: int
+) -> Iterator[tuple[str, np.ndarray]]:
+    """`dummy_value` of each (path, shape), in order, drawn on a thread per core a few
+    parameters ahead (numpy fills without the GIL): one thread took 21.5 s to draw an 8B
+    model's 32 GB of float32 on an H200's host. At most one value per thread waits."""
+    workers = os.cpu_count() or 1
+    _pool(seed)  # drawn once, before the threads share it
+    params = iter(params)
+    with ThreadPoolExecutor(workers, thread_name_prefix="xlm-dummy") as pool:
+        pending: deque = deque()
+
+        def submit() -> None:
+            item = next(params, None)
+            if item is not None:
+                pending.append((item[0], pool.submit(dummy_value, *item, seed)))
+
+        for _ in range(workers):
+            submit()
+        while pending:
+            path, value = pending.popleft()
+            submit()
+            yield path, value.result()
