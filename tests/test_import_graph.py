@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "xlm",
         "xlm.config",
         "xlm.envs",
+        "xlm.jax_version",
         "xlm.logger",
         "xlm.sampling_params",
         "xlm.pooling_params",

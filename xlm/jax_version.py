@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-from xlm import envs
+import xlm.envs as envs  # not `from xlm import`: the root imports this module
 
 SUPPORTED = ((0, 10), (0, 12))  # [lowest, first unsupported), by (major, minor)
 SUPPORTED_TEXT = "jax>=0.10,<0.12"
