@@ -39,6 +39,15 @@ MOSAIC_GPU_CASES = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+    """The interpreter's traced and compiled programs are many and large: released after
+    this module so that the worker process running the rest of the suite does not keep
+    them (a worker ran out of memory late in one suite run)."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture
 def interpreter():
     """Mosaic GPU's interpreter keeps global state that a failed kernel leaves dirty."""
