@@ -43,7 +43,7 @@ MOSAIC_GPU_CASES = [
 def _drop_compiled_programs():
     """The interpreter's traced and compiled programs are many and large: released after
     this module so that the worker process running the rest of the suite does not keep
-    them (a worker ran out of memory late in one suite run)."""
+    them (a worker process died late in one suite run, cause not found; memory is one)."""
     yield
     jax.clear_caches()
 
