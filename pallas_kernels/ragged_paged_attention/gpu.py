@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .kv_quant import SCALE_BYTES, is_int8, scale_of
-from .reference import MASK_VALUE, token_metadata
+from .reference import MASK_VALUE, q_block_schedule, token_metadata
 
 _MIN_ROWS = 16  # smallest M for tl.dot
 # The smallest K of a 16-bit tl.dot (the P @ V product contracts over block_kv). On an H200
@@ -35,26 +35,6 @@ _PRECISION = lax.Precision.HIGHEST
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-def q_block_schedule(
-    query_start_loc: jax.Array, num_seqs: jax.Array, block_q: int, num_q_blocks: int
-) -> tuple[jax.Array, jax.Array]:
-    """For each query-block program: (request index, first row within the request).
-
-    Programs past the last real block get a start row of 2**30, i.e. no rows.
-    """
-    qsl = query_start_loc.astype(jnp.int32)
-    num_reqs = qsl.shape[0] - 1
-    n = jnp.reshape(num_seqs, (-1,))[0].astype(jnp.int32)
-    q_lens = jnp.where(jnp.arange(num_reqs) < n, qsl[1:] - qsl[:-1], 0)
-    blocks = (q_lens + block_q - 1) // block_q
-    ends = jnp.cumsum(blocks)
-    g = jnp.arange(num_q_blocks, dtype=jnp.int32)
-    req = jnp.minimum(jnp.searchsorted(ends, g, side="right"), num_reqs - 1).astype(jnp.int32)
-    first_row = (g - (ends[req] - blocks[req])) * block_q
-    first_row = jnp.where(g < ends[-1], first_row, 1 << 30).astype(jnp.int32)
-    return req, first_row
 
 
 def _kernel(
@@ -242,7 +222,7 @@ def ragged_paged_attention_gpu(
     rows = max(_MIN_ROWS, _next_pow2(block_q * group))
 
     num_q_blocks = pl.cdiv(num_tokens, block_q) + num_reqs
-    blk_req, blk_row = q_block_schedule(query_start_loc, num_seqs, block_q, num_q_blocks)
+    blk_req, blk_row, _, _ = q_block_schedule(query_start_loc, num_seqs, block_q, num_q_blocks)
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale,

@@ -39,10 +39,9 @@ from .mosaic_gpu_plan import (
     pack_queries,
     packed_rows,
     product_pairs,
-    q_block_schedule,
     split_parts,
 )
-from .reference import MASK_VALUE, token_metadata
+from .reference import MASK_VALUE, q_block_schedule, token_metadata
 
 
 def _transforms(dtype, minor: int) -> tuple:

@@ -81,25 +81,6 @@ def smem_bytes(c: Config) -> int:
     return max(loop, out)
 
 
-def q_block_schedule(
-    query_start_loc: jax.Array, num_seqs: jax.Array, block_q: int, num_q_blocks: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """For each query-block program: (request index, first row within the request); and per
-    request: (new tokens, index of its first block). Programs past the last real block get a
-    start row of 2**30, i.e. no rows."""
-    qsl = query_start_loc.astype(jnp.int32)
-    num_reqs = qsl.shape[0] - 1
-    n = jnp.reshape(num_seqs, (-1,))[0].astype(jnp.int32)
-    q_lens = jnp.where(jnp.arange(num_reqs) < n, qsl[1:] - qsl[:-1], 0)
-    blocks = (q_lens + block_q - 1) // block_q
-    ends = jnp.cumsum(blocks)
-    g = jnp.arange(num_q_blocks, dtype=jnp.int32)
-    req = jnp.minimum(jnp.searchsorted(ends, g, side="right"), num_reqs - 1).astype(jnp.int32)
-    first_row = (g - (ends[req] - blocks[req])) * block_q
-    first_row = jnp.where(g < ends[-1], first_row, 1 << 30).astype(jnp.int32)
-    return req, first_row, q_lens, (ends - blocks).astype(jnp.int32)
-
-
 def pack_queries(q, qsl, blk_req, blk_row, q_lens, c: Config, num_kv_heads: int):
     """[q_parts, num_q_blocks, Hkv, rows, D]: block g's rows for kv head h, row m being
     (token m // group, head h * group + m % group); zero past the block's tokens."""

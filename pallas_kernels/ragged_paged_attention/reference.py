@@ -89,3 +89,23 @@ def ragged_paged_attention_reference(
     out = jnp.einsum("tkgl,tlkd->tkgd", probs, v, precision=jax.lax.Precision.HIGHEST)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def q_block_schedule(
+    query_start_loc: jax.Array, num_seqs: jax.Array, block_q: int, num_q_blocks: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The GPU kernels' work split: each request's new tokens cut into blocks of `block_q`.
+    For each query-block program: (request index, first row within the request); and per
+    request: (new tokens, index of its first block). Programs past the last real block get a
+    start row of 2**30, i.e. no rows."""
+    qsl = query_start_loc.astype(jnp.int32)
+    num_reqs = qsl.shape[0] - 1
+    n = jnp.reshape(num_seqs, (-1,))[0].astype(jnp.int32)
+    q_lens = jnp.where(jnp.arange(num_reqs) < n, qsl[1:] - qsl[:-1], 0)
+    blocks = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(blocks)
+    g = jnp.arange(num_q_blocks, dtype=jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(ends, g, side="right"), num_reqs - 1).astype(jnp.int32)
+    first_row = (g - (ends[req] - blocks[req])) * block_q
+    first_row = jnp.where(g < ends[-1], first_row, 1 << 30).astype(jnp.int32)
+    return req, first_row, q_lens, (ends - blocks).astype(jnp.int32)
