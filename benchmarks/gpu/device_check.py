@@ -126,6 +126,21 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def warm_up(generate, count, length, tokens, vocab, seed) -> None:
+    """The workload once, short: what its timed runs compile is compiled here."""
+    generate(prompts(count, length, vocab, next(seed)), min(tokens, 4))
+
+
+def first_and_full(generate, count, length, tokens, vocab, seed, repeats) -> tuple[float, float]:
+    """Median seconds of `count` fresh prompts with 1 and with `tokens` new tokens (xlm and
+    the peer alike, each after warm_up of the same workload); `seed` yields prompt seeds."""
+    firsts, fulls = [], []
+    for _ in range(repeats):
+        firsts.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), 1)))
+        fulls.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), tokens)))
+    return statistics.median(firsts), statistics.median(fulls)
+
+
 # ------------------------------------------------------------------------------ phases
 
 
@@ -211,22 +226,14 @@ def phase_xlm(args, w) -> None:
 
     seed = iter(range(1000))
 
-    def measure(name: str, count: int, length: int, tokens: int) -> tuple[float, float, int]:
-        """Median seconds of `count` fresh prompts with 1 and with `tokens` new tokens,
-        after a warm-up of the same workload; compilations in the timed runs."""
-        generate(prompts(count, length, vocab, next(seed)), min(tokens, 4))
+    def measure(count: int, length: int, tokens: int) -> tuple[float, float, int]:
+        """first_and_full, and the compilations in its timed runs."""
+        warm_up(generate, count, length, tokens, vocab, seed)
         compiled = engine.num_compilations
-        firsts, fulls = [], []
-        for _ in range(w["repeats"]):
-            firsts.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), 1)))
-            fulls.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), tokens)))
-        return (
-            statistics.median(firsts),
-            statistics.median(fulls),
-            (engine.num_compilations - compiled),
-        )
+        first, full = first_and_full(generate, count, length, tokens, vocab, seed, w["repeats"])
+        return first, full, engine.num_compilations - compiled
 
-    first, full, compiles = measure("decode", 1, w["decode_prompt"], w["decode_tokens"] + 1)
+    first, full, compiles = measure(1, w["decode_prompt"], w["decode_tokens"] + 1)
     per_token = (full - first) / w["decode_tokens"]
     emit(
         args.out,
@@ -279,7 +286,7 @@ def phase_xlm(args, w) -> None:
     anatomy(1, w["decode_prompt"])
 
     def concurrent(count: int) -> None:
-        first, full, compiles = measure("batch", count, w["batch_prompt"], w["batch_tokens"])
+        first, full, compiles = measure(count, w["batch_prompt"], w["batch_tokens"])
         emit(
             args.out,
             "xlm",
@@ -295,7 +302,7 @@ def phase_xlm(args, w) -> None:
         )
 
     def ttft() -> None:
-        first, _, compiles = measure("ttft", 1, w["ttft_prompt"], 2)
+        first, _, compiles = measure(1, w["ttft_prompt"], 2)
         emit(
             args.out,
             "xlm",
@@ -365,12 +372,8 @@ def phase_torch(args, w) -> None:
     seed = iter(range(1000))
 
     def measure(count: int, length: int, tokens: int) -> tuple[float, float]:
-        generate(prompts(count, length, vocab, next(seed)), min(tokens, 4))
-        firsts, fulls = [], []
-        for _ in range(w["peer_repeats"]):
-            firsts.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), 1)))
-            fulls.append(timed(lambda: generate(prompts(count, length, vocab, next(seed)), tokens)))
-        return statistics.median(firsts), statistics.median(fulls)
+        warm_up(generate, count, length, tokens, vocab, seed)
+        return first_and_full(generate, count, length, tokens, vocab, seed, w["peer_repeats"])
 
     first, full = measure(1, w["decode_prompt"], w["decode_tokens"] + 1)
     per_token = (full - first) / w["decode_tokens"]
