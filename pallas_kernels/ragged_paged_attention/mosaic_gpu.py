@@ -109,9 +109,12 @@ def _kernel(blk_req_ref, blk_row_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, kv_r
         return pl.run_scoped(scope, plgpu.ACC((ROWS, n_cols), jnp.float32))
 
     def main(q_smem, k_buf, v_buf, kv_ops, p_smem, q_bar, k_bar, v_bar):
+        # One barrier: jax 0.10 gives it shape (1,), jax 0.11 shape () (seen on an H200:
+        # `.at[0]` of it fails there).
+        q_bar = q_bar if q_bar.shape == () else q_bar.at[0]
         for i in range(c.q_parts):
             plgpu.copy_gmem_to_smem(
-                q_ref.at[i, g, kvh], q_smem.at[i, pl.ds(0, c.rows)], q_bar.at[0]
+                q_ref.at[i, g, kvh], q_smem.at[i, pl.ds(0, c.rows)], q_bar
             )
 
         def issue(t, slot):
@@ -180,7 +183,7 @@ def _kernel(blk_req_ref, blk_row_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, kv_r
         row = plgpu.Layout.WGMMA.reduce(1)
         m_i = layout(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row)
         l_i = layout(jnp.zeros((ROWS,), jnp.float32), row)
-        plgpu.barrier_wait(q_bar.at[0])
+        plgpu.barrier_wait(q_bar)
         return lax.fori_loop(0, n, body, (acc, m_i, l_i))
 
     buf_dtype = c.compute_dtype if c.direct else c.cache_dtype
