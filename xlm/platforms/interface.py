@@ -91,6 +91,11 @@ class Platform:
     def check_and_update_config(self, config: XlmConfig) -> None:
         """Adjust a config to this platform (block size, buckets, ...); raise if unsupported."""
 
+    def compiler_options(self) -> dict[str, Any]:
+        """XLA options the step programs compile with on this platform (`jax.jit`'s
+        compiler_options). None by default."""
+        return {}
+
     def data_parallel_env(self, rank: int, tp: int) -> dict[str, str]:
         """Environment variables that show a data-parallel rank's process only its own
         `tp` devices (set in that process before JAX starts). None here: the rank's engine

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xlm import platforms
 from xlm.distributed.mesh import replicated, replicated_shape
 from xlm.ops import token_slots
 from xlm.worker import pooler
@@ -80,13 +82,17 @@ class StepPrograms:
         self.sampler_config = sampler_lib.SamplerConfig()
         # Sampled tokens are padded to the largest sampler bucket: the next step reads them.
         self.max_rows = buckets.sampler_buckets[-1]
-        # Weakly bound, so that these jitted functions do not keep their runner alive.
-        self.model_fn = jax.jit(
+        # Weakly bound, so that these jitted functions do not keep their runner alive; with
+        # the XLA options of the platform they compile for (CUDA: graphs, xlm/platforms/cuda.py).
+        jit = functools.partial(
+            jax.jit, compiler_options=platforms.current_platform.compiler_options() or None
+        )
+        self.model_fn = jit(
             weakly_bound(self._model_step), static_argnums=(5,), donate_argnums=(1,)
         )
-        self.sample_fn = jax.jit(weakly_bound(self._sample_step), static_argnums=(2,))
-        self.prompt_logprobs_fn = jax.jit(weakly_bound(self._prompt_logprobs_step))
-        self.pool_fn = jax.jit(weakly_bound(self._pool_step), static_argnums=(2,))
+        self.sample_fn = jit(weakly_bound(self._sample_step), static_argnums=(2,))
+        self.prompt_logprobs_fn = jit(weakly_bound(self._prompt_logprobs_step))
+        self.pool_fn = jit(weakly_bound(self._pool_step), static_argnums=(2,))
 
     # ---- program bodies ----------------------------------------------------------------
     def _model_step(
