@@ -10,7 +10,9 @@ stopped by its time limit keeps what it wrote):
 - xlm: the engine on the shape with dummy bfloat16 weights: one-request decode (the
   difference of 129 and 1 generated tokens, per token), TTFT of a 2048-token prompt,
   output tok/s at 64 and 256 concurrent requests (512-token prompts, 128 new tokens), each
-  after a warm-up of the same workload, with the compilations counted in the timed runs.
+  after a warm-up of the same workload, with the compilations counted in the timed runs;
+  the anatomy of a decode step (its programs blocked on) and a profiler trace's GPU
+  kernel time by kernel, at 1 and 64 requests.
 - torch: the same shape and workloads through transformers + torch (eager, bfloat16,
   random weights) on the same device: the peer.
 - kernel: the Pallas GPU attention kernel against the plain-jnp reference on one layer's
@@ -23,6 +25,7 @@ llama of the same vocabulary with the workloads cut to a few requests and tokens
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -47,8 +50,21 @@ WORKLOADS = {
         max_model_len=4096,
         kernel_reqs=64,
         kernel_ctx=640,
+        kernel_sweep_reqs=(64, 256),
+        # Triton knobs: the defaults' neighbours (block_kv, kv splits, warps, stages).
+        kernel_sweep=[
+            dict(block_kv=64, num_kv_splits=1),
+            dict(block_kv=64, num_kv_splits=4),
+            dict(block_kv=128, num_kv_splits=1),
+            dict(block_kv=128, num_kv_splits=4),
+            dict(block_kv=32, num_kv_splits=4),
+            dict(block_kv=64, num_kv_splits=4, num_stages=3),
+            dict(block_kv=128, num_kv_splits=2, num_warps=8),
+            dict(block_kv=64, num_kv_splits=8),
+        ],
         copy_bytes=2 << 30,
         repeats=3,
+        batch_repeats=2,
         peer_repeats=1,
         kernel_repeats=20,
         token_buckets=[16, 64, 256, 2048],
@@ -63,8 +79,11 @@ WORKLOADS = {
         max_model_len=256,
         kernel_reqs=2,
         kernel_ctx=32,
+        kernel_sweep_reqs=(2,),
+        kernel_sweep=[dict(block_kv=16, num_kv_splits=2)],
         copy_bytes=8 << 20,
         repeats=1,
+        batch_repeats=1,
         peer_repeats=1,
         kernel_repeats=2,  # the kernels' interpreters are slow
         token_buckets=[16, 64, 2048],
@@ -182,22 +201,28 @@ def phase_bandwidth(args, w) -> None:
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((w["copy_bytes"] // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a + 1)
-    f(x).block_until_ready()
-    best = min(timed(lambda: f(x).block_until_ready()) for _ in range(10))
-    emit(
-        args.out,
-        "bandwidth",
-        bytes_moved=2 * x.nbytes,
-        seconds=best,
-        bytes_per_s=2 * x.nbytes / best,
-        how="jit(x + 1) over bfloat16, read + write, best of 10",
-    )
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jnp.ones((w["copy_bytes"] // jnp.dtype(dtype).itemsize,), dtype)
+        f = jax.jit(lambda a: a + 1)
+        f(x).block_until_ready()
+        best = min(timed(lambda f=f, x=x: f(x).block_until_ready()) for _ in range(10))
+        emit(
+            args.out,
+            "bandwidth",
+            bytes_moved=2 * x.nbytes,
+            seconds=best,
+            bytes_per_s=2 * x.nbytes / best,
+            how=f"jit(x + 1) over {jnp.dtype(dtype).name}, read + write, best of 10",
+        )
 
 
-def phase_xlm(args, w) -> None:
+def phase_xlm(args, w, decode_only: bool = False) -> None:
+    """The engine's figures; `decode_only` (phase "decode") stops after the one-request
+    decode, its anatomy and profile: the run under each XLA_FLAGS variant to compare."""
     import xlm
+
+    phase = "decode" if decode_only else "xlm"
+    flags = os.environ.get("XLA_FLAGS", "")
 
     path = model_dir(args.shape, args.out)
     with open(os.path.join(path, "config.json")) as f:
@@ -214,7 +239,13 @@ def phase_xlm(args, w) -> None:
         token_buckets=w["token_buckets"],
     )
     engine = llm.llm_engine
-    emit(args.out, "xlm", what="engine_ready", seconds=time.perf_counter() - started)
+    emit(
+        args.out,
+        phase,
+        what="engine_ready",
+        seconds=time.perf_counter() - started,
+        xla_flags=flags,
+    )
 
     def generate(ps: list[list[int]], tokens: int) -> list:
         params = xlm.SamplingParams(
@@ -230,14 +261,15 @@ def phase_xlm(args, w) -> None:
         """first_and_full, and the compilations in its timed runs."""
         warm_up(generate, count, length, tokens, vocab, seed)
         compiled = engine.num_compilations
-        first, full = first_and_full(generate, count, length, tokens, vocab, seed, w["repeats"])
+        repeats = w["repeats"] if count == 1 else w["batch_repeats"]
+        first, full = first_and_full(generate, count, length, tokens, vocab, seed, repeats)
         return first, full, engine.num_compilations - compiled
 
     first, full, compiles = measure(1, w["decode_prompt"], w["decode_tokens"] + 1)
     per_token = (full - first) / w["decode_tokens"]
     emit(
         args.out,
-        "xlm",
+        phase,
         what="one_request_decode",
         prompt=w["decode_prompt"],
         new_tokens=w["decode_tokens"],
@@ -247,49 +279,168 @@ def phase_xlm(args, w) -> None:
         compilations_timed=compiles,
     )
 
-    def anatomy(count: int, length: int) -> None:
-        """Where a decode step's time goes: each step's model program, and its model and
-        sampler programs together, blocked on (so nothing overlaps: this run's steps are
-        slower than the measured ones), against the whole step."""
+    runner = engine.engine_core.engine_core.executor.worker.model_runner
+
+    def decode_steps(count: int, run, block: bool = False) -> dict[str, float | int]:
+        """Run `run()` and time its steps in which all `count` requests decode one token
+        each (a 512-token prompt's prefill shares its first steps with the others' decode
+        tokens: those are not decode steps): the median launch-to-launch interval, and with
+        `block` the model program alone and with its sampler, each blocked on (nothing then
+        overlaps: the steps run slower than unblocked ones)."""
         import jax
 
-        runner = engine.engine_core.engine_core.executor.worker.model_runner
-        spent: dict[str, list[float]] = {"model": [], "model_and_sampler": []}
+        launches: list[tuple[float, bool]] = []
+        spent: dict[str, list[tuple[float, bool]]] = {"model": [], "model_and_sampler": []}
+        full = [False]
+
+        def launch(req_ids, num_scheduled, step):
+            full[0] = len(req_ids) == count and sum(num_scheduled) == count
+            launches.append((time.perf_counter(), full[0]))
+            return launch_fn(req_ids, num_scheduled, step)
 
         def blocking(fn, name):
             def call(*a):
                 start = time.perf_counter()
                 out = jax.block_until_ready(fn(*a))
-                spent[name].append(time.perf_counter() - start)
+                spent[name].append((time.perf_counter() - start, full[0]))
                 return out
 
             return call
 
-        runner._run_model = blocking(runner._run_model, "model")
-        runner._run = blocking(runner._run, "model_and_sampler")
+        launch_fn = runner._launch
+        runner._launch = launch
+        if block:
+            runner._run_model = blocking(runner._run_model, "model")
+            runner._run = blocking(runner._run, "model_and_sampler")
         try:
-            elapsed = timed(lambda: generate(prompts(count, length, vocab, next(seed)), 33))
+            run()
         finally:
-            del runner._run_model, runner._run  # the class's methods again
-        decode = {k: statistics.median(v[-16:]) for k, v in spent.items()}  # decode steps
+            for name in ("_launch", "_run_model", "_run"):  # the class's methods again
+                runner.__dict__.pop(name, None)
+        steps = [b[0] - a[0] for a, b in zip(launches, launches[1:]) if a[1] and b[1]]
+        out: dict[str, float | int] = {"decode_steps": len(steps)}
+        if steps:
+            out["decode_step_s"] = statistics.median(steps)
+        for name, times in spent.items():
+            decode = [t for t, full_step in times if full_step]
+            if decode:
+                out[f"{name}_s"] = statistics.median(decode)
+        return out
+
+    def anatomy(count: int, length: int) -> None:
+        """Where a decode step's time goes (decode_steps, blocked): enough new tokens that
+        every request decodes together for 32 steps after the last prefill."""
+        prefill_steps = -(-count * length // w["token_buckets"][-1])
+        tokens = prefill_steps + 33
         emit(
             args.out,
-            "xlm",
+            phase,
             what="anatomy",
             requests=count,
-            steps=len(spent["model"]),
-            step_s=elapsed / len(spent["model"]),
-            model_s=decode["model"],
-            model_and_sampler_s=decode["model_and_sampler"],
+            **decode_steps(
+                count,
+                lambda: generate(prompts(count, length, vocab, next(seed)), tokens),
+                block=True,
+            ),
+        )
+
+    def profile(count: int, length: int) -> None:
+        """The device's own account of the decode steps: a profiler trace of the workload,
+        parsed here (jax.profiler.ProfileData), its GPU kernels' time summed by name per
+        stream line and the XLA modules' time, against the wall time of the run."""
+        import collections
+        import glob
+        import tempfile
+
+        import jax
+        from jax.profiler import ProfileData
+
+        trace_dir = tempfile.mkdtemp()
+        jax.profiler.start_trace(trace_dir)
+        try:
+            elapsed = timed(lambda: generate(prompts(count, length, vocab, next(seed)), 17))
+        finally:
+            jax.profiler.stop_trace()
+        lines: dict[str, float] = collections.Counter()
+        kernels: dict[str, float] = collections.Counter()
+        calls: dict[str, int] = collections.Counter()
+        modules: dict[str, float] = collections.Counter()
+        host: dict[str, float] = collections.Counter()
+        host_calls: dict[str, int] = collections.Counter()
+        gaps = collections.Counter()  # idle time between kernels of the busiest stream
+        for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+            for plane in ProfileData.from_file(path).planes:
+                if plane.name.startswith("/host"):
+                    for line in plane.lines:
+                        for event in line.events:
+                            name = event.name[:100]
+                            if name.startswith("$"):  # Python frames: the runner's own
+                                continue
+                            host[name] += event.duration_ns / 1e9
+                            host_calls[name] += 1
+                    continue
+                if not plane.name.startswith("/device:GPU"):
+                    continue
+                busiest = None
+                for line in plane.lines:
+                    events = sorted(line.events, key=lambda e: e.start_ns)
+                    for event in events:
+                        seconds = event.duration_ns / 1e9
+                        lines[line.name] += seconds
+                        if line.name.startswith("Stream"):
+                            kernels[event.name[:120]] += seconds
+                            calls[event.name[:120]] += 1
+                        elif "Module" in line.name:
+                            modules[event.name[:120]] += seconds
+                    if line.name.startswith("Stream") and (
+                        busiest is None or len(events) > len(busiest)
+                    ):
+                        busiest = events
+                for a, b in zip(busiest or [], (busiest or [])[1:]):
+                    idle = (b.start_ns - a.end_ns) / 1e9
+                    kind = (
+                        "<5us"
+                        if idle < 5e-6
+                        else "<50us"
+                        if idle < 5e-5
+                        else ("<1ms" if idle < 1e-3 else ">=1ms")
+                    )
+                    gaps[kind + "_s"] += max(idle, 0.0)
+                    gaps[kind + "_n"] += 1
+        emit(
+            args.out,
+            phase,
+            what="profile",
+            requests=count,
+            new_tokens=17,
+            wall_s=elapsed,
+            lines_s=dict(lines),
+            modules_s=dict(modules.most_common(12)),
+            kernels_s={k: [v, calls[k]] for k, v in kernels.most_common(30)},
+            busiest_stream_gaps=dict(gaps),
+            host_s={k: [v, host_calls[k]] for k, v in host.most_common(40)},
         )
 
     anatomy(1, w["decode_prompt"])
+    try:
+        profile(1, w["decode_prompt"])
+    except Exception as e:  # the trace is for reading; its failure must not cost the rest
+        emit(args.out, phase, what="profile", error=f"{type(e).__name__}: {e}"[:2000])
+    if decode_only:
+        return
 
     def concurrent(count: int) -> None:
-        first, full, compiles = measure(count, w["batch_prompt"], w["batch_tokens"])
+        steps: dict[str, float | int] = {}
+
+        def timed_runs():
+            nonlocal first, full, compiles
+            first, full, compiles = measure(count, w["batch_prompt"], w["batch_tokens"])
+
+        first = full = compiles = 0
+        steps = decode_steps(count, timed_runs)
         emit(
             args.out,
-            "xlm",
+            phase,
             what="concurrent",
             requests=count,
             prompt=w["batch_prompt"],
@@ -297,7 +448,10 @@ def phase_xlm(args, w) -> None:
             seconds=full,
             output_tok_per_s=count * w["batch_tokens"] / full,
             prefill_and_first_token_s=first,
-            decode_step_s=(full - first) / (w["batch_tokens"] - 1),
+            # Steps in which all the requests decode (not (full - first) / tokens: the
+            # prefill's last steps carry the first requests' decode tokens).
+            decode_step_s=steps.get("decode_step_s"),
+            decode_steps=steps["decode_steps"],
             compilations_timed=compiles,
         )
 
@@ -305,7 +459,7 @@ def phase_xlm(args, w) -> None:
         first, _, compiles = measure(1, w["ttft_prompt"], 2)
         emit(
             args.out,
-            "xlm",
+            phase,
             what="ttft",
             prompt=w["ttft_prompt"],
             seconds=first,
@@ -317,12 +471,17 @@ def phase_xlm(args, w) -> None:
     smaller, *larger = w["batches"]
     concurrent(smaller)
     anatomy(smaller, w["batch_prompt"])
+    try:
+        profile(smaller, w["batch_prompt"])
+    except Exception as e:
+        emit(args.out, phase, what="profile", error=f"{type(e).__name__}: {e}"[:2000])
     ttft()
     for count in larger:
         concurrent(count)
+        anatomy(count, w["batch_prompt"])
     emit(
         args.out,
-        "xlm",
+        phase,
         what="done",
         compilations_total=engine.num_compilations,
         seconds_total=time.perf_counter() - started,
@@ -386,6 +545,8 @@ def phase_torch(args, w) -> None:
         first_token_s=first,
         transformers=transformers.__version__,
     )
+    first, _ = measure(1, w["ttft_prompt"], 2)
+    emit(args.out, "torch", what="ttft", prompt=w["ttft_prompt"], seconds=first)
     for count in w["batches"]:
         first, full = measure(count, w["batch_prompt"], w["batch_tokens"])
         emit(
@@ -398,11 +559,14 @@ def phase_torch(args, w) -> None:
             prefill_and_first_token_s=first,
             decode_step_s=(full - first) / (w["batch_tokens"] - 1),
         )
-    first, _ = measure(1, w["ttft_prompt"], 2)
-    emit(args.out, "torch", what="ttft", prompt=w["ttft_prompt"], seconds=first)
 
 
 def phase_kernel(args, w) -> None:
+    """Each attention kernel on one layer's decode batch (kernel_reqs requests of kernel_ctx
+    tokens), then the Triton kernel's knobs swept at each of kernel_sweep_reqs: the figures
+    its default_knobs are chosen from."""
+    import traceback
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -411,6 +575,7 @@ def phase_kernel(args, w) -> None:
     from pallas_kernels.ragged_paged_attention import (
         kv_cache_shape,
         ragged_paged_attention_gpu,
+        ragged_paged_attention_mosaic_gpu,
         ragged_paged_attention_reference,
     )
 
@@ -423,51 +588,40 @@ def phase_kernel(args, w) -> None:
         config["num_key_value_heads"],
         config["head_dim"],
     )
-    reqs, ctx, block = w["kernel_reqs"], w["kernel_ctx"], 16
+    ctx, block = w["kernel_ctx"], 16
     per_req = -(-ctx // block)
-    rng = np.random.default_rng(0)
-    cache = jnp.asarray(
-        rng.standard_normal(kv_cache_shape(reqs * per_req + 1, block, kv_heads, dim)),
-        jnp.bfloat16,
-    )
-    q = jnp.asarray(rng.standard_normal((reqs, heads, dim)), jnp.bfloat16)
-    tables = jnp.asarray(1 + np.arange(reqs * per_req).reshape(reqs, per_req), jnp.int32)
-    lens = jnp.full((reqs,), ctx, jnp.int32)
-    starts = jnp.arange(reqs + 1, dtype=jnp.int32)
-    count = jnp.asarray([reqs], jnp.int32)
-    args_ = (q, cache, tables, lens, starts, count)
     interpret = jax.default_backend() != "gpu"
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_mosaic_gpu
-
     scale = dim**-0.5
-    kernels = {
-        "reference_jnp": lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale),
-        "pallas_triton": lambda *a: ragged_paged_attention_gpu(
-            *a, sm_scale=scale, interpret=interpret
-        ),
-        "pallas_mosaic_gpu": lambda *a: ragged_paged_attention_mosaic_gpu(
-            *a, sm_scale=scale, interpret=interpret
-        ),
-    }
-    results = {}
-    for name, kernel in kernels.items():
+    rng = np.random.default_rng(0)
+
+    def batch(reqs: int) -> tuple:
+        cache = jnp.asarray(
+            rng.standard_normal(kv_cache_shape(reqs * per_req + 1, block, kv_heads, dim)),
+            jnp.bfloat16,
+        )
+        q = jnp.asarray(rng.standard_normal((reqs, heads, dim)), jnp.bfloat16)
+        tables = jnp.asarray(1 + np.arange(reqs * per_req).reshape(reqs, per_req), jnp.int32)
+        lens = jnp.full((reqs,), ctx, jnp.int32)
+        starts = jnp.arange(reqs + 1, dtype=jnp.int32)
+        return q, cache, tables, lens, starts, jnp.asarray([reqs], jnp.int32)
+
+    def run(name: str, kernel, args_, reference=None, **fields):
+        """Time `kernel` (best of kernel_repeats) and emit it with its difference to the
+        reference's output; returns the output (None when it failed)."""
         fn = jax.jit(kernel)
         try:
-            results[name] = fn(*args_).block_until_ready()
+            out = fn(*args_).block_until_ready()
         except Exception as e:  # one kernel failing must not hide the others' figures
-            emit(args.out, "kernel", kernel=name, error=f"{type(e).__name__}: {e}"[:2000])
-            continue
+            traceback.print_exc()
+            emit(args.out, "kernel", kernel=name, error=f"{type(e).__name__}: {e}"[:2000], **fields)
+            return None
         best = min(
             timed(lambda f=fn: f(*args_).block_until_ready()) for _ in range(w["kernel_repeats"])
         )
+        reqs = args_[0].shape[0]
         kv_bytes = 2 * reqs * ctx * kv_heads * dim * 2
-        diff = float(
-            jnp.max(
-                jnp.abs(
-                    results[name].astype(jnp.float32) - results["reference_jnp"].astype(jnp.float32)
-                )
-            )
-        )
+        ref = out if reference is None else reference
+        diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
         emit(
             args.out,
             "kernel",
@@ -477,13 +631,49 @@ def phase_kernel(args, w) -> None:
             seconds=best,
             kv_bytes_per_s=kv_bytes / best,
             max_abs_difference_to_reference=diff,
+            **fields,
         )
+        return out
+
+    args_ = batch(w["kernel_reqs"])
+    reference = run(
+        "reference_jnp",
+        lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale),
+        args_,
+    )
+    run(
+        "pallas_triton",
+        lambda *a: ragged_paged_attention_gpu(*a, sm_scale=scale, interpret=interpret),
+        args_,
+        reference,
+    )
+    run(
+        "pallas_mosaic_gpu",
+        lambda *a: ragged_paged_attention_mosaic_gpu(*a, sm_scale=scale, interpret=interpret),
+        args_,
+        reference,
+    )
+    for reqs in w["kernel_sweep_reqs"]:
+        args_ = batch(reqs)
+        reference = None
+        for knobs in w["kernel_sweep"]:
+            out = run(
+                "pallas_triton",
+                functools.partial(
+                    ragged_paged_attention_gpu, sm_scale=scale, interpret=interpret, **knobs
+                ),
+                args_,
+                reference,
+                knobs=knobs,
+            )
+            reference = out if reference is None else reference
 
 
 PHASES = {
     "env": phase_env,
     "bandwidth": phase_bandwidth,
     "xlm": phase_xlm,
+    "decode": lambda args, w: phase_xlm(args, w, decode_only=True),
     "torch": phase_torch,
     "kernel": phase_kernel,
 }
