@@ -192,7 +192,8 @@ def decode_estimate(
     kv_tokens: int,
 ) -> dict[str, Any]:
     """Roofline of one decode step of `batch` requests on one chip: each program takes
-    max(flops / peak, bytes / bandwidth). The attention kernel is a custom call whose
+    max(flops / peak, bytes / bandwidth), the bandwidth measured on such a chip where it
+    was (Chip.bytes_per_s). The attention kernel is a custom call whose
     KV reads the compiler does not count, so they are added: every request at the longest
     context the KV cache holds for `batch` requests (at most max_model_len)."""
     chip = target.chip
@@ -203,10 +204,10 @@ def decode_estimate(
         // config.parallel_config.tensor_parallel_size
     )
     kv_read = batch * context * kv_token_bytes
-    seconds = kv_read / chip.hbm_bytes_per_s
+    seconds = kv_read / chip.bytes_per_s
     for key in decode_keys(worker, batch):
         p = programs[key]
-        seconds += max(p.flops / chip.peak_bf16_flops, p.bytes_accessed / chip.hbm_bytes_per_s)
+        seconds += max(p.flops / chip.peak_bf16_flops, p.bytes_accessed / chip.bytes_per_s)
     return {
         "batch": batch,
         "context_tokens": context,
@@ -265,6 +266,8 @@ def _header(config: XlmConfig, target: CompileTarget) -> dict[str, Any]:
             "peak_bf16_flops": target.chip.peak_bf16_flops,
             "hbm_bytes_per_s": target.chip.hbm_bytes_per_s,
             "source": target.chip.source,
+            "copy_bytes_per_s": target.chip.copy_bytes_per_s,
+            "copy_source": target.chip.copy_source or None,
         },
         "memory_utilization": config.cache_config.memory_utilization,
         "max_model_len": sched.max_model_len,

@@ -120,12 +120,10 @@ def test_tiny_llama_fits_v5e_2x2_at_tp4_field_by_field(tmp_path, capsys):
     # tiny model's, so the estimate rightly says it does not.)
     chip, by_name = CHIPS["v5e"], {p["name"]: p for p in r["programs"]}
     for batch, key in ((1, "batch_1"), (4, "batch_max")):
-        step = est[key]["kv_read_bytes"] / chip.hbm_bytes_per_s
+        step = est[key]["kv_read_bytes"] / chip.bytes_per_s
         for name in (f"model[{batch}]", f"sampler[{batch}]"):
             p = by_name[name]
-            step += max(
-                p["flops"] / chip.peak_bf16_flops, p["bytes_accessed"] / chip.hbm_bytes_per_s
-            )
+            step += max(p["flops"] / chip.peak_bf16_flops, p["bytes_accessed"] / chip.bytes_per_s)
         assert est[key]["step_ms"] == pytest.approx(step * 1e3, rel=1e-9)
         assert est[f"{key}_tok_s"] == pytest.approx(batch / step, rel=1e-9)
     # The host KV tier: the one host keeps the four chips' shards of each block.

@@ -28,3 +28,15 @@ def test_a_platforms_compiler_options_reach_the_step_programs(monkeypatch, tiny_
     with pytest.raises(Exception, match="xla_no_such_option"):
         llm = xlm.LLM(model=tiny_checkpoint("llama"), max_model_len=64, max_num_seqs=2)
         llm.generate("a b c", xlm.SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_estimates_use_a_chips_measured_copy_bandwidth():
+    from xlm.platforms.target import CHIPS
+
+    # Measured on an H200 (benchmarks/RESULTS.md, "GPU"): below the data sheet's 4.8 TB/s.
+    h200 = CHIPS["h200"]
+    assert h200.bytes_per_s == h200.copy_bytes_per_s < h200.hbm_bytes_per_s
+    assert "H200" in h200.copy_source
+    # Not measured: the data sheet's figure.
+    assert CHIPS["h100"].copy_bytes_per_s is None
+    assert CHIPS["h100"].bytes_per_s == CHIPS["h100"].hbm_bytes_per_s

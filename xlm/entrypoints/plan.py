@@ -123,6 +123,14 @@ def format_report(r: dict[str, Any]) -> str:
         f"chip {chip['name']}: {_gb(chip['hbm_bytes'])} HBM, "
         f"{chip['peak_bf16_flops'] / 1e12:.0f} TFLOP/s bf16, "
         f"{chip['hbm_bytes_per_s'] / GB:.0f} GB/s ({chip['source']})",
+        *(
+            [
+                f"  measured copy bandwidth {chip['copy_bytes_per_s'] / GB:.0f} GB/s, what the "
+                f"estimate uses ({chip['copy_source']})"
+            ]
+            if chip.get("copy_bytes_per_s")
+            else []
+        ),
         "",
         "per chip:",
         f"  weights            {_gb(pc['weight_bytes'])}",

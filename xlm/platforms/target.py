@@ -43,6 +43,15 @@ class Chip:
     # GPUs: the XLA GpuDeviceInfoProto fields of the target configuration (the compiler
     # reads no device, so it must be told the SM count, shared memory, compute capability).
     gpu: tuple[tuple[str, Any], ...] = ()
+    # The device-to-device copy bandwidth measured on such a chip, where one was: what
+    # memory-bound code reaches, below the data sheet's figure. The estimates use it.
+    copy_bytes_per_s: float | None = None
+    copy_source: str = ""
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The bandwidth estimates divide by: measured where it was, else the data sheet's."""
+        return self.copy_bytes_per_s or self.hbm_bytes_per_s
 
 
 def _gib(x: float) -> int:
@@ -107,6 +116,8 @@ CHIPS.update(
             "nvidia.com/en-us/data-center/h200",
             "cuda",
             _gpu((9, 0), 132, 128, 233472, 232448, 50 * _MIB, 1.98),
+            copy_bytes_per_s=4.21e12,
+            copy_source="torch copy_ of 2 GiB on an H200, 2026-11-28 (benchmarks/RESULTS.md, GPU)",
         ),
         "a100": Chip(
             "a100",
