@@ -113,9 +113,7 @@ def _kernel(blk_req_ref, blk_row_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, kv_r
         # `.at[0]` of it fails there).
         q_bar = q_bar if q_bar.shape == () else q_bar.at[0]
         for i in range(c.q_parts):
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[i, g, kvh], q_smem.at[i, pl.ds(0, c.rows)], q_bar
-            )
+            plgpu.copy_gmem_to_smem(q_ref.at[i, g, kvh], q_smem.at[i, pl.ds(0, c.rows)], q_bar)
 
         def issue(t, slot):
             """TMA copies of tile t's pages (K and V) into buffer `slot`."""
