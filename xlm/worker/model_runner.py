@@ -46,7 +46,7 @@ from xlm.worker.host_kv_cache import HostKVCache
 from xlm.worker.input_batch import InputBatch
 from xlm.worker.kv_allocation import KVCacheAllocation
 from xlm.worker.packing import pack
-from xlm.worker.programs import StepPrograms
+from xlm.worker.programs import StepPrograms, Weights
 from xlm.worker.prompt_logprobs import PROMPT_LOGPROB_ROWS
 from xlm.worker.sleep_mode import RunnerSleep
 from xlm.worker.spec_decode import Proposer, Speculator
@@ -114,7 +114,11 @@ class ModelRunner:
             self.lora = LoRASlots(self.state, LoRASpec.of(model, lora.max_lora_rank), lora, mesh)
         self.sampling_key = config.model_config.seed << SAMPLING_KEY_SEED_SHIFT
         pooling = config.model_config.is_pooling
-        self.programs = StepPrograms(self.graphdef, self.buckets, self._kv_spec, mesh, pooling)
+        # The step programs take the weights as a flat list of arrays (programs.Weights).
+        self.weights = Weights(self.state)
+        self.programs = StepPrograms(
+            self.graphdef, self.weights, self.buckets, self._kv_spec, mesh, pooling
+        )
         # A multimodal model's encoder cache and its programs (xlm.worker.encoder_cache).
         self.encoder = EncoderRunner.of(config, model, self.graphdef, self.state, mesh, abstract)
         # Steps dispatched and not yet collected, oldest first (async scheduling keeps one
@@ -235,10 +239,11 @@ class ModelRunner:
         mm_pool = None
         if self.encoder is not None:  # the step's images not in the encoder cache, first
             mm_pool = self.encoder.encode_pending(self.program_store, self.state, self.mesh)
-        model_args = (self.state, self.kv_caches, self._put(packed), self._prev_sampled, mm_pool)
+        weights = self.weights.arrays()
+        model_args = (weights, self.kv_caches, self._put(packed), self._prev_sampled, mm_pool)
         program = self.program_store.get(
             self._key(ProgramKind.MODEL, num_tokens_padded),
-            lambda: self.programs.model_spec(self.state, *model_args[2:], layout),
+            lambda: self.programs.model_spec(weights, *model_args[2:], layout),
             layout,
         )
         self.kv_caches, logits, hidden = program(*model_args)
@@ -260,7 +265,7 @@ class ModelRunner:
         return program(*sample_args), hidden
 
     def _run_prompt_logprobs(self, hidden: np.ndarray, ids: np.ndarray) -> tuple:
-        args = (self.state, self._put(hidden), self._put(ids))
+        args = (self.weights.arrays(), self._put(hidden), self._put(ids))
         program = self.program_store.get(
             self._key(ProgramKind.PROMPT_LOGPROBS, PROMPT_LOGPROB_ROWS),
             lambda: self.programs.prompt_logprobs_spec(*args),
@@ -359,7 +364,7 @@ class ModelRunner:
         pool = None if self.encoder is None else self.encoder.pool
         for bucket in self.buckets.token_buckets:
             arrays = self._prepare_inputs([], [], bucket).arrays
-            model_spec = self.programs.model_spec_of(self.state, arrays, pool)
+            model_spec = self.programs.model_spec_of(self.weights.arrays(), arrays, pool)
             specs[self._key(ProgramKind.MODEL, bucket)] = model_spec
             specs.update(self._bucket_specs(bucket, arrays, model_spec))
         specs.update(self._other_specs())
@@ -377,7 +382,7 @@ class ModelRunner:
         # The hidden states' dtype: the model's (its first leaf may be an int8 embedding).
         model_config = self.config.model_config
         dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
-        specs = self.programs.prompt_logprobs_specs(self.state, self.hidden_size, dtype)
+        specs = self.programs.prompt_logprobs_specs(self.weights.arrays(), self.hidden_size, dtype)
         if self.encoder is not None:  # the encoder, by image count
             specs.update(self.encoder.specs(self.state, self.mesh))
         return specs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +41,26 @@ def read_sampled(
     """Each request's new tokens (and logprobs, None when none asked) from the step's
     sampler output, appended to its row in the batch; with speculative decoding the
     policy (xlm.worker.spec_decode) records how many proposals each request had accepted."""
-    sampled = to_host(step.sampled)
+    # Only the arrays this step's requests use come to the host (each read waits on its
+    # own transfer): the tokens; whether proposals were accepted with speculative
+    # decoding; the logprobs where a request asked for them.
+    device = step.sampled
+    wanted = ["sampled_token_ids"]
+    verifying = step.row_counts is not None and bool((step.row_counts > 1).any())
+    if verifying:
+        wanted.append("accepted")
+    if any(
+        (state := batch.requests.get(r)) is not None and state.sampling_params.logprobs is not None
+        for r in step.req_ids
+    ):
+        wanted += ["logprobs", "ranks", "topk_ids", "topk_logprobs"]
+    for name in wanted:
+        array = getattr(device, name)
+        if isinstance(array, jax.Array) and array.is_fully_addressable:
+            array.copy_to_host_async()
+    sampled = dataclasses.replace(device, **{n: to_host(getattr(device, n)) for n in wanted})
     token_ids = np.asarray(sampled.sampled_token_ids)
-    accepted = np.asarray(sampled.accepted)
+    accepted = np.asarray(sampled.accepted) if verifying else None
     sampled_token_ids: list[list[int]] = []
     logprobs: list[LogprobsLists | None] = []
     row = 0
