@@ -38,12 +38,15 @@ class FakeRequest:
 class FakeEngineCore(EngineCore):
     """Emits last-token+1 each step; a prompt starting with -1 makes step() raise.
 
-    Its config is a dict: {"fail_start": bool, "start_sleep": seconds, "step_sleep": seconds}.
+    Its config is a dict: {"fail_start": bool, "start_sleep": seconds, "step_sleep": seconds,
+    "started_file": a path created when its construction begins}.
     """
 
     def __init__(self, config: Any, log_stats: bool = True, executor_class: Any = None) -> None:
         if config.get("fail_start"):
             raise RuntimeError("boom at start")
+        if config.get("started_file"):
+            open(config["started_file"], "w").close()
         time.sleep(config.get("start_sleep", 0.0))
         self.step_sleep = config.get("step_sleep", 0.0)
         self.requests: dict[str, tuple[FakeRequest, list[int]]] = {}

@@ -148,13 +148,20 @@ def test_engine_spawned_with_refused_engine_args_says_why():
     assert not engine.proc.is_alive() and not os.path.exists(engine.tmpdir)
 
 
-def test_an_engine_given_up_before_ready_stops_at_once(capfd):
+def test_an_engine_given_up_before_ready_stops_at_once(capfd, tmp_path):
     """A front end that refuses the config closes the engine it spawned first: stopped
     with SIGTERM, not sent a SHUTDOWN nobody reads yet and then waited for. It leaves
     quietly, even with the signal landing inside its construction (a SystemExit raised
     there was logged as a failed start, with its traceback)."""
-    engine = _EngineProcess({"start_sleep": 60}, True, FakeEngineCoreProc, wait=False)
-    time.sleep(1.0)  # into the construction's sleep
+    begun = tmp_path / "begun"
+    config = {"start_sleep": 60, "started_file": str(begun)}
+    engine = _EngineProcess(config, True, FakeEngineCoreProc, wait=False)
+    # Into the construction's sleep (a fixed 1 s wait was short for a loaded machine: the
+    # signal then came during the spawned process's imports, before its handler).
+    deadline = time.monotonic() + 60
+    while not begun.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert begun.exists()
     started = time.monotonic()
     engine.close()
     assert time.monotonic() - started < 5
