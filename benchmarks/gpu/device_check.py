@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -98,6 +99,10 @@ TINY = dict(
     num_key_value_heads=2,
     head_dim=16,
 )
+
+
+# The busiest stream's gaps between kernels, binned: (upper bound in seconds, label).
+GAP_BINS = ((5e-6, "<5us"), (5e-5, "<50us"), (1e-3, "<1ms"), (float("inf"), ">=1ms"))
 
 
 def emit(out: str, phase: str, **fields) -> None:
@@ -281,12 +286,12 @@ def phase_xlm(args, w, decode_only: bool = False) -> None:
 
     runner = engine.engine_core.engine_core.executor.worker.model_runner
 
-    def decode_steps(count: int, run, block: bool = False) -> dict[str, float | int]:
-        """Run `run()` and time its steps in which all `count` requests decode one token
-        each (a 512-token prompt's prefill shares its first steps with the others' decode
-        tokens: those are not decode steps): the median launch-to-launch interval, and with
-        `block` the model program alone and with its sampler, each blocked on (nothing then
-        overlaps: the steps run slower than unblocked ones)."""
+    def decode_steps(count: int, run, block: bool = False) -> tuple[Any, dict[str, float | int]]:
+        """`run()`'s value, and the timing of its steps in which all `count` requests
+        decode one token each (a 512-token prompt's prefill shares its first steps with
+        the others' decode tokens: those are not decode steps): the median
+        launch-to-launch interval, and with `block` the model program alone and with its
+        sampler, each blocked on (nothing then overlaps: the steps run slower)."""
         import jax
 
         launches: list[tuple[float, bool]] = []
@@ -313,7 +318,7 @@ def phase_xlm(args, w, decode_only: bool = False) -> None:
             runner._run_model = blocking(runner._run_model, "model")
             runner._run = blocking(runner._run, "model_and_sampler")
         try:
-            run()
+            value = run()
         finally:
             for name in ("_launch", "_run_model", "_run"):  # the class's methods again
                 runner.__dict__.pop(name, None)
@@ -325,7 +330,7 @@ def phase_xlm(args, w, decode_only: bool = False) -> None:
             decode = [t for t, full_step in times if full_step]
             if decode:
                 out[f"{name}_s"] = statistics.median(decode)
-        return out
+        return value, out
 
     def anatomy(count: int, length: int) -> None:
         """Where a decode step's time goes (decode_steps, blocked): enough new tokens that
@@ -341,13 +346,20 @@ def phase_xlm(args, w, decode_only: bool = False) -> None:
                 count,
                 lambda: generate(prompts(count, length, vocab, next(seed)), tokens),
                 block=True,
-            ),
+            )[1],
         )
 
     def profile(count: int, length: int) -> None:
         """The device's own account of the decode steps: a profiler trace of the workload,
-        parsed here (jax.profiler.ProfileData), its GPU kernels' time summed by name per
-        stream line and the XLA modules' time, against the wall time of the run."""
+        parsed here (jax.profiler.ProfileData): its GPU kernels' time summed by name per
+        stream line, the busiest stream's gaps and the host's events, against the wall
+        time of the run. The trace is for reading: its failure is recorded, not raised."""
+        try:
+            emit(args.out, phase, what="profile", requests=count, **traced(count, length))
+        except Exception as e:
+            emit(args.out, phase, what="profile", error=f"{type(e).__name__}: {e}"[:2000])
+
+    def traced(count: int, length: int) -> dict:
         import collections
         import glob
         import tempfile
@@ -364,7 +376,6 @@ def phase_xlm(args, w, decode_only: bool = False) -> None:
         lines: dict[str, float] = collections.Counter()
         kernels: dict[str, float] = collections.Counter()
         calls: dict[str, int] = collections.Counter()
-        modules: dict[str, float] = collections.Counter()
         host: dict[str, float] = collections.Counter()
         host_calls: dict[str, int] = collections.Counter()
         gaps = collections.Counter()  # idle time between kernels of the busiest stream
@@ -390,54 +401,33 @@ def phase_xlm(args, w, decode_only: bool = False) -> None:
                         if line.name.startswith("Stream"):
                             kernels[event.name[:120]] += seconds
                             calls[event.name[:120]] += 1
-                        elif "Module" in line.name:
-                            modules[event.name[:120]] += seconds
                     if line.name.startswith("Stream") and (
                         busiest is None or len(events) > len(busiest)
                     ):
                         busiest = events
                 for a, b in zip(busiest or [], (busiest or [])[1:]):
                     idle = (b.start_ns - a.end_ns) / 1e9
-                    kind = (
-                        "<5us"
-                        if idle < 5e-6
-                        else "<50us"
-                        if idle < 5e-5
-                        else ("<1ms" if idle < 1e-3 else ">=1ms")
-                    )
+                    kind = next(label for bound, label in GAP_BINS if idle < bound)
                     gaps[kind + "_s"] += max(idle, 0.0)
                     gaps[kind + "_n"] += 1
-        emit(
-            args.out,
-            phase,
-            what="profile",
-            requests=count,
+        return dict(
             new_tokens=17,
             wall_s=elapsed,
             lines_s=dict(lines),
-            modules_s=dict(modules.most_common(12)),
             kernels_s={k: [v, calls[k]] for k, v in kernels.most_common(30)},
             busiest_stream_gaps=dict(gaps),
             host_s={k: [v, host_calls[k]] for k, v in host.most_common(40)},
         )
 
     anatomy(1, w["decode_prompt"])
-    try:
-        profile(1, w["decode_prompt"])
-    except Exception as e:  # the trace is for reading; its failure must not cost the rest
-        emit(args.out, phase, what="profile", error=f"{type(e).__name__}: {e}"[:2000])
+    profile(1, w["decode_prompt"])
     if decode_only:
         return
 
     def concurrent(count: int) -> None:
-        steps: dict[str, float | int] = {}
-
-        def timed_runs():
-            nonlocal first, full, compiles
-            first, full, compiles = measure(count, w["batch_prompt"], w["batch_tokens"])
-
-        first = full = compiles = 0
-        steps = decode_steps(count, timed_runs)
+        (first, full, compiles), steps = decode_steps(
+            count, lambda: measure(count, w["batch_prompt"], w["batch_tokens"])
+        )
         emit(
             args.out,
             phase,
@@ -471,10 +461,7 @@ def phase_xlm(args, w, decode_only: bool = False) -> None:
     smaller, *larger = w["batches"]
     concurrent(smaller)
     anatomy(smaller, w["batch_prompt"])
-    try:
-        profile(smaller, w["batch_prompt"])
-    except Exception as e:
-        emit(args.out, phase, what="profile", error=f"{type(e).__name__}: {e}"[:2000])
+    profile(smaller, w["batch_prompt"])
     ttft()
     for count in larger:
         concurrent(count)
