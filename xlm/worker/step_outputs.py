@@ -41,9 +41,9 @@ def read_sampled(
     """Each request's new tokens (and logprobs, None when none asked) from the step's
     sampler output, appended to its row in the batch; with speculative decoding the
     policy (xlm.worker.spec_decode) records how many proposals each request had accepted."""
-    # Only the arrays this step's requests use come to the host (each read waits on its
-    # own transfer): the tokens; whether proposals were accepted with speculative
-    # decoding; the logprobs where a request asked for them.
+    # Only the arrays this step's requests use come to the host: the tokens; whether
+    # proposals were accepted with speculative decoding; the logprobs where a request
+    # asked for them.
     device = step.sampled
     wanted = ["sampled_token_ids"]
     verifying = step.row_counts is not None and bool((step.row_counts > 1).any())
@@ -54,11 +54,7 @@ def read_sampled(
         for r in step.req_ids
     ):
         wanted += ["logprobs", "ranks", "topk_ids", "topk_logprobs"]
-    for name in wanted:
-        array = getattr(device, name)
-        if isinstance(array, jax.Array) and array.is_fully_addressable:
-            array.copy_to_host_async()
-    sampled = dataclasses.replace(device, **{n: to_host(getattr(device, n)) for n in wanted})
+    sampled = dataclasses.replace(device, **to_host({n: getattr(device, n) for n in wanted}))
     token_ids = np.asarray(sampled.sampled_token_ids)
     accepted = np.asarray(sampled.accepted) if verifying else None
     sampled_token_ids: list[list[int]] = []
