@@ -8,6 +8,7 @@ per repeat, each tree runs one request of `--single-len` greedy tokens and a bat
 
     git archive <old commit> | tar -x -C /tmp/old
     python benchmarks/ab_trees.py --tree old=/tmp/old --tree new=. [--repeats 4]
+        [--quantization w8a8]
 
 Prints a table, writes `benchmarks/ab_trees.json` (or `--out`).
 """
@@ -33,7 +34,7 @@ def worker(args: argparse.Namespace) -> None:
     import xlm
 
     prompts = [line.strip() for line in PROMPTS.read_text().splitlines() if line.strip()]
-    llm = xlm.LLM(model=args.model, max_model_len=512)
+    llm = xlm.LLM(model=args.model, max_model_len=512, quantization=args.quantization)
     if hasattr(llm, "wait_for_programs"):  # trees that compile in the background: all first
         llm.generate(prompts[:1], xlm.SamplingParams(max_tokens=1), use_tqdm=False)
         llm.wait_for_programs()
@@ -63,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH, twice")
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quantization", default=None, help="int8, w8a8, ... (default: none)")
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batch-len", type=int, default=64)
@@ -79,6 +81,7 @@ def main() -> None:
         env["XLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix=f"ab-{name}-")
         env.pop("XLM_COMPILATION_CACHE_DIR", None)
         cmd = [sys.executable, __file__, "--worker", "--model", args.model]
+        cmd += [] if args.quantization is None else ["--quantization", args.quantization]
         cmd += ["--batch", str(args.batch), "--batch-len", str(args.batch_len)]
         cmd += ["--single-len", str(args.single_len)]
         proc = subprocess.Popen(

@@ -464,6 +464,25 @@ def test_q8_avx2_and_portable_paths_agree_exactly(max_workers: int) -> None:
     np.testing.assert_array_equal(run(False), run(True))
 
 
+@pytest.mark.parametrize("max_workers", [1, 2])
+@pytest.mark.parametrize("k,n,groups", [(576, 4100, 18), (96, 2080, 1), (64, 16416, 2)])
+def test_q8_one_row_bands_equal_the_tiles(max_workers: int, k: int, n: int, groups: int) -> None:
+    """One row over wide chunks (a tied LM head) reads w in bands of 4 rows: the same int32
+    sums and float steps as the tiles, column tails included."""
+    xq, xscale, w, scale = make_q8(1, k, n, groups)
+
+    def run(bands: bool) -> np.ndarray:
+        return np.asarray(
+            cpu_kernels.q8_matmul(xq, xscale, w, scale, bands=bands, max_workers=max_workers)
+        )
+
+    got = run(True)
+    np.testing.assert_array_equal(got, run(False))
+    want = q8_reference(xq, xscale, w, scale)
+    magnitude = q8_reference(np.abs(xq), xscale, np.abs(w.astype(np.int32)), scale)
+    assert np.all(np.abs(got - want) <= 1e-6 * magnitude + 1e-30)
+
+
 def test_q8_rejects_scales_that_do_not_match() -> None:
     xq, xscale, w, scale = make_q8(2, 64, 16, 2)
     with pytest.raises(ValueError, match=r"xscale \[\.\.\., G\] with G=2"):

@@ -30,6 +30,7 @@ from xlm.multimodal.budget import bidirectional_images, encoder_cache_slots, tok
 from xlm.multimodal.inputs import features_in_range
 from xlm.multimodal.processor_config import resolve_processor_config
 from xlm.worker.compilation import ProgramKey, ProgramKind, ProgramSpec, ProgramStore
+from xlm.worker.programs import Weights
 
 
 def image_count_buckets(slots: int) -> tuple[int, ...]:
@@ -118,7 +119,13 @@ class EncoderRunner:
 
     @classmethod
     def of(
-        cls, config: XlmConfig, model: Any, graphdef: Any, state: Any, mesh: Any, abstract: bool
+        cls,
+        config: XlmConfig,
+        model: Any,
+        graphdef: Any,
+        weights: Weights,
+        mesh: Any,
+        abstract: bool,
     ) -> EncoderRunner | None:
         """A multimodal model's encoder runner with its pool placed (its shape only on a
         compile target's runner), or None for a text model."""
@@ -138,7 +145,9 @@ class EncoderRunner:
         # The pool holds embeddings in the model's compute dtype (the first state leaf can
         # be an 8-bit kernel under quantization).
         dtype = jnp.dtype(resolve_dtype(config.model_config.dtype, hf_config))
-        encoder = cls(graphdef, slots, per_image, hf_config.hidden_size, mesh, layout, dtype)
+        encoder = cls(
+            graphdef, weights, slots, per_image, hf_config.hidden_size, mesh, layout, dtype
+        )
         encoder.mrope = getattr(model, "mrope_positions", None)
         encoder.bidirectional = bidirectional_images(hf_config)
         pool = replicated_shape(encoder.pool_shape(), encoder.dtype, mesh)
@@ -148,6 +157,7 @@ class EncoderRunner:
     def __init__(
         self,
         graphdef: Any,
+        weights: Weights,
         slots: int,
         tokens_per_image: int,
         hidden: int,
@@ -157,6 +167,9 @@ class EncoderRunner:
     ) -> None:
         self.cache = EncoderCache(slots, tokens_per_image)
         self.graphdef = graphdef
+        # The runner's programs.Weights: the program takes the flat list of arrays, as the
+        # step programs do (no Python flatten of the nnx.State per call).
+        self.weights = weights
         self.layout = layout
         self.buckets = layout.buckets
         self.hidden = hidden
@@ -173,11 +186,11 @@ class EncoderRunner:
         self.to_encode: list[Any] = []  # the planned step's images not in the cache
 
     def _encode_step(
-        self, state: nnx.State, pool: jax.Array, inputs: dict, rows: jax.Array
+        self, weights: list[jax.Array], pool: jax.Array, inputs: dict, rows: jax.Array
     ) -> jax.Array:
         """Encode a bucket of images (the layout's inputs) and write their embeddings at
         `rows` (one per embedding, in order)."""
-        model = nnx.merge(self.graphdef, state)
+        model = nnx.merge(self.graphdef, self.weights.state(weights))
         embeds = model.encode_images(**inputs)  # [..., hidden]
         flat = embeds.reshape(-1, embeds.shape[-1]).astype(pool.dtype)
         pool = pool.at[rows.reshape(-1)].set(flat)
@@ -241,17 +254,18 @@ class EncoderRunner:
             flat += int(count)
         return limit
 
-    def encode(self, program_for: Any, state: Any, pool: Any, to_encode: list[Any]) -> Any:
+    def encode(self, program_for: Any, pool: Any, to_encode: list[Any]) -> Any:
         """Run the encoder program over the images to encode (in batches the layout
         buckets); returns the updated pool."""
         pending = list(to_encode)
+        weights = self.weights.arrays()
         while pending:
             bucket, n = self.layout.take([f for f, _ in pending])
             batch = [(f, self.cache.base_row(slot)) for f, slot in pending[:n]]
             pending = pending[n:]
             inputs, rows = self.layout.arrays(bucket, batch)
             pool = program_for(bucket)(
-                state,
+                weights,
                 pool,
                 {k: put_replicated(v, self.mesh) for k, v in inputs.items()},
                 put_replicated(rows, self.mesh),
@@ -285,30 +299,29 @@ class EncoderRunner:
             changes["attend_until"] = self.attend_until(features, positions, starts, counts)
         return mm_rows, changes
 
-    def encode_pending(self, store: ProgramStore, state: Any, mesh_spec: Any) -> Any:
+    def encode_pending(self, store: ProgramStore, mesh_spec: Any) -> Any:
         """Encode the planned step's images not in the cache (first, before the step's
         model program reads the pool); the pool."""
         if self.to_encode:
 
             def program_for(bucket: int) -> Any:
                 key = ProgramKey(ProgramKind.ENCODER, bucket, mesh_spec)
-                return store.get(key, lambda: self.spec(state, bucket))
+                return store.get(key, lambda: self.spec(bucket))
 
-            self.pool = self.encode(program_for, state, self.pool, self.to_encode)
+            self.pool = self.encode(program_for, self.pool, self.to_encode)
             self.to_encode = []
         return self.pool
 
-    def spec(self, state: Any, bucket: int) -> ProgramSpec:
+    def spec(self, bucket: int) -> ProgramSpec:
         """The encoder program for `bucket` images (example arguments to lower with)."""
         pool = replicated_shape(self.pool_shape(), self.dtype, self.mesh)
         inputs, rows = self.layout.spec(
             bucket, lambda shape, dtype: replicated_shape(shape, dtype, self.mesh)
         )
         out_tree = jax.tree_util.tree_structure(0)
-        return ProgramSpec(self.encode_fn, (state, pool, inputs, rows), None, out_tree, self.mesh)
+        args = (self.weights.arrays(), pool, inputs, rows)
+        return ProgramSpec(self.encode_fn, args, None, out_tree, self.mesh)
 
-    def specs(self, state: Any, mesh_spec: Any) -> dict[ProgramKey, ProgramSpec]:
+    def specs(self, mesh_spec: Any) -> dict[ProgramKey, ProgramSpec]:
         """The encoder programs, one per bucket of the layout (image or patch count)."""
-        return {
-            ProgramKey(ProgramKind.ENCODER, b, mesh_spec): self.spec(state, b) for b in self.buckets
-        }
+        return {ProgramKey(ProgramKind.ENCODER, b, mesh_spec): self.spec(b) for b in self.buckets}

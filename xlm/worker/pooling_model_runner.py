@@ -28,7 +28,7 @@ class PoolingModelRunner(ModelRunner):
         _, hidden = self._run_model(bucket, step.arrays)
         rows = self._pooling_rows(req_ids, step.arrays["attn"].query_start_loc)
         packed, layout = pack(rows)
-        args = (hidden, self._put(packed))
+        args = (hidden, self._step_input(packed))
         program = self.program_store.get(
             self._key(ProgramKind.POOLER, bucket),
             lambda: self.programs.pooler_spec(*args, layout),

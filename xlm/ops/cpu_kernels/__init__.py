@@ -286,13 +286,16 @@ def q8_matmul(
     *,
     max_workers: int = 0,
     scalar: bool = False,
+    bands: bool = True,
 ) -> jax.Array:
     """y[..., j] = sum_g xscale[..., g] * scale[g, j] * sum_{i in group g} xq[..., i] * w[i, j]
     in float32: int8 activations [..., k] with a scale per row and group (Q8_0's blocks),
     int8 w [k, n], scale [G, n]; each group's products summed exactly in int32 (AVX2
     maddubs/madd where the library was built with AVX2 and each group's rows are a multiple
-    of 4; `scalar`: the portable loops, as without AVX2). The jnp reference when the kernel
-    is unavailable."""
+    of 4; `scalar`: the portable loops, as without AVX2). At one row, over wide column
+    chunks (a tied LM head), the AVX2 path reads w in bands of 4 rows swept across the
+    columns instead of 16-column tiles (`bands=False`: the tiles, for tests and A/B; the
+    results are the same). The jnp reference when the kernel is unavailable."""
     _check_q8_matmul(xq, xscale, w, scale)
     if max_workers < 0:
         raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
@@ -312,6 +315,7 @@ def q8_matmul(
         scale.astype(jnp.float32),
         max_workers=np.int64(max_workers),
         scalar=np.int64(scalar),
+        bands=np.int64(bands),
     )
     return y.reshape(*lead, n)
 

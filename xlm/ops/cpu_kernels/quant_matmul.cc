@@ -84,6 +84,7 @@ struct Problem {
   const int8_t* xq = nullptr;      // q8: x's int8 codes [m, k] (x is null)
   const float* xscale = nullptr;   // q8: x's scales [m, G], one per row and group of w
   bool scalar = false;             // q8: the portable loops even where AVX2 is built
+  bool bands = true;               // q8: bands at one row of x (false: tiles; tests, A/B)
 };
 
 constexpr int64_t kTileCols = 64;         // columns of one decode tile (a cache line of w)
@@ -509,10 +510,103 @@ void q8_tile(const Problem& p, int64_t r0, int64_t g, int64_t j0, bool first) {
   }
 }
 
+constexpr int64_t kQ8BandCols = 32;    // columns of one step of a q8 band
+constexpr int64_t kQ8BandMinCols = 2048;  // columns of a chunk from which bands are used
+
+// 32 bytes of 4 rows of w from p (rows n apart), interleaved with 256-bit unpacks into 4
+// vectors of 8 columns x 4 rows for maddubs + madd. 256-bit unpacks work within 128-bit
+// lanes, so the vectors hold the columns {0-3, 16-19}, {4-7, 20-23}, {8-11, 24-27} and
+// {12-15, 28-31} (lane order; `to_column_order` puts 4 such vectors back).
+inline void load_band4(const int8_t* p, int64_t n, __m256i w[4]) {
+  const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + n));
+  const __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * n));
+  const __m256i a3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 3 * n));
+  const __m256i lo01 = _mm256_unpacklo_epi8(a0, a1), hi01 = _mm256_unpackhi_epi8(a0, a1);
+  const __m256i lo23 = _mm256_unpacklo_epi8(a2, a3), hi23 = _mm256_unpackhi_epi8(a2, a3);
+  w[0] = _mm256_unpacklo_epi16(lo01, lo23);
+  w[1] = _mm256_unpackhi_epi16(lo01, lo23);
+  w[2] = _mm256_unpacklo_epi16(hi01, hi23);
+  w[3] = _mm256_unpackhi_epi16(hi01, hi23);
+}
+
+inline void to_column_order(__m256 v[4]) {
+  const __m256 c0 = _mm256_permute2f128_ps(v[0], v[1], 0x20);
+  const __m256 c1 = _mm256_permute2f128_ps(v[2], v[3], 0x20);
+  const __m256 c2 = _mm256_permute2f128_ps(v[0], v[1], 0x31);
+  const __m256 c3 = _mm256_permute2f128_ps(v[2], v[3], 0x31);
+  v[0] = c0, v[1] = c1, v[2] = c2, v[3] = c3;
+}
+
+// Row 0 of x over the columns [c0, c0 + width) (a multiple of 32). Each group of w is
+// read 4 rows at a time, each band of 4 rows swept across the columns: 4 sequential
+// streams, where q8_tile's column tiles read group_size rows at once (and rows of a 4 KiB
+// multiple put them all in one L1 set). The group's int32 sums are kept per column in an
+// L1 buffer (`acc`, [width], lane order) and scaled into y at its end as q8_tile does: the
+// same sums and float steps, so the same results.
+void q8_bands(const Problem& p, int64_t c0, int64_t width, int32_t* acc) {
+  const int64_t n = p.n, gs = p.group_size;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    std::fill(acc, acc + width, 0);
+    for (int64_t i = g * gs; i < (g + 1) * gs; i += 4) {
+      int32_t four;
+      std::memcpy(&four, p.xq + i, 4);
+      const __m256i xv = _mm256_set1_epi32(four);
+      const int8_t* wr = p.w + i * n + c0;
+      for (int64_t j = 0; j < width; j += kQ8BandCols) {
+        __m256i w[4];
+        load_band4(wr + j, n, w);
+        XLM_UNROLL
+        for (int v = 0; v < 4; ++v) {
+          __m256i* a = reinterpret_cast<__m256i*>(acc + j + 8 * v);
+          const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(w[v]), _mm256_sign_epi8(xv, w[v]));
+          _mm256_storeu_si256(a, _mm256_add_epi32(_mm256_loadu_si256(a), _mm256_madd_epi16(prod, ones)));
+        }
+      }
+    }
+    const float* s = p.scale + g * n + c0;
+    const __m256 xs = _mm256_broadcast_ss(p.xscale + g);
+    float* yr = p.y + c0;
+    for (int64_t j = 0; j < width; j += kQ8BandCols) {
+      __m256 sums[4];
+      XLM_UNROLL
+      for (int v = 0; v < 4; ++v) {
+        sums[v] = _mm256_cvtepi32_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + j + 8 * v)));
+      }
+      to_column_order(sums);
+      XLM_UNROLL
+      for (int v = 0; v < 4; ++v) {
+        const __m256 y = g == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yr + j + 8 * v);
+        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(s + j + 8 * v), xs);
+        _mm256_storeu_ps(yr + j + 8 * v, _mm256_fmadd_ps(sums[v], scale, y));
+      }
+    }
+  }
+}
+
+// One row of x (one request's decode step), over a chunk of at least kQ8BandMinCols
+// columns: bands over its whole 32-column steps; returns where the rest begins. On the
+// 2-core dev CPU, per call in a dependent chain (benchmarks/q8_decode.py): SmolLM2's tied
+// LM head (576 x 49152) 6.0 -> 2.2 ms on 2 threads (4.7 -> 12.7 GB/s), 11.6 -> 2.8 ms on
+// one; 576 x 3072 on one thread 407 -> 290 us. Narrower chunks (the layers' weights split
+// over 2 threads, 128-384 columns) were level or slower than the tiles, k = 1536 x 576 on
+// one thread too (268 vs 233 us), and more rows of x re-read w per row (4 rows: 1.3x
+// slower in a 30-layer chain).
+int64_t q8_decode_bands(const Problem& p, int64_t c0, int64_t c1) {
+  const int64_t width = (c1 - c0) / kQ8BandCols * kQ8BandCols;
+  if (p.m != 1 || c1 - c0 < kQ8BandMinCols) return c0;
+  std::unique_ptr<int32_t[]> acc(new int32_t[width]);
+  q8_bands(p, c0, width, acc.get());
+  return c0 + width;
+}
+
 // Groups outside (w read as group_size sequential streams, as decode_columns), 16-column
 // tiles of up to 4 rows of x inside; columns past the last whole tile take the portable
 // loops.
 void q8_columns_avx2(const Problem& p, int64_t c0, int64_t c1) {
+  if (p.bands) c0 = q8_decode_bands(p, c0, c1);
   const int64_t whole = c0 + (c1 - c0) / kQ8Cols * kQ8Cols;
   for (int64_t g = 0; g < p.groups; ++g) {
     for (int64_t j = c0; j < whole; j += kQ8Cols) {
@@ -642,7 +736,7 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
                         ffi::Buffer<ffi::F32> xscale, ffi::Buffer<ffi::S8> w,
                         ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
-                        int64_t max_workers, int64_t scalar) {
+                        int64_t max_workers, int64_t scalar, int64_t bands) {
   const auto xd = xq.dimensions(), xsd = xscale.dimensions(), wd = w.dimensions();
   const auto sd = scale.dimensions(), yd = y->dimensions();
   const std::string shapes = "xq " + shape_str(xd) + ", xscale " + shape_str(xsd) + ", w " +
@@ -665,6 +759,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
   p.xq = xq.typed_data();
   p.xscale = xscale.typed_data();
   p.scalar = scalar != 0;
+  p.bands = bands != 0;
   return RunMatmul(pool, p, max_workers);
 }
 
@@ -721,4 +816,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmQ8Matmul, Q8MatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
                                   .Attr<int64_t>("max_workers")  // threads to use; 0: all
                                   .Attr<int64_t>("scalar")       // 1: the portable loops
+                                  .Attr<int64_t>("bands")        // 0: the tiles at one row too
 );

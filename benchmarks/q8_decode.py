@@ -1,0 +1,96 @@
+"""The w8a8 (int8 x int8) kernel at decode: one row's bands against the 16-column tiles.
+
+    python benchmarks/q8_decode.py [--rows 1] [--mib 24] [--repeats 8] [--out FILE]
+
+For each of SmolLM2-135M's weight shapes (the tied LM head [576, 49152] and the layers'
+projections), one jitted program calls xlm.ops.cpu_kernels.q8_matmul on `copies` distinct
+weight matrices (at least 2, enough to fill `--mib` MiB) in a dependent chain (each call's
+input depends on the last one's output, so XLA cannot run two at once, as in a decode
+step), groups of 32 rows (w8a8 from float weights). `bands` and `tiles` alternate, on one
+thread and on all of XLA's intra-op threads. Times are per call, the min of the repeats;
+GB/s = weight bytes / that time. Per call includes the FFI call and the chain's small
+fusion, which is what a step pays per projection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlm.ops import cpu_kernels
+
+SHAPES = [(576, 49152), (576, 3072), (1536, 576), (576, 960), (576, 576)]
+
+
+def chain(xq, xs, ws, scale, bands: bool, max_workers: int):
+    total = 0.0
+    for w in ws:
+        y = cpu_kernels.q8_matmul(xq, xs, w, scale, bands=bands, max_workers=max_workers)
+        total = total + y[0, 0]
+        xq = xq + (y[:, :1] > 1e30).astype(jnp.int8)  # a dependency; the values stay
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--mib", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    load_before = os.getloadavg()
+    results = []
+    for k, n in SHAPES:
+        copies = max(2, (args.mib << 20) // (k * n))
+        ws = [jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8)) for _ in range(copies)]
+        scale = jnp.asarray(rng.uniform(0.001, 0.01, (k // 32, n)).astype(np.float32))
+        xq = jnp.asarray(rng.integers(-127, 128, (args.rows, k), dtype=np.int8))
+        xs = jnp.ones((args.rows, k // 32), jnp.float32)
+        for workers in (1, 0):
+            programs = {
+                path: jax.jit(lambda *a, b=(path == "bands"), w=workers: chain(*a, b, w))
+                for path in ("bands", "tiles")
+            }
+            times: dict[str, list[float]] = {path: [] for path in programs}
+            for program in programs.values():
+                program(xq, xs, ws, scale).block_until_ready()
+            for _ in range(args.repeats):
+                for path, program in programs.items():
+                    start = time.perf_counter()
+                    program(xq, xs, ws, scale).block_until_ready()
+                    times[path].append(time.perf_counter() - start)
+            row = {"k": k, "n": n, "rows": args.rows, "workers": workers or "all"}
+            for path, ts in times.items():
+                per_call = min(ts) / copies
+                row[f"{path}_us"] = round(per_call * 1e6, 1)
+                row[f"{path}_gbs"] = round(k * n / per_call / 1e9, 2)
+            results.append(row)
+            print(
+                f"{k:5d}x{n:<6d} rows {args.rows} workers {row['workers']:>3}: "
+                f"bands {row['bands_us']:8.1f} us ({row['bands_gbs']:5.1f} GB/s)  "
+                f"tiles {row['tiles_us']:8.1f} us ({row['tiles_gbs']:5.1f} GB/s)",
+                flush=True,
+            )
+    if args.out:
+        record = {
+            "command": "python benchmarks/q8_decode.py "
+            + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+            "results": results,
+        }
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
