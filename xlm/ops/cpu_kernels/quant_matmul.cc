@@ -33,7 +33,8 @@
 // rows of a decode block share one L1 set and evict each other between the passes that
 // reuse them (column sub-tiles, blocks of 4 rows of x): 1.3-1.5x slower at 2 to 8 rows.
 // Copying the block, walking it in zig-zag or smaller blocks did not pay here; a tiled
-// weight layout ([n / 64][k][64]) would avoid it (not tried).
+// weight layout ([n / 64][k][64]) would avoid it (not tried). The q8 variant's one-row
+// path reads such weights in bands of 4 rows instead (q8_bands).
 // The columns are split into chunks that the calling thread and tasks on XLA's intra-op
 // thread pool (the FFI's ThreadPool context) claim from an atomic counter.
 
@@ -588,12 +589,12 @@ void q8_bands(const Problem& p, int64_t c0, int64_t width, int32_t* acc) {
 
 // One row of x (one request's decode step), over a chunk of at least kQ8BandMinCols
 // columns: bands over its whole 32-column steps; returns where the rest begins. On the
-// 2-core dev CPU, per call in a dependent chain (benchmarks/q8_decode.py): SmolLM2's tied
-// LM head (576 x 49152) 6.0 -> 2.2 ms on 2 threads (4.7 -> 12.7 GB/s), 11.6 -> 2.8 ms on
-// one; 576 x 3072 on one thread 407 -> 290 us. Narrower chunks (the layers' weights split
-// over 2 threads, 128-384 columns) were level or slower than the tiles, k = 1536 x 576 on
-// one thread too (268 vs 233 us), and more rows of x re-read w per row (4 rows: 1.3x
-// slower in a 30-layer chain).
+// 2-core dev CPU, per call in a dependent chain (benchmarks/q8_decode.py, RESULTS.md):
+// SmolLM2's tied LM head (576 x 49152) 4.5-6.0 -> 2.0-2.2 ms on 2 threads, 9.8-11.6 ->
+// 2.7-2.8 ms on one; 576 x 3072 on one thread 288-407 -> 223-290 us. Narrower chunks (the
+// layers' weights split over 2 threads, 128-384 columns) were level or slower than the
+// tiles, 1536 x 576 on one thread too (268 vs 233 us), and more rows of x re-read w per
+// row (4 rows: 1.3x slower in a 30-layer chain).
 int64_t q8_decode_bands(const Problem& p, int64_t c0, int64_t c1) {
   const int64_t width = (c1 - c0) / kQ8BandCols * kQ8BandCols;
   if (p.m != 1 || c1 - c0 < kQ8BandMinCols) return c0;
