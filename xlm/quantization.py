@@ -135,6 +135,45 @@ def weight_groups(
     return 1
 
 
+# w8a8 kernels on CPU are stored in strips (xlm.ops.cpu_kernels' q8 kernel reads each
+# 32-column strip as one sequential stream): kernel [in, out] -> [out / 32, in / 4, 32, 4],
+# element [s, b, c, r] = kernel[4b + r, 32s + c]; weight_scale [G, out] -> [out / 32, G, 32].
+# Array-agnostic (numpy at load, jnp where a program needs the [in, out] kernel back).
+Q8_STRIP_COLS, Q8_STRIP_ROWS = 32, 4
+
+
+def q8_strips_fit(in_features: int, out_features: int, groups: int) -> bool:
+    """Whether a kernel can be stored in strips: whole strips of columns, and groups of a
+    whole number of 4-row blocks."""
+    return (
+        out_features % Q8_STRIP_COLS == 0
+        and in_features % groups == 0
+        and (in_features // groups) % Q8_STRIP_ROWS == 0
+    )
+
+
+def q8_kernel_strips(kernel: Any) -> Any:
+    """kernel [in, out] as strips [out / 32, in / 4, 32, 4]."""
+    k, n = kernel.shape
+    c, r = Q8_STRIP_COLS, Q8_STRIP_ROWS
+    return kernel.reshape(k // r, r, n // c, c).transpose(2, 0, 3, 1)
+
+
+def q8_scale_strips(scale: Any) -> Any:
+    """weight_scale [G, out] as strips [out / 32, G, 32]."""
+    g, n = scale.shape
+    return scale.reshape(g, n // Q8_STRIP_COLS, Q8_STRIP_COLS).transpose(1, 0, 2)
+
+
+def from_q8_strips(kernel: Any, scale: Any) -> tuple[Any, Any]:
+    """(kernel [in, out], scale [G, out]) of a kernel and scale in strips."""
+    s, b, c, r = kernel.shape
+    g = scale.shape[1]
+    return kernel.transpose(1, 3, 0, 2).reshape(b * r, s * c), scale.transpose(1, 0, 2).reshape(
+        g, s * c
+    )
+
+
 def pack_int4(codes: np.ndarray) -> np.ndarray:
     """uint8 [in / 2, out] of codes [in, out] in [0, 15]: row 2i in the low nibble of byte
     row i, row 2i + 1 in its high nibble."""

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from xlm.ops import cpu_kernels
+from xlm.quantization import from_q8_strips, q8_kernel_strips, q8_scale_strips
 
 rng = np.random.default_rng(0)
 
@@ -178,6 +179,16 @@ FALLBACK = """
     for rows in (1, 20):  # half weights: XLA's convert + dot
         y = op(jnp.ones((rows, 64)), jnp.full((64, 8), 0.5, jnp.bfloat16))
         np.testing.assert_allclose(np.asarray(y), np.full((rows, 8), 32.0))
+    # w8a8 kernels stored in strips (the loader's CPU layout) run the native path.
+    from xlm.ops.quant_matmul import QuantMatmul
+    from xlm.quantization import q8_kernel_strips, q8_scale_strips
+    w8 = (np.arange(64 * 32).reshape(64, 32) % 7 - 3).astype(np.int8)
+    s8 = np.linspace(0.1, 0.5, 2 * 32, dtype=np.float32).reshape(2, 32)
+    op = QuantMatmul("int8", enforce_enable=True)
+    x = np.linspace(-1, 1, 3 * 64, dtype=np.float32).reshape(3, 64)
+    want = np.asarray(op.forward_native(x, w8, s8))
+    got = op(x, jnp.asarray(q8_kernel_strips(w8)), jnp.asarray(q8_scale_strips(s8)))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
     print("fallback ok")
 """
 
@@ -489,3 +500,66 @@ def test_q8_rejects_scales_that_do_not_match() -> None:
         cpu_kernels.q8_matmul(xq, xscale[:, :1], w, scale)
     with pytest.raises(ValueError, match="xq must be int8"):
         cpu_kernels.q8_matmul(xq.astype(np.float32), xscale, w, scale)
+
+
+# Weights in strips (xlm.quantization.q8_kernel_strips: the loader's w8a8 layout on CPU).
+def strips_of(w: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return (
+        np.ascontiguousarray(q8_kernel_strips(w)),
+        np.ascontiguousarray(q8_scale_strips(scale)),
+    )
+
+
+@pytest.mark.parametrize("max_workers", [1, 2])
+@pytest.mark.parametrize(
+    "m,k,n,groups",
+    [(1, 576, 960, 18), (1, 96, 4128, 1), (2, 64, 96, 2), (5, 128, 64, 4), (16, 1536, 576, 48)]
+    + [(40, 64, 160, 2), (3, 100, 32, 25)],
+)
+def test_q8_strips_equal_the_tiles(m, k, n, groups, max_workers) -> None:
+    """Strips give [k, n]'s tiles' results bit for bit at every row count (one row: the
+    32-column register path; more: the tiles over half strips), and the portable loops
+    read strips too. Groups of 25 rows (not whole 4-row blocks) cannot be stored so."""
+    xq, xscale, w, scale = make_q8(m, k, n, groups)
+    if (k // groups) % 4:
+        with pytest.raises(ValueError, match="groups of a multiple of 4 rows"):
+            cpu_kernels.q8_matmul(xq, xscale, *strips_of(w, scale))
+        return
+    ws, ss = strips_of(w, scale)
+    tiles = np.asarray(cpu_kernels.q8_matmul(xq, xscale, w, scale, bands=False))
+    kernel = jax.jit(lambda *a: cpu_kernels.q8_matmul(*a, max_workers=max_workers))
+    got = np.asarray(kernel(xq, xscale, ws, ss))
+    np.testing.assert_array_equal(got, tiles)
+    scalar = cpu_kernels.q8_matmul(xq, xscale, ws, ss, scalar=True, max_workers=max_workers)
+    np.testing.assert_array_equal(np.asarray(scalar), tiles)
+    want = q8_reference(xq, xscale, w, scale)
+    magnitude = q8_reference(np.abs(xq), xscale, np.abs(w.astype(np.int32)), scale)
+    assert np.all(np.abs(got - want) <= 1e-6 * magnitude + 1e-30)
+    jnp_ref = np.asarray(cpu_kernels.q8_matmul_reference(xq, xscale, ws, ss), np.float64)
+    assert np.all(np.abs(jnp_ref - want) <= 1e-6 * magnitude + 1e-30)
+
+
+def test_q8_strips_layout_round_trips() -> None:
+    """Element [s, b, c, r] of the strips is w[4b + r, 32s + c]; scale [s, g, c] is
+    scale[g, 32s + c]; from_q8_strips gives both back."""
+    _, w, scale = make(1, 8, 64, 2)
+    ws, ss = strips_of(w, scale)
+    assert ws.shape == (2, 2, 32, 4) and ss.shape == (2, 2, 32)
+    for s, b, c, r in [(0, 0, 0, 0), (1, 1, 3, 2), (1, 0, 31, 3), (0, 1, 17, 1)]:
+        assert ws[s, b, c, r] == w[4 * b + r, 32 * s + c]
+    assert ss[1, 1, 5] == scale[1, 37]
+    back_w, back_s = from_q8_strips(ws, ss)
+    np.testing.assert_array_equal(back_w, w)
+    np.testing.assert_array_equal(back_s, scale)
+
+
+def test_q8_handler_rejects_inconsistent_strips() -> None:
+    """The C++ handler checks strips' shapes itself (a program may call the target)."""
+    call = jax.ffi.ffi_call(cpu_kernels._targets["q8"], jax.ShapeDtypeStruct((1, 64), jnp.float32))
+    xq, xs = np.zeros((1, 64), np.int8), np.ones((1, 2), np.float32)
+    attrs = dict(max_workers=np.int64(0), scalar=np.int64(0), bands=np.int64(1))
+    good_w, good_s = np.zeros((2, 16, 32, 4), np.int8), np.ones((2, 2, 32), np.float32)
+    for w, s in [(good_w[:, :15], good_s), (good_w, good_s[:1]), (good_w, good_s[:, :, :16])]:
+        with pytest.raises(Exception, match=r"in strips w \[n / 32, k / 4, 32, 4\]"):
+            jax.block_until_ready(call(xq, xs, w, s, **attrs))
+    jax.block_until_ready(call(xq, xs, good_w, good_s, **attrs))

@@ -27,7 +27,13 @@ PROMPTS = [
 NEW_TOKENS = 16
 # Least mean matching prefix (of NEW_TOKENS), and the largest float32 log-probability gap
 # between float32's choice and the quantized engine's at the first token they differ.
-MIN_MEAN_PREFIX = 10.0
+# Eight prompts are a coarse check, not a measure: w8a8's mean here went from 14.1 to 9.75
+# when its prefill steps moved from float sums of the rounded activations to the exact
+# int32 sums of its decode steps (the w8a8 kernels' strips, 2026-11-28), while on the 64
+# held-out prompts x 128 tokens of benchmarks/quantization.py its agreement rose (mean
+# matching prefix 39.0 -> 41.6, identical outputs 9 -> 11 of 64; RESULTS.md). The near-tie
+# bound below is the substantive check.
+MIN_MEAN_PREFIX = 9.0
 MAX_GAP = 1.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

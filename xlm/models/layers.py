@@ -32,7 +32,13 @@ from xlm.ops import (
     get_act_and_mul_fn,
 )
 from xlm.ops.lora import current_token_slots
-from xlm.quantization import get_scheme, weight_groups
+from xlm.quantization import (
+    Q8_STRIP_COLS,
+    Q8_STRIP_ROWS,
+    get_scheme,
+    q8_strips_fit,
+    weight_groups,
+)
 
 Parallel = Literal["column", "row"] | None
 
@@ -117,6 +123,24 @@ class Linear(nnx.Module):
         rows = in_features
         if scheme.packed:  # int4: two codes per byte along the input
             has_minimum, rows = True, in_features // 2
+        self.quant = QuantMatmul(scheme.activations)
+        if self._in_q8_strips(scheme, groups, layout):
+            # The CPU kernel's layout (xlm.quantization.to_q8_strips), made by the loader.
+            kernel_shape = (out_features // Q8_STRIP_COLS, in_features // Q8_STRIP_ROWS)
+            kernel = unloaded((*kernel_shape, Q8_STRIP_COLS, Q8_STRIP_ROWS), scheme.weight_dtype)
+            self.kernel = param(
+                kernel, (None,) * 4, quantized=scheme.name, q8_strips=True, **layout
+            )
+            self.weight_scale = WeightScale(
+                unloaded((out_features // Q8_STRIP_COLS, groups, Q8_STRIP_COLS), jnp.float32),
+                out_sharding=(None,) * 3,
+                eager_sharding=False,
+                q8_strips=True,
+                **layout,
+            )
+            self.weight_min = None
+            self.matmul = None
+            return
         kernel = unloaded((rows, out_features), scheme.weight_dtype)
         self.kernel = param(kernel, _KERNEL_SHARDING[parallel], quantized=scheme.name, **layout)
         # Scales (and minimums) per output column, laid out and split like the kernel's
@@ -139,8 +163,18 @@ class Linear(nnx.Module):
             if has_minimum
             else None
         )
-        self.quant = QuantMatmul(scheme.activations)
         self.matmul = None
+
+    def _in_q8_strips(self, scheme: Any, groups: int, layout: dict[str, Any]) -> bool:
+        """Whether the kernel is stored in strips: int8 x int8 (w8a8) run by the CPU kernel,
+        one device's whole kernel (no tensor-parallel split, under which the layout
+        metadata moves nothing), and a shape the strips fit."""
+        return (
+            scheme.activations == "int8"
+            and self.quant.runs_cpu_kernel()
+            and tp_size() == 1
+            and q8_strips_fit(self.in_features, self.out_features, groups)
+        )
 
     def _init_lora(self, lora: Any, parallel: Parallel, dtype: Any, layout: dict[str, Any]) -> None:
         """LoRA adapter slots (A and B per slot) and their op; None without LoRA."""
@@ -172,7 +206,10 @@ class Linear(nnx.Module):
         checkpoint left its layer unquantized (compressed-tensors ``ignore``)."""
         if self.quant is None:
             return
-        metadata = {k: v for k, v in self.kernel.get_metadata().items() if k != "quantized"}
+        metadata = self.kernel.get_metadata()
+        if metadata.get("q8_strips"):  # one device's whole kernel: replicated
+            metadata = dict(metadata, out_sharding=(None, None))
+        metadata = {k: v for k, v in metadata.items() if k not in ("quantized", "q8_strips")}
         value = jax.ShapeDtypeStruct((self.in_features, self.out_features), dtype)
         self.kernel = nnx.Param(value, **metadata)
         self.weight_scale = self.weight_min = self.quant = None

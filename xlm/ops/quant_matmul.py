@@ -18,7 +18,10 @@ XLA's own threads) for every row count of the weight-only schemes. w8a8 up to
 ``W8A8_KERNEL_MAX_ROWS`` rows runs its int8 x int8 variant (AVX2 maddubs/madd, exact int32
 sums per group, as llama.cpp's Q8_0 x Q8_0); beyond, per-token w8a8 takes XLA's int8 x
 int8 dot (faster there: benchmarks/quant_matmul.py) and grouped w8a8 the weight-only
-kernel's GEMM on the rounded activations. fp8 kernels, and any step under a
+kernel's GEMM on the rounded activations. A w8a8 kernel stored in strips (the loader's
+layout for it on CPU without tensor parallelism: xlm.quantization.to_q8_strips, each
+32-column strip one sequential stream) runs the int8 x int8 kernel at every row count;
+the native path turns strips back into ``[in, out]`` first. fp8 kernels, and any step under a
 tensor-parallel mesh (the FFI call has no partitioning rule), take the native path. int4
 kernels run through the kernel's int4 variant, which reads each packed byte once, unpacks
 it in registers and adds the minimums' term itself, at every row count (faster than the
@@ -37,6 +40,7 @@ from xlm.ops.cpu_kernels import available as cpu_kernels_available
 from xlm.ops.cpu_kernels import int4_matmul, int8_matmul, q8_matmul
 from xlm.ops.cpu_kernels import start_build as start_cpu_kernels_build
 from xlm.ops.custom_op import CustomOp
+from xlm.quantization import from_q8_strips
 
 
 def quantize_activations(x: jax.Array, groups: int = 1) -> tuple[jax.Array, jax.Array]:
@@ -92,6 +96,11 @@ class QuantMatmul(CustomOp):
             # the model, so a saved program that calls the kernel loads without tracing.
             start_cpu_kernels_build()
 
+    def runs_cpu_kernel(self) -> bool:
+        """Whether this op dispatches to the CPU kernels (the platform is a CPU and
+        custom_ops leaves the op on): its w8a8 kernels may then be stored in strips."""
+        return self._forward_name == "forward_cpu"
+
     def forward_native(
         self,
         x: jax.Array,
@@ -99,6 +108,8 @@ class QuantMatmul(CustomOp):
         scale: jax.Array,
         minimum: jax.Array | None = None,
     ) -> jax.Array:
+        if kernel.ndim == 4:  # w8a8 in strips (kernel-less fallback): back to [in, out]
+            kernel, scale = from_q8_strips(kernel, scale)
         if kernel.dtype == jnp.uint8:  # int4: fused into the dot's operand by XLA
             kernel = unpack_int4(kernel)
         groups, out = scale.shape
@@ -143,10 +154,15 @@ class QuantMatmul(CustomOp):
         minimum: jax.Array | None = None,
     ) -> jax.Array:
         lead, k = x.shape[:-1], x.shape[-1]
-        rows, groups = math.prod(lead), scale.shape[0]
         w8a8 = self.activations == "int8"
+        if kernel.ndim == 4 and w8a8 and tp_mesh() is None and cpu_kernels_available():
+            # In strips: the int8 x int8 kernel at every row count.
+            xq, xs = quantize_activations(x.reshape(-1, k).astype(jnp.float32), scale.shape[1])
+            return q8_matmul(xq, xs, kernel, scale).astype(x.dtype).reshape(*lead, -1)
+        rows, groups = math.prod(lead), scale.shape[0]
         if (
-            kernel.dtype not in (jnp.int8, jnp.uint8)
+            kernel.ndim == 4
+            or kernel.dtype not in (jnp.int8, jnp.uint8)
             # Per token, many rows: XLA's int8 x int8 dot.
             or (w8a8 and groups == 1 and rows > W8A8_KERNEL_MAX_ROWS)
             or tp_mesh() is not None  # no partitioning rule: XLA would gather the kernel

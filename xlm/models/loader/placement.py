@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlm.distributed.tensor_parallel import logical_shape, to_physical
 from xlm.logger import init_logger
-from xlm.quantization import get_scheme, quantize
+from xlm.quantization import get_scheme, q8_kernel_strips, q8_scale_strips, quantize
 
 logger = init_logger(__name__)
 
@@ -111,14 +111,22 @@ class WeightPlacer:
             kernel, scale, minimum = quantize(
                 value, get_scheme(scheme), group_size=value.shape[0] // groups
             )
-            self._put_physical(path, kernel)
-            self._put_physical(scales, scale)
+            self._put_physical(path, self._stored(path, kernel))
+            self._put_physical(scales, self._stored(scales, scale))
             if min_path(path) in self.variables:  # symmetric: no minimum
                 self._put_physical(
                     min_path(path), np.zeros_like(scale) if minimum is None else minimum
                 )
             return
-        self._put_physical(path, value)
+        self._put_physical(path, self._stored(path, value))
+
+    def _stored(self, path: str, value: np.ndarray) -> np.ndarray:
+        """A quantized kernel or its scales in their stored layout: the CPU kernel's
+        strips where the parameter is kept so (xlm.quantization.q8_kernel_strips)."""
+        var = self.variables[path]
+        if not var.get_metadata().get("q8_strips"):
+            return value
+        return q8_scale_strips(value) if is_scale(var) else q8_kernel_strips(value)
 
     def _put_physical(self, path: str, value: np.ndarray) -> None:
         var = self.variables[path]

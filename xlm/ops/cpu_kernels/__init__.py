@@ -46,6 +46,7 @@ from pallas_kernels.ragged_paged_attention.kv_quant import row_head_dim
 from xlm import disk_cache, envs
 from xlm.logger import init_logger
 from xlm.ops.cpu_kernels import build
+from xlm.quantization import Q8_STRIP_COLS, Q8_STRIP_ROWS, from_q8_strips, q8_strips_fit
 
 logger = init_logger(__name__)
 
@@ -255,8 +256,29 @@ def int4_matmul(
 
 
 def _check_q8_matmul(xq: jax.Array, xscale: jax.Array, w: jax.Array, scale: jax.Array) -> None:
-    _check_int8_matmul(xq, w, scale)
-    groups = scale.shape[0]
+    if w.ndim == 4:  # in strips (xlm.quantization.to_q8_strips)
+        s, b, c, r = w.shape
+        k, n = b * r, s * c
+        if (
+            w.dtype != jnp.int8
+            or (c, r) != (Q8_STRIP_COLS, Q8_STRIP_ROWS)
+            or scale.ndim != 3
+            or scale.shape[0] != s
+            or scale.shape[2] != c
+            or not q8_strips_fit(k, n, scale.shape[1])
+        ):
+            raise ValueError(
+                f"w in strips must be int8 [n / {Q8_STRIP_COLS}, k / {Q8_STRIP_ROWS}, "
+                f"{Q8_STRIP_COLS}, {Q8_STRIP_ROWS}] and scale [n / {Q8_STRIP_COLS}, G, "
+                f"{Q8_STRIP_COLS}] with groups of a multiple of {Q8_STRIP_ROWS} rows; got "
+                f"{w.dtype} {list(w.shape)} and {list(scale.shape)}"
+            )
+        if xq.ndim < 1 or xq.shape[-1] != k:
+            raise ValueError(f"xq must be [..., k] with k={k} (w in strips); got {xq.shape}")
+        groups = scale.shape[1]
+    else:
+        _check_int8_matmul(xq, w, scale)
+        groups = scale.shape[0]
     if xq.dtype != jnp.int8 or xscale.shape != (*xq.shape[:-1], groups):
         raise ValueError(
             f"xq must be int8 [..., k] and xscale [..., G] with G={groups} (scale's); got "
@@ -269,6 +291,8 @@ def q8_matmul_reference(
 ) -> jax.Array:
     """The plain-jnp int8 x int8 matmul: each group's int32 sums times both its scales."""
     _check_q8_matmul(xq, xscale, w, scale)
+    if w.ndim == 4:
+        w, scale = from_q8_strips(w, scale)
     groups, n = scale.shape
     k = w.shape[0]
     xg = xq.reshape(*xq.shape[:-1], groups, k // groups)
@@ -295,13 +319,18 @@ def q8_matmul(
     of 4; `scalar`: the portable loops, as without AVX2). At one row, over wide column
     chunks (a tied LM head), the AVX2 path reads w in bands of 4 rows swept across the
     columns instead of 16-column tiles (`bands=False`: the tiles, for tests and A/B; the
-    results are the same). The jnp reference when the kernel is unavailable."""
+    results are the same). w and scale may be in strips (4-D and 3-D,
+    xlm.quantization.to_q8_strips): each 32-column strip read as one stream, at every row
+    count, with the same results as [k, n]. The jnp reference when the kernel is
+    unavailable."""
     _check_q8_matmul(xq, xscale, w, scale)
     if max_workers < 0:
         raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
     if not available():
         return q8_matmul_reference(xq, xscale, w, scale)
-    k, n = w.shape
+    k = xq.shape[-1]
+    n = w.shape[0] * Q8_STRIP_COLS if w.ndim == 4 else w.shape[1]
+    groups = xscale.shape[-1]
     lead = xq.shape[:-1]
     call = jax.ffi.ffi_call(
         _targets["q8"],
@@ -310,7 +339,7 @@ def q8_matmul(
     )
     y = call(
         xq.reshape(-1, k),
-        xscale.reshape(-1, scale.shape[0]).astype(jnp.float32),
+        xscale.reshape(-1, groups).astype(jnp.float32),
         w,
         scale.astype(jnp.float32),
         max_workers=np.int64(max_workers),

@@ -18,6 +18,16 @@
 // Q8_0; G = 1: per token). Each group's products are summed exactly in int32 (AVX2:
 // maddubs + madd on four rows of w interleaved in registers; a portable loop otherwise or
 // when asked, `scalar`), then scaled by xscale * scale into y.
+// Its weights may come in strips (xlm.quantization.to_q8_strips, the loader's layout for
+// w8a8 on CPU): w s8 [n / 32, k / 4, 32, 4], element [s, b, c, r] = w[4b + r, 32s + c],
+// and scale f32 [n / 32, G, 32]. Each 32-column strip is then one sequential stream (the
+// rows of a group's 4-row blocks already interleaved as maddubs takes them), so that a
+// layer's small projections stream at the read bandwidth and split evenly over threads by
+// strips: on the 2-core dev CPU, SmolLM2's 30 layers of projections at one row took
+// 17.7-20.1 ms in [k, n] tiles and 6.9-8.5 ms in strips (2 threads; a stand-alone chain,
+// RESULTS.md), where the tiles read each of a group's 32 rows 16 bytes at a time. Strips
+// serve every row count: one row sums a strip's 32 columns in registers
+// (q8_strip_row), more rows take the 16-column tiles (q8_tile) over each half strip.
 //
 // XLA converts the whole int8 matrix to float before its dot, which at decode (m of 1 to
 // 8) costs several times the float32 dot itself. Here the int8 bytes are read once and
@@ -86,7 +96,22 @@ struct Problem {
   const float* xscale = nullptr;   // q8: x's scales [m, G], one per row and group of w
   bool scalar = false;             // q8: the portable loops even where AVX2 is built
   bool bands = true;               // q8: bands at one row of x (false: tiles; tests, A/B)
+  bool strips = false;             // q8: w and scale in 32-column strips (see the top)
 };
+
+constexpr int64_t kStripCols = 32;  // columns of one strip of a q8 weight in strips
+constexpr int64_t kStripRows = 4;   // rows of one block of a strip (interleaved bytes)
+
+// w[i, j] and scale[g, j] of a q8 problem in either layout (the portable loops).
+inline int32_t q8_w_at(const Problem& p, int64_t i, int64_t j) {
+  if (!p.strips) return p.w[i * p.n + j];
+  return p.w[(j / kStripCols) * p.k * kStripCols + (i / kStripRows) * kStripRows * kStripCols +
+             (j % kStripCols) * kStripRows + i % kStripRows];
+}
+inline float q8_scale_at(const Problem& p, int64_t g, int64_t j) {
+  if (!p.strips) return p.scale[g * p.n + j];
+  return p.scale[(j / kStripCols) * p.groups * kStripCols + g * kStripCols + j % kStripCols];
+}
 
 constexpr int64_t kTileCols = 64;         // columns of one decode tile (a cache line of w)
 constexpr int64_t kKb = 16;               // rows of w per decode block
@@ -445,12 +470,17 @@ void q8_columns_scalar(const Problem& p, int64_t c0, int64_t c1) {
       std::fill(acc.get(), acc.get() + width, 0);
       for (int64_t i = g * gs; i < (g + 1) * gs; ++i) {
         const int32_t xi = p.xq[r * p.k + i];
-        const int8_t* wr = p.w + i * p.n + c0;
-        for (int64_t j = 0; j < width; ++j) acc[j] += xi * static_cast<int32_t>(wr[j]);
+        if (p.strips) {
+          for (int64_t j = 0; j < width; ++j) acc[j] += xi * q8_w_at(p, i, c0 + j);
+        } else {
+          const int8_t* wr = p.w + i * p.n + c0;
+          for (int64_t j = 0; j < width; ++j) acc[j] += xi * static_cast<int32_t>(wr[j]);
+        }
       }
       const float xs = p.xscale[r * p.groups + g];
-      const float* s = p.scale + g * p.n + c0;
-      for (int64_t j = 0; j < width; ++j) yr[j] += static_cast<float>(acc[j]) * (s[j] * xs);
+      for (int64_t j = 0; j < width; ++j) {
+        yr[j] += static_cast<float>(acc[j]) * (q8_scale_at(p, g, c0 + j) * xs);
+      }
     }
   }
 }
@@ -463,27 +493,37 @@ constexpr int64_t kQ8Cols = 16;  // columns of one q8 tile: two vectors of 8 int
 // of w at a time are interleaved into [column][4 rows] bytes, so that maddubs + madd sum
 // 4 products per column into its int32 lane; maddubs multiplies unsigned by signed bytes,
 // so it gets |w| and x with w's sign (w = -128 reads as 128: still exact).
-template <int MR>
+// kStrips: w and scale in strips, j0 at a strip's column 0 or 16 (its half's 64 bytes of
+// each 128-byte block are the two vectors, already interleaved).
+template <int MR, bool kStrips = false>
 void q8_tile(const Problem& p, int64_t r0, int64_t g, int64_t j0, bool first) {
   const int64_t k = p.k, n = p.n, gs = p.group_size;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[MR][2];
   XLM_UNROLL
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  const int8_t* wr = p.w + g * gs * n + j0;
+  const int64_t strip = j0 / kStripCols, half = j0 % kStripCols;
+  const int8_t* wr = kStrips ? p.w + strip * k * kStripCols + g * gs * kStripCols + half * kStripRows
+                             : p.w + g * gs * n + j0;
+  const int64_t step = kStrips ? kStripRows * kStripCols : 4 * n;
   const int8_t* xr = p.xq + r0 * k + g * gs;
-  for (int64_t i = 0; i < gs; i += 4, wr += 4 * n) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchBytes), _MM_HINT_T0);
-    const __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr));
-    const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + n));
-    const __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 2 * n));
-    const __m128i a3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 3 * n));
-    const __m128i lo01 = _mm_unpacklo_epi8(a0, a1), hi01 = _mm_unpackhi_epi8(a0, a1);
-    const __m128i lo23 = _mm_unpacklo_epi8(a2, a3), hi23 = _mm_unpackhi_epi8(a2, a3);
-    const __m256i w0 = _mm256_set_m128i(_mm_unpackhi_epi16(lo01, lo23),
-                                        _mm_unpacklo_epi16(lo01, lo23));  // columns 0-7
-    const __m256i w1 = _mm256_set_m128i(_mm_unpackhi_epi16(hi01, hi23),
-                                        _mm_unpacklo_epi16(hi01, hi23));  // columns 8-15
+  for (int64_t i = 0; i < gs; i += 4, wr += step) {
+    __m256i w0, w1;  // columns 0-7 and 8-15, 4 rows each
+    if constexpr (kStrips) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + 4 * step), _MM_HINT_T0);
+      w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr));
+      w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32));
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchBytes), _MM_HINT_T0);
+      const __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr));
+      const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + n));
+      const __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 2 * n));
+      const __m128i a3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 3 * n));
+      const __m128i lo01 = _mm_unpacklo_epi8(a0, a1), hi01 = _mm_unpackhi_epi8(a0, a1);
+      const __m128i lo23 = _mm_unpacklo_epi8(a2, a3), hi23 = _mm_unpackhi_epi8(a2, a3);
+      w0 = _mm256_set_m128i(_mm_unpackhi_epi16(lo01, lo23), _mm_unpacklo_epi16(lo01, lo23));
+      w1 = _mm256_set_m128i(_mm_unpackhi_epi16(hi01, hi23), _mm_unpacklo_epi16(hi01, hi23));
+    }
     const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
     XLM_UNROLL
     for (int r = 0; r < MR; ++r) {
@@ -496,7 +536,8 @@ void q8_tile(const Problem& p, int64_t r0, int64_t g, int64_t j0, bool first) {
       acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
     }
   }
-  const float* s = p.scale + g * n + j0;
+  const float* s = kStrips ? p.scale + strip * p.groups * kStripCols + g * kStripCols + half
+                          : p.scale + g * n + j0;
   const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
   XLM_UNROLL
   for (int r = 0; r < MR; ++r) {
@@ -603,10 +644,75 @@ int64_t q8_decode_bands(const Problem& p, int64_t c0, int64_t c1) {
   return c0 + width;
 }
 
+// Row 0 of x over the strip at column j0 (weights in strips): the strip's blocks read in
+// order, one sequential stream, each group's int32 sums and the strip's 32 float sums in
+// registers. The float steps are q8_tile's (y = sums * (scale * xscale) + y per group,
+// from 0), so the results are the same.
+void q8_strip_row(const Problem& p, int64_t j0) {
+  const int64_t strip = j0 / kStripCols, gs = p.group_size;
+  const int8_t* wp = p.w + strip * p.k * kStripCols;
+  const float* sp = p.scale + strip * p.groups * kStripCols;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 y[4];
+  XLM_UNROLL
+  for (int v = 0; v < 4; ++v) y[v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g, sp += kStripCols) {
+    __m256i acc[4];
+    XLM_UNROLL
+    for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_si256();
+    const int8_t* xr = p.xq + g * gs;
+    for (int64_t i = 0; i < gs; i += kStripRows, wp += kStripRows * kStripCols) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + 1024), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + 1024 + 64), _MM_HINT_T0);
+      int32_t four;
+      std::memcpy(&four, xr + i, 4);
+      const __m256i xv = _mm256_set1_epi32(four);
+      XLM_UNROLL
+      for (int v = 0; v < 4; ++v) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * v));
+        const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+        acc[v] = _mm256_add_epi32(acc[v], _mm256_madd_epi16(prod, ones));
+      }
+    }
+    const __m256 xs = _mm256_broadcast_ss(p.xscale + g);
+    XLM_UNROLL
+    for (int v = 0; v < 4; ++v) {
+      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(sp + 8 * v), xs);
+      y[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[v]), scale, y[v]);
+    }
+  }
+  XLM_UNROLL
+  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(p.y + j0 + 8 * v, y[v]);
+}
+
+// Weights in strips, columns [c0, c1) whole strips: strip by strip (each one stream), one
+// row of x in registers, more rows in 16-column tiles of up to 4 rows over each half.
+void q8_strip_columns(const Problem& p, int64_t c0, int64_t c1) {
+  for (int64_t j = c0; j < c1; j += kStripCols) {
+    if (p.m == 1) {
+      q8_strip_row(p, j);
+      continue;
+    }
+    for (int64_t h = j; h < j + kStripCols; h += kQ8Cols) {
+      for (int64_t r = 0; r < p.m; r += 4) {
+        for (int64_t g = 0; g < p.groups; ++g) {
+          switch (std::min<int64_t>(4, p.m - r)) {
+            case 1: q8_tile<1, true>(p, r, g, h, g == 0); break;
+            case 2: q8_tile<2, true>(p, r, g, h, g == 0); break;
+            case 3: q8_tile<3, true>(p, r, g, h, g == 0); break;
+            default: q8_tile<4, true>(p, r, g, h, g == 0); break;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Groups outside (w read as group_size sequential streams, as decode_columns), 16-column
 // tiles of up to 4 rows of x inside; columns past the last whole tile take the portable
 // loops.
 void q8_columns_avx2(const Problem& p, int64_t c0, int64_t c1) {
+  if (p.strips) return q8_strip_columns(p, c0, c1);
   if (p.bands) c0 = q8_decode_bands(p, c0, c1);
   const int64_t whole = c0 + (c1 - c0) / kQ8Cols * kQ8Cols;
   for (int64_t g = 0; g < p.groups; ++g) {
@@ -743,20 +849,29 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
   const std::string shapes = "xq " + shape_str(xd) + ", xscale " + shape_str(xsd) + ", w " +
                              shape_str(wd) + ", scale " + shape_str(sd) + ", y " +
                              shape_str(yd);
-  if (xd.size() != 2 || xsd.size() != 2 || wd.size() != 2 || sd.size() != 2 ||
-      yd.size() != 2) {
-    return ffi::Error::InvalidArgument("xlm_q8_matmul: every operand must be 2-D; got " +
-                                       shapes);
-  }
-  const int64_t m = xd[0], k = xd[1], n = wd[1], groups = sd[0];
-  if (wd[0] != k || sd[1] != n || groups < 1 || k % groups != 0 || xsd[0] != m ||
-      xsd[1] != groups || yd[0] != m || yd[1] != n) {
+  const bool strips = wd.size() == 4;
+  if (xd.size() != 2 || xsd.size() != 2 || yd.size() != 2 ||
+      wd.size() != (strips ? 4 : 2) || sd.size() != (strips ? 3 : 2)) {
     return ffi::Error::InvalidArgument(
-        "xlm_q8_matmul: want xq [m, k], xscale [m, G], w [k, n], scale [G, n] (G dividing "
-        "k), y [m, n]; got " + shapes);
+        "xlm_q8_matmul: xq, xscale and y must be 2-D and w, scale 2-D or in strips (4-D, "
+        "3-D); got " + shapes);
+  }
+  const int64_t m = xd[0], k = xd[1];
+  const int64_t n = strips ? wd[0] * kStripCols : wd[1];
+  const int64_t groups = strips ? sd[1] : sd[0];
+  const bool w_ok = strips ? wd[1] * kStripRows == k && wd[2] == kStripCols &&
+                                 wd[3] == kStripRows && sd[0] == wd[0] && sd[2] == kStripCols
+                           : wd[0] == k && sd[1] == n;
+  if (!w_ok || groups < 1 || k % groups != 0 || xsd[0] != m || xsd[1] != groups ||
+      yd[0] != m || yd[1] != n || (strips && (k / groups) % kStripRows != 0)) {
+    return ffi::Error::InvalidArgument(
+        "xlm_q8_matmul: want xq [m, k], xscale [m, G], w [k, n] and scale [G, n] (G dividing "
+        "k), or in strips w [n / 32, k / 4, 32, 4] and scale [n / 32, G, 32] (groups of a "
+        "multiple of 4 rows), y [m, n]; got " + shapes);
   }
   Problem p{nullptr, w.typed_data(), nullptr, scale.typed_data(), y->typed_data(),
             m,       k,            n,       groups,             k / groups};
+  p.strips = strips;
   p.xq = xq.typed_data();
   p.xscale = xscale.typed_data();
   p.scalar = scalar != 0;
@@ -777,10 +892,11 @@ ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_worker
   // share over. For tall w, chunks about a page of columns wide (a multiple of the
   // workers): every row of a chunk is a page walk, and with 4096 rows narrow chunks cost
   // more in TLB misses than the balancing gains (measured).
+  // Strips: chunks of whole strips, each contiguous (no page walk to bound).
   xlm::RunColumns(
-      pool, n, kTileCols, m * k * n, max_workers,
+      pool, n, p.strips ? kStripCols : kTileCols, m * k * n, max_workers,
       [&p](int64_t c0, int64_t c1) { compute_columns(p, c0, c1); },
-      k >= kTallRows ? kPageTiles : 0);
+      k >= kTallRows && !p.strips ? kPageTiles : 0);
   return ffi::Error::Success();
 }
 
@@ -812,8 +928,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmQ8Matmul, Q8MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()   // xq [m, k]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // xscale [m, G]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [k, n]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [k, n] or in strips
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n] or in strips
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
                                   .Attr<int64_t>("max_workers")  // threads to use; 0: all
                                   .Attr<int64_t>("scalar")       // 1: the portable loops
