@@ -1,6 +1,7 @@
 """Where a decode step's time goes inside XLA:CPU's programs, thunk by thunk.
 
-    python benchmarks/profile_thunks.py [--batch 64] [--steps 16] [--out FILE]
+    python benchmarks/profile_thunks.py [--batch 64] [--steps 16] [--quantization w8a8]
+        [--out FILE]
 
 Runs the built-in model on `--batch` real-text prompts (benchmarks/peers_prompts.txt,
 16-64 tokens, greedy, EOS ignored): the prompts' prefill and a few decode steps first,
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--quantization", default=None, help="e.g. w8a8 (default: float)")
     parser.add_argument("--out", default=None, help="write the table as JSON here")
     args = parser.parse_args()
 
@@ -71,6 +73,7 @@ def main() -> None:
         startup_programs="all",
         enable_prefix_caching=False,
         async_scheduling=False,
+        quantization=args.quantization,
     )
     engine = llm.llm_engine
     runner = engine.engine_core.engine_core.executor.worker.model_runner

@@ -1,4 +1,4 @@
-"""The w8a8 (int8 x int8) kernel at decode: one row's bands against the 16-column tiles.
+"""The w8a8 (int8 x int8) kernel at decode: weights in strips, and [k, n]'s bands and tiles.
 
     python benchmarks/q8_decode.py [--rows 1] [--mib 24] [--repeats 8] [--out FILE]
 
@@ -6,8 +6,9 @@ For each of SmolLM2-135M's weight shapes (the tied LM head [576, 49152] and the 
 projections), one jitted program calls xlm.ops.cpu_kernels.q8_matmul on `copies` distinct
 weight matrices (2 to 256, enough to fill `--mib` MiB) in a dependent chain (each call's
 input depends on the last one's output, so XLA cannot run two at once, as in a decode
-step), groups of 32 rows (w8a8 from float weights). `bands` and `tiles` alternate, on one
-thread and on all of XLA's intra-op threads. Times are per call, the min of the repeats;
+step), groups of 32 rows (w8a8 from float weights). `strips` (the weights in the loader's
+CPU layout, xlm.quantization.q8_kernel_strips), `bands` and `tiles` ([k, n]) alternate, on
+one thread and on all of XLA's intra-op threads. Times are per call, the min of the repeats;
 GB/s = weight bytes / that time. Per call includes the FFI call and the chain's small
 fusion, which is what a step pays per projection.
 """
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlm.ops import cpu_kernels
+from xlm.quantization import q8_kernel_strips, q8_scale_strips
 
 # SmolLM2-135M's tied LM head and projections, then a tiny weight: what a call costs
 # beyond its bytes (the FFI call, the column split, the chain's fusion).
@@ -51,22 +53,28 @@ def main() -> None:
     results = []
     for k, n in SHAPES:
         copies = min(256, max(2, (args.mib << 20) // (k * n)))
-        ws = [jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8)) for _ in range(copies)]
-        scale = jnp.asarray(rng.uniform(0.001, 0.01, (k // 32, n)).astype(np.float32))
+        host = [rng.integers(-127, 128, (k, n), dtype=np.int8) for _ in range(copies)]
+        scale_host = rng.uniform(0.001, 0.01, (k // 32, n)).astype(np.float32)
+        ws, scale = [jnp.asarray(w) for w in host], jnp.asarray(scale_host)
+        inputs = {"tiles": (ws, scale), "bands": (ws, scale)}
+        if n % 32 == 0:
+            strips = [jnp.asarray(np.ascontiguousarray(q8_kernel_strips(w))) for w in host]
+            strip_scale = jnp.asarray(np.ascontiguousarray(q8_scale_strips(scale_host)))
+            inputs["strips"] = (strips, strip_scale)
         xq = jnp.asarray(rng.integers(-127, 128, (args.rows, k), dtype=np.int8))
         xs = jnp.ones((args.rows, k // 32), jnp.float32)
         for workers in (1, 0):
             programs = {
                 path: jax.jit(lambda *a, b=(path == "bands"), w=workers: chain(*a, b, w))
-                for path in ("bands", "tiles")
+                for path in inputs
             }
             times: dict[str, list[float]] = {path: [] for path in programs}
-            for program in programs.values():
-                program(xq, xs, ws, scale).block_until_ready()
+            for path, program in programs.items():
+                program(xq, xs, *inputs[path]).block_until_ready()
             for _ in range(args.repeats):
                 for path, program in programs.items():
                     start = time.perf_counter()
-                    program(xq, xs, ws, scale).block_until_ready()
+                    program(xq, xs, *inputs[path]).block_until_ready()
                     times[path].append(time.perf_counter() - start)
             row = {"k": k, "n": n, "rows": args.rows, "workers": workers or "all"}
             for path, ts in times.items():
@@ -76,8 +84,10 @@ def main() -> None:
             results.append(row)
             print(
                 f"{k:5d}x{n:<6d} rows {args.rows} workers {row['workers']:>3}: "
-                f"bands {row['bands_us']:8.1f} us ({row['bands_gbs']:5.1f} GB/s)  "
-                f"tiles {row['tiles_us']:8.1f} us ({row['tiles_gbs']:5.1f} GB/s)",
+                + "  ".join(
+                    f"{path} {row[f'{path}_us']:8.1f} us ({row[f'{path}_gbs']:5.1f} GB/s)"
+                    for path in times
+                ),
                 flush=True,
             )
     if args.out:

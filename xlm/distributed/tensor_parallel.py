@@ -52,7 +52,7 @@ def kv_head_replicas(num_kv_heads: int, tp: int) -> int:
 
 def logical_shape(shape: tuple[int, ...], metadata: dict[str, Any]) -> tuple[int, ...]:
     """The checkpoint's shape of a parameter stored in `shape` (a w8a8 kernel or its
-    scales stored in the CPU kernel's strips, xlm.quantization.to_q8_strips: [in, out] or
+    scales stored in the CPU kernel's strips, xlm.quantization.q8_kernel_strips: [in, out] or
     [G, out]; only without tensor parallelism)."""
     if metadata.get("q8_strips"):
         if len(shape) == 4:  # kernel [out / 32, in / 4, 32, 4]

@@ -125,7 +125,7 @@ class Linear(nnx.Module):
             has_minimum, rows = True, in_features // 2
         self.quant = QuantMatmul(scheme.activations)
         if self._in_q8_strips(scheme, groups, layout):
-            # The CPU kernel's layout (xlm.quantization.to_q8_strips), made by the loader.
+            # The CPU kernel's layout (xlm.quantization.q8_kernel_strips), made by the loader.
             kernel_shape = (out_features // Q8_STRIP_COLS, in_features // Q8_STRIP_ROWS)
             kernel = unloaded((*kernel_shape, Q8_STRIP_COLS, Q8_STRIP_ROWS), scheme.weight_dtype)
             self.kernel = param(

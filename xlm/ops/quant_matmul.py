@@ -19,7 +19,7 @@ XLA's own threads) for every row count of the weight-only schemes. w8a8 up to
 sums per group, as llama.cpp's Q8_0 x Q8_0); beyond, per-token w8a8 takes XLA's int8 x
 int8 dot (faster there: benchmarks/quant_matmul.py) and grouped w8a8 the weight-only
 kernel's GEMM on the rounded activations. A w8a8 kernel stored in strips (the loader's
-layout for it on CPU without tensor parallelism: xlm.quantization.to_q8_strips, each
+layout for it on CPU without tensor parallelism: xlm.quantization.q8_kernel_strips, each
 32-column strip one sequential stream) runs the int8 x int8 kernel at every row count;
 the native path turns strips back into ``[in, out]`` first. fp8 kernels, and any step under a
 tensor-parallel mesh (the FFI call has no partitioning rule), take the native path. int4

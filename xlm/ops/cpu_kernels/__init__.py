@@ -256,7 +256,7 @@ def int4_matmul(
 
 
 def _check_q8_matmul(xq: jax.Array, xscale: jax.Array, w: jax.Array, scale: jax.Array) -> None:
-    if w.ndim == 4:  # in strips (xlm.quantization.to_q8_strips)
+    if w.ndim == 4:  # in strips (xlm.quantization.q8_kernel_strips)
         s, b, c, r = w.shape
         k, n = b * r, s * c
         if (
@@ -320,7 +320,7 @@ def q8_matmul(
     chunks (a tied LM head), the AVX2 path reads w in bands of 4 rows swept across the
     columns instead of 16-column tiles (`bands=False`: the tiles, for tests and A/B; the
     results are the same). w and scale may be in strips (4-D and 3-D,
-    xlm.quantization.to_q8_strips): each 32-column strip read as one stream, at every row
+    xlm.quantization.q8_kernel_strips): each 32-column strip read as one stream, at every row
     count, with the same results as [k, n]. The jnp reference when the kernel is
     unavailable."""
     _check_q8_matmul(xq, xscale, w, scale)

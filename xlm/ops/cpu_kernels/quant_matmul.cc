@@ -18,16 +18,18 @@
 // Q8_0; G = 1: per token). Each group's products are summed exactly in int32 (AVX2:
 // maddubs + madd on four rows of w interleaved in registers; a portable loop otherwise or
 // when asked, `scalar`), then scaled by xscale * scale into y.
-// Its weights may come in strips (xlm.quantization.to_q8_strips, the loader's layout for
+// Its weights may come in strips (xlm.quantization.q8_kernel_strips, the loader's layout for
 // w8a8 on CPU): w s8 [n / 32, k / 4, 32, 4], element [s, b, c, r] = w[4b + r, 32s + c],
 // and scale f32 [n / 32, G, 32]. Each 32-column strip is then one sequential stream (the
 // rows of a group's 4-row blocks already interleaved as maddubs takes them), so that a
-// layer's small projections stream at the read bandwidth and split evenly over threads by
-// strips: on the 2-core dev CPU, SmolLM2's 30 layers of projections at one row took
-// 17.7-20.1 ms in [k, n] tiles and 6.9-8.5 ms in strips (2 threads; a stand-alone chain,
-// RESULTS.md), where the tiles read each of a group's 32 rows 16 bytes at a time. Strips
-// serve every row count: one row sums a strip's 32 columns in registers
-// (q8_strip_row), more rows take the 16-column tiles (q8_tile) over each half strip.
+// layer's small projections stream closer to the read bandwidth and split evenly over
+// threads by whole strips, where the [k, n] tiles read each of a group's 32 rows 16 bytes
+// at a time. On the 2-core dev CPU, one row, 2 threads, per call in a dependent chain
+// (benchmarks/q8_decode.py, RESULTS.md session 11): SmolLM2's 576 x 3072 317 -> 171 us,
+// 1536 x 576 132 -> 79 us, 576 x 960 96 -> 50 us, 576 x 576 65 -> 37 us; its LM head's
+// shape 2.5 ms in bands -> 2.0 ms. Strips serve every row count: one row sums a strip's 32
+// columns in registers (q8_strip_row), more rows take the 16-column tiles (q8_tile) over
+// each half strip (level with the [k, n] paths at 32-256 rows).
 //
 // XLA converts the whole int8 matrix to float before its dot, which at decode (m of 1 to
 // 8) costs several times the float32 dot itself. Here the int8 bytes are read once and
