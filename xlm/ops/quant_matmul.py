@@ -155,16 +155,12 @@ class QuantMatmul(CustomOp):
     ) -> jax.Array:
         lead, k = x.shape[:-1], x.shape[-1]
         w8a8 = self.activations == "int8"
-        if kernel.ndim == 4 and w8a8 and tp_mesh() is None and cpu_kernels_available():
-            # In strips: the int8 x int8 kernel at every row count.
-            xq, xs = quantize_activations(x.reshape(-1, k).astype(jnp.float32), scale.shape[1])
-            return q8_matmul(xq, xs, kernel, scale).astype(x.dtype).reshape(*lead, -1)
-        rows, groups = math.prod(lead), scale.shape[0]
+        strips = kernel.ndim == 4  # w8a8 in the kernel's strips: [out / 32, G, 32] scales
+        rows, groups = math.prod(lead), scale.shape[1 if strips else 0]
         if (
-            kernel.ndim == 4
-            or kernel.dtype not in (jnp.int8, jnp.uint8)
+            kernel.dtype not in (jnp.int8, jnp.uint8)
             # Per token, many rows: XLA's int8 x int8 dot.
-            or (w8a8 and groups == 1 and rows > W8A8_KERNEL_MAX_ROWS)
+            or (w8a8 and groups == 1 and rows > W8A8_KERNEL_MAX_ROWS and not strips)
             or tp_mesh() is not None  # no partitioning rule: XLA would gather the kernel
             or not cpu_kernels_available()
         ):
@@ -172,7 +168,8 @@ class QuantMatmul(CustomOp):
         x2 = x.reshape(-1, k).astype(jnp.float32)
         if w8a8:
             xq, xs = quantize_activations(x2, groups)
-            if rows <= W8A8_KERNEL_MAX_ROWS:  # int8 x int8, exact int32 sums per group
+            # int8 x int8, exact int32 sums per group; in strips at every row count.
+            if strips or rows <= W8A8_KERNEL_MAX_ROWS:
                 return q8_matmul(xq, xs, kernel, scale).astype(x.dtype).reshape(*lead, -1)
             # More rows in groups: the same rounded activations through the weight-only
             # kernel's GEMM, whose float sums of these products are the same sums.

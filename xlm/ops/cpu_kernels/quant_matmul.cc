@@ -554,6 +554,17 @@ void q8_tile(const Problem& p, int64_t r0, int64_t g, int64_t j0, bool first) {
   }
 }
 
+// q8_tile over rows [r0, r0 + min(4, m - r0)) of x, group g, columns [j0, j0 + 16).
+template <bool kStrips>
+void q8_tile_rows(const Problem& p, int64_t r0, int64_t g, int64_t j0) {
+  switch (std::min<int64_t>(4, p.m - r0)) {
+    case 1: q8_tile<1, kStrips>(p, r0, g, j0, g == 0); break;
+    case 2: q8_tile<2, kStrips>(p, r0, g, j0, g == 0); break;
+    case 3: q8_tile<3, kStrips>(p, r0, g, j0, g == 0); break;
+    default: q8_tile<4, kStrips>(p, r0, g, j0, g == 0); break;
+  }
+}
+
 constexpr int64_t kQ8BandCols = 32;    // columns of one step of a q8 band
 constexpr int64_t kQ8BandMinCols = 2048;  // columns of a chunk from which bands are used
 
@@ -697,14 +708,7 @@ void q8_strip_columns(const Problem& p, int64_t c0, int64_t c1) {
     }
     for (int64_t h = j; h < j + kStripCols; h += kQ8Cols) {
       for (int64_t r = 0; r < p.m; r += 4) {
-        for (int64_t g = 0; g < p.groups; ++g) {
-          switch (std::min<int64_t>(4, p.m - r)) {
-            case 1: q8_tile<1, true>(p, r, g, h, g == 0); break;
-            case 2: q8_tile<2, true>(p, r, g, h, g == 0); break;
-            case 3: q8_tile<3, true>(p, r, g, h, g == 0); break;
-            default: q8_tile<4, true>(p, r, g, h, g == 0); break;
-          }
-        }
+        for (int64_t g = 0; g < p.groups; ++g) q8_tile_rows<true>(p, r, g, h);
       }
     }
   }
@@ -719,14 +723,7 @@ void q8_columns_avx2(const Problem& p, int64_t c0, int64_t c1) {
   const int64_t whole = c0 + (c1 - c0) / kQ8Cols * kQ8Cols;
   for (int64_t g = 0; g < p.groups; ++g) {
     for (int64_t j = c0; j < whole; j += kQ8Cols) {
-      for (int64_t r = 0; r < p.m; r += 4) {
-        switch (std::min<int64_t>(4, p.m - r)) {
-          case 1: q8_tile<1>(p, r, g, j, g == 0); break;
-          case 2: q8_tile<2>(p, r, g, j, g == 0); break;
-          case 3: q8_tile<3>(p, r, g, j, g == 0); break;
-          default: q8_tile<4>(p, r, g, j, g == 0); break;
-        }
-      }
+      for (int64_t r = 0; r < p.m; r += 4) q8_tile_rows<false>(p, r, g, j);
     }
   }
   if (whole < c1) q8_columns_scalar(p, whole, c1);
