@@ -3,14 +3,19 @@
     python benchmarks/q8_decode.py [--rows 1] [--mib 24] [--repeats 8] [--out FILE]
 
 For each of SmolLM2-135M's weight shapes (the tied LM head [576, 49152] and the layers'
-projections), one jitted program calls xlm.ops.cpu_kernels.q8_matmul on `copies` distinct
-weight matrices (2 to 256, enough to fill `--mib` MiB) in a dependent chain (each call's
-input depends on the last one's output, so XLA cannot run two at once, as in a decode
-step), groups of 32 rows (w8a8 from float weights). `strips` (the weights in the loader's
-CPU layout, xlm.quantization.q8_kernel_strips), `bands` and `tiles` ([k, n]) alternate, on
-one thread and on all of XLA's intra-op threads. Times are per call, the min of the repeats;
-GB/s = weight bytes / that time. Per call includes the FFI call and the chain's small
-fusion, which is what a step pays per projection.
+projections), one jitted program multiplies float activations by `copies` distinct weight
+matrices (2 to 256, enough to fill `--mib` MiB) in a dependent chain (each call's input
+depends on the last one's output, so XLA cannot run two at once, as in a decode step),
+groups of 32 rows (w8a8 from float weights). The paths alternate, on one thread and on all
+of XLA's intra-op threads:
+- `linear`: xlm.ops.cpu_kernels.q8_linear on the weights in strips (the loader's CPU layout,
+  xlm.quantization.q8_kernel_strips): the kernel quantizes the activations itself, one
+  call per projection (what a step runs);
+- `strips`: XLA quantizes (cpu_kernels.quantize_activations), then q8_matmul on strips;
+- `bands`, `tiles`: the same on [k, n].
+Times are per call, the min of the repeats; GB/s = weight bytes / that time. Per call
+includes the FFI call and the chain's small fusions, which is what a step pays per
+projection.
 """
 
 from __future__ import annotations
@@ -32,12 +37,18 @@ from xlm.quantization import q8_kernel_strips, q8_scale_strips
 SHAPES = [(576, 49152), (576, 3072), (1536, 576), (576, 960), (576, 576), (32, 64)]
 
 
-def chain(xq, xs, ws, scale, bands: bool, max_workers: int):
+def chain(x, ws, scale, path: str, max_workers: int):
     total = 0.0
     for w in ws:
-        y = cpu_kernels.q8_matmul(xq, xs, w, scale, bands=bands, max_workers=max_workers)
+        if path == "linear":
+            y = cpu_kernels.q8_linear(x, w, scale, max_workers=max_workers)
+        else:
+            xq, xs = cpu_kernels.quantize_activations(x, x.shape[1] // 32)
+            y = cpu_kernels.q8_matmul(
+                xq, xs, w, scale, bands=path == "bands", max_workers=max_workers
+            )
         total = total + y[0, 0]
-        xq = xq + (y[:, :1] > 1e30).astype(jnp.int8)  # a dependency; the values stay
+        x = x + (y[:, :1] > 1e30).astype(x.dtype)  # a dependency; the values stay
     return total
 
 
@@ -60,21 +71,19 @@ def main() -> None:
         if n % 32 == 0:
             strips = [jnp.asarray(np.ascontiguousarray(q8_kernel_strips(w))) for w in host]
             strip_scale = jnp.asarray(np.ascontiguousarray(q8_scale_strips(scale_host)))
-            inputs["strips"] = (strips, strip_scale)
-        xq = jnp.asarray(rng.integers(-127, 128, (args.rows, k), dtype=np.int8))
-        xs = jnp.ones((args.rows, k // 32), jnp.float32)
+            inputs["strips"] = inputs["linear"] = (strips, strip_scale)
+        x = jnp.asarray(rng.standard_normal((args.rows, k)).astype(np.float32))
         for workers in (1, 0):
             programs = {
-                path: jax.jit(lambda *a, b=(path == "bands"), w=workers: chain(*a, b, w))
-                for path in inputs
+                path: jax.jit(lambda *a, p=path, w=workers: chain(*a, p, w)) for path in inputs
             }
             times: dict[str, list[float]] = {path: [] for path in programs}
             for path, program in programs.items():
-                program(xq, xs, *inputs[path]).block_until_ready()
+                program(x, *inputs[path]).block_until_ready()
             for _ in range(args.repeats):
                 for path, program in programs.items():
                     start = time.perf_counter()
-                    program(xq, xs, *inputs[path]).block_until_ready()
+                    program(x, *inputs[path]).block_until_ready()
                     times[path].append(time.perf_counter() - start)
             row = {"k": k, "n": n, "rows": args.rows, "workers": workers or "all"}
             for path, ts in times.items():

@@ -62,15 +62,14 @@ def check_against_reference(base: str, scheme: str) -> xlm.LLM:
     assert np.abs(hf_greedy(reference, prompts[2], 1).logits[0] - first).max() > 1e-3
     # What is stored: 8-bit kernels, one float32 scale per output column; int4: two codes
     # per byte (in * out / 2 bytes), a scale and a minimum per group of inputs; w8a8 on CPU
-    # in the kernel's strips (every projection here fits them; the 8-bit embedding table
-    # and LM head are not projections).
+    # in the kernel's strips (every projection here fits them, the 8-bit embedding table
+    # and LM head too: the lookups gather their rows from the strips).
     params = stored_params(llm)
     scales = {p: v for p, v in params.items() if p.endswith(".weight_scale")}
     assert scales
     for path, scale in scales.items():
         kernel = params[path.removesuffix("weight_scale") + "kernel"]
-        table = "embed" in path or "lm_head" in path or path.endswith("wte.weight_scale")
-        assert (kernel.ndim == 4) == (scheme == "w8a8" and not table), path
+        assert (kernel.ndim == 4) == (scheme == "w8a8"), path
         if kernel.ndim == 4:
             kernel, scale = from_q8_strips(kernel, scale)
         assert kernel.dtype.itemsize == 1 and scale.dtype == np.float32, path

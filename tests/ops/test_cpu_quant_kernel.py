@@ -18,7 +18,12 @@ import numpy as np
 import pytest
 
 from xlm.ops import cpu_kernels
-from xlm.quantization import from_q8_strips, q8_kernel_strips, q8_scale_strips
+from xlm.quantization import (
+    from_q8_strips,
+    q8_kernel_strips,
+    q8_scale_strips,
+    quantize_activations,
+)
 
 rng = np.random.default_rng(0)
 
@@ -189,6 +194,10 @@ FALLBACK = """
     want = np.asarray(op.forward_native(x, w8, s8))
     got = op(x, jnp.asarray(q8_kernel_strips(w8)), jnp.asarray(q8_scale_strips(s8)))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    # q8_linear (float x, quantized by the kernel) is quantize + the jnp reference.
+    ws8, ss8 = jnp.asarray(q8_kernel_strips(w8)), jnp.asarray(q8_scale_strips(s8))
+    y = cpu_kernels.q8_linear(x, ws8, ss8)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     print("fallback ok")
 """
 
@@ -500,6 +509,52 @@ def test_q8_rejects_scales_that_do_not_match() -> None:
         cpu_kernels.q8_matmul(xq, xscale[:, :1], w, scale)
     with pytest.raises(ValueError, match="xq must be int8"):
         cpu_kernels.q8_matmul(xq.astype(np.float32), xscale, w, scale)
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize(
+    "m,k,n,groups",
+    # Blocks of 32 (whole vectors), per token, 25 and 8 rows (tails), 3 groups of 32.
+    [(1, 576, 960, 18), (3, 576, 1536, 1), (4, 100, 40, 4), (2, 64, 64, 8), (5, 96, 64, 3)],
+)
+def test_q8_linear_quantizes_as_the_definition(m, k, n, groups, scalar) -> None:
+    """q8_linear quantizes float x inside the kernel with xlm.quantization's rule bit for
+    bit (an all-zero block keeps scale 1, exact halves round to even, +-127 clips), so it
+    equals q8_matmul of the numpy codes exactly, in [k, n] and in strips."""
+    x = rng.standard_normal((m, k)).astype(np.float32) * 3
+    x[0, : k // groups] = 0.0  # an all-zero block
+    gs = k // groups
+    x[-1, :gs] = np.float32(0.01)
+    x[-1, 0] = np.float32(1.27)  # scale 0.01: codes 1 and 127, ...
+    x[-1, 1:5] = np.float32([0.005, 0.015, -0.025, 0.035])  # ... and halves (to even)
+    xq, xs = quantize_activations(x, groups)
+    _, w, scale = make(m, k, n, groups)
+    want = np.asarray(cpu_kernels.q8_matmul(xq, xs, w, scale, scalar=scalar))
+    kernel = jax.jit(lambda *a: cpu_kernels.q8_linear(*a, scalar=scalar))
+    np.testing.assert_array_equal(np.asarray(kernel(x, w, scale)), want)
+    if gs % 4 == 0 and n % 32 == 0:
+        got = cpu_kernels.q8_linear(x.reshape(1, m, k), *strips_of(w, scale), scalar=scalar)
+        np.testing.assert_array_equal(np.asarray(got)[0], want)
+    # The jnp reference (the kernel-less path): same codes; XLA may round amax / 127 to
+    # within an ulp of the division.
+    ref = np.asarray(
+        cpu_kernels.q8_matmul_reference(*cpu_kernels.quantize_activations(x, groups), w, scale)
+    )
+    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_q8_linear_rejects_what_it_cannot_run() -> None:
+    _, w, scale = make(1, 64, 16, 2)
+    with pytest.raises(ValueError, match="x must be float"):
+        cpu_kernels.q8_linear(np.zeros((1, 64), np.int8), w, scale)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_kernels.q8_linear(np.zeros((1, 60), np.float32), w, scale)
+    call = jax.ffi.ffi_call(
+        cpu_kernels._targets["q8_linear"], jax.ShapeDtypeStruct((1, 16), jnp.float32)
+    )
+    attrs = dict(max_workers=np.int64(0), scalar=np.int64(0), bands=np.int64(1))
+    with pytest.raises(Exception, match=r"xlm_q8_linear: want x \[m, k\]"):
+        call(np.zeros((1, 60), np.float32), w, scale, **attrs).block_until_ready()
 
 
 # Weights in strips (xlm.quantization.q8_kernel_strips: the loader's w8a8 layout on CPU).

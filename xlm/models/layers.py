@@ -75,6 +75,37 @@ def unloaded(shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return jnp.zeros(shape, dtype)
 
 
+def in_q8_strips(quant: Any, scheme: Any, in_features: int, out_features: int, groups: int) -> bool:
+    """Whether a quantized kernel [in, out] is stored in the CPU kernel's strips: int8 x
+    int8 (w8a8) run by the CPU kernel, one device's whole kernel (no tensor-parallel split,
+    under which the layout metadata moves nothing), and a shape the strips fit."""
+    return (
+        scheme.activations == "int8"
+        and quant.runs_cpu_kernel()
+        and tp_size() == 1
+        and q8_strips_fit(in_features, out_features, groups)
+    )
+
+
+def q8_strip_params(
+    in_features: int, out_features: int, groups: int, scheme: Any, layout: dict[str, Any]
+) -> tuple[nnx.Param, Any]:
+    """(kernel, weight_scale) in the CPU kernel's strips (xlm.quantization.q8_kernel_strips),
+    which the loader makes: [out / 32, in / 4, 32, 4] and [out / 32, G, 32], replicated."""
+    cols = out_features // Q8_STRIP_COLS
+    kernel = unloaded(
+        (cols, in_features // Q8_STRIP_ROWS, Q8_STRIP_COLS, Q8_STRIP_ROWS), scheme.weight_dtype
+    )
+    scale = WeightScale(
+        unloaded((cols, groups, Q8_STRIP_COLS), jnp.float32),
+        out_sharding=(None,) * 3,
+        eager_sharding=False,
+        q8_strips=True,
+        **layout,
+    )
+    return param(kernel, (None,) * 4, quantized=scheme.name, q8_strips=True, **layout), scale
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias), kernel [in, out]; column/row-parallel sharding metadata."""
 
@@ -124,19 +155,9 @@ class Linear(nnx.Module):
         if scheme.packed:  # int4: two codes per byte along the input
             has_minimum, rows = True, in_features // 2
         self.quant = QuantMatmul(scheme.activations)
-        if self._in_q8_strips(scheme, groups, layout):
-            # The CPU kernel's layout (xlm.quantization.q8_kernel_strips), made by the loader.
-            kernel_shape = (out_features // Q8_STRIP_COLS, in_features // Q8_STRIP_ROWS)
-            kernel = unloaded((*kernel_shape, Q8_STRIP_COLS, Q8_STRIP_ROWS), scheme.weight_dtype)
-            self.kernel = param(
-                kernel, (None,) * 4, quantized=scheme.name, q8_strips=True, **layout
-            )
-            self.weight_scale = WeightScale(
-                unloaded((out_features // Q8_STRIP_COLS, groups, Q8_STRIP_COLS), jnp.float32),
-                out_sharding=(None,) * 3,
-                eager_sharding=False,
-                q8_strips=True,
-                **layout,
+        if in_q8_strips(self.quant, scheme, in_features, out_features, groups):
+            self.kernel, self.weight_scale = q8_strip_params(
+                in_features, out_features, groups, scheme, layout
             )
             self.weight_min = None
             self.matmul = None
@@ -164,17 +185,6 @@ class Linear(nnx.Module):
             else None
         )
         self.matmul = None
-
-    def _in_q8_strips(self, scheme: Any, groups: int, layout: dict[str, Any]) -> bool:
-        """Whether the kernel is stored in strips: int8 x int8 (w8a8) run by the CPU kernel,
-        one device's whole kernel (no tensor-parallel split, under which the layout
-        metadata moves nothing), and a shape the strips fit."""
-        return (
-            scheme.activations == "int8"
-            and self.quant.runs_cpu_kernel()
-            and tp_size() == 1
-            and q8_strips_fit(self.in_features, self.out_features, groups)
-        )
 
     def _init_lora(self, lora: Any, parallel: Parallel, dtype: Any, layout: dict[str, Any]) -> None:
         """LoRA adapter slots (A and B per slot) and their op; None without LoRA."""
@@ -239,7 +249,9 @@ class VocabEmbedding(nnx.Module):
     as a quantized kernel [hidden, vocab] with scales [G, vocab] (one per vocabulary row,
     or per group of its inputs): a lookup dequantizes the gathered columns, and the LM
     head (`attend`, tied or not) is that kernel's quantized projection, so the table's
-    bytes are read once per step in 8 bits. `quantize=False` keeps it float.
+    bytes are read once per step in 8 bits. w8a8 on the CPU kernel stores it in strips as
+    Linear does (`in_q8_strips`), and a lookup gathers each row from its strip.
+    `quantize=False` keeps it float.
     """
 
     def __init__(
@@ -262,14 +274,20 @@ class VocabEmbedding(nnx.Module):
             matmul = FloatMatmul()
         else:
             groups = weight_groups(embedding_dim, scheme, quant_layout)
-            codes = unloaded((embedding_dim, num_embeddings), scheme.weight_dtype)
-            kernel = param(codes, (None, TP_AXIS), quantized=scheme.name)
-            weight_scale = WeightScale(
-                unloaded((groups, num_embeddings), jnp.float32),
-                out_sharding=(None, TP_AXIS),
-                eager_sharding=False,
-            )
             quant = QuantMatmul(scheme.activations)
+            if in_q8_strips(quant, scheme, embedding_dim, num_embeddings, groups):
+                # The LM head streams in strips too; a lookup gathers its rows from them.
+                kernel, weight_scale = q8_strip_params(
+                    embedding_dim, num_embeddings, groups, scheme, {}
+                )
+            else:
+                codes = unloaded((embedding_dim, num_embeddings), scheme.weight_dtype)
+                kernel = param(codes, (None, TP_AXIS), quantized=scheme.name)
+                weight_scale = WeightScale(
+                    unloaded((groups, num_embeddings), jnp.float32),
+                    out_sharding=(None, TP_AXIS),
+                    eager_sharding=False,
+                )
         self.weight, self.kernel = weight, kernel
         self.weight_scale, self.quant, self.matmul = weight_scale, quant, matmul
 
@@ -285,8 +303,17 @@ class VocabEmbedding(nnx.Module):
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         if self.quant is None:
             return jnp.take(self.weight[...], input_ids, axis=0).astype(self.dtype)
-        columns = jnp.take(self.kernel[...], input_ids, axis=1)  # [hidden, N]
-        scales = jnp.take(self.weight_scale[...], input_ids, axis=1)  # [G, N]
+        kernel, scale = self.kernel[...], self.weight_scale[...]
+        if kernel.ndim == 4:  # in strips: row i of the table is [i // 32, :, i % 32, :]
+            strip, col = input_ids // Q8_STRIP_COLS, input_ids % Q8_STRIP_COLS
+            codes = kernel[strip, :, col, :].reshape(*input_ids.shape, self.embedding_dim)
+            scales = scale[strip, :, col]  # [..., G]
+            groups = scales.shape[-1]
+            rows = codes.reshape(*codes.shape[:-1], groups, -1).astype(jnp.float32)
+            rows = rows * scales[..., None]
+            return rows.reshape(*input_ids.shape, self.embedding_dim).astype(self.dtype)
+        columns = jnp.take(kernel, input_ids, axis=1)  # [hidden, N]
+        scales = jnp.take(scale, input_ids, axis=1)  # [G, N]
         groups, n = scales.shape
         rows = columns.reshape(groups, -1, n).astype(jnp.float32) * scales[:, None, :]
         return rows.reshape(self.embedding_dim, n).T.astype(self.dtype)

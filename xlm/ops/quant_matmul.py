@@ -16,7 +16,8 @@ int8 projection slower than the float32 one it replaces; ``forward_cpu`` runs in
 kernels through xlm.ops.cpu_kernels (an FFI kernel that streams the int8 bytes once, on
 XLA's own threads) for every row count of the weight-only schemes. w8a8 up to
 ``W8A8_KERNEL_MAX_ROWS`` rows runs its int8 x int8 variant (AVX2 maddubs/madd, exact int32
-sums per group, as llama.cpp's Q8_0 x Q8_0); beyond, per-token w8a8 takes XLA's int8 x
+sums per group, as llama.cpp's Q8_0 x Q8_0), which quantizes the activations itself
+(``q8_linear``: one call, no XLA fusion before it); beyond, per-token w8a8 takes XLA's int8 x
 int8 dot (faster there: benchmarks/quant_matmul.py) and grouped w8a8 the weight-only
 kernel's GEMM on the rounded activations. A w8a8 kernel stored in strips (the loader's
 layout for it on CPU without tensor parallelism: xlm.quantization.q8_kernel_strips, each
@@ -37,21 +38,10 @@ import jax.numpy as jnp
 
 from xlm.distributed.mesh import tp_mesh
 from xlm.ops.cpu_kernels import available as cpu_kernels_available
-from xlm.ops.cpu_kernels import int4_matmul, int8_matmul, q8_matmul
+from xlm.ops.cpu_kernels import int4_matmul, int8_matmul, q8_linear, quantize_activations
 from xlm.ops.cpu_kernels import start_build as start_cpu_kernels_build
 from xlm.ops.custom_op import CustomOp
 from xlm.quantization import from_q8_strips
-
-
-def quantize_activations(x: jax.Array, groups: int = 1) -> tuple[jax.Array, jax.Array]:
-    """(int8 x [m, k], float32 scale [m, groups]) per token and each of `groups` equal runs
-    of its inputs, symmetric (xlm.quantization's rule)."""
-    m, k = x.shape
-    blocks = x.astype(jnp.float32).reshape(m, groups, k // groups)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(blocks / scale[:, :, None]), -127, 127).astype(jnp.int8)
-    return q.reshape(m, k), scale
 
 
 def dequantize_activations(xq: jax.Array, scale: jax.Array) -> jax.Array:
@@ -167,10 +157,11 @@ class QuantMatmul(CustomOp):
             return self.forward_native(x, kernel, scale, minimum)
         x2 = x.reshape(-1, k).astype(jnp.float32)
         if w8a8:
-            xq, xs = quantize_activations(x2, groups)
-            # int8 x int8, exact int32 sums per group; in strips at every row count.
+            # int8 x int8, exact int32 sums per group, the kernel quantizing x itself; in
+            # strips at every row count.
             if strips or rows <= W8A8_KERNEL_MAX_ROWS:
-                return q8_matmul(xq, xs, kernel, scale).astype(x.dtype).reshape(*lead, -1)
+                return q8_linear(x2, kernel, scale).astype(x.dtype).reshape(*lead, -1)
+            xq, xs = quantize_activations(x2, groups)
             # More rows in groups: the same rounded activations through the weight-only
             # kernel's GEMM, whose float sums of these products are the same sums.
             x2 = dequantize_activations(xq, xs)

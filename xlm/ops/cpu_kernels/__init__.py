@@ -55,6 +55,7 @@ _KERNELS = {
     "int8": ("quant_matmul.cc", "XlmInt8Matmul"),
     "int4": ("quant_matmul.cc", "XlmInt4Matmul"),
     "q8": ("quant_matmul.cc", "XlmQ8Matmul"),
+    "q8_linear": ("quant_matmul.cc", "XlmQ8Linear"),
     "float": ("float_matmul.cc", "XlmFloatMatmul"),
     "paged_attention": ("paged_attention.cc", "XlmPagedAttention"),
 }
@@ -255,7 +256,10 @@ def int4_matmul(
     return _call("int4", x, 2 * w.shape[0], weights, max_workers)
 
 
-def _check_q8_matmul(xq: jax.Array, xscale: jax.Array, w: jax.Array, scale: jax.Array) -> None:
+def _check_q8_matmul(
+    xq: jax.Array, xscale: jax.Array | None, w: jax.Array, scale: jax.Array
+) -> int:
+    """Checks a q8 problem (xscale None: float x, quantized by the kernel); its groups G."""
     if w.ndim == 4:  # in strips (xlm.quantization.q8_kernel_strips)
         s, b, c, r = w.shape
         k, n = b * r, s * c
@@ -279,11 +283,27 @@ def _check_q8_matmul(xq: jax.Array, xscale: jax.Array, w: jax.Array, scale: jax.
     else:
         _check_int8_matmul(xq, w, scale)
         groups = scale.shape[0]
-    if xq.dtype != jnp.int8 or xscale.shape != (*xq.shape[:-1], groups):
+    if xscale is None:
+        if not jnp.issubdtype(xq.dtype, jnp.floating):
+            raise ValueError(f"x must be float [..., k]; got {xq.dtype} {list(xq.shape)}")
+    elif xq.dtype != jnp.int8 or xscale.shape != (*xq.shape[:-1], groups):
         raise ValueError(
             f"xq must be int8 [..., k] and xscale [..., G] with G={groups} (scale's); got "
             f"{xq.dtype} {list(xq.shape)} and {list(xscale.shape)}"
         )
+    return groups
+
+
+def quantize_activations(x: jax.Array, groups: int = 1) -> tuple[jax.Array, jax.Array]:
+    """(int8 x [m, k], float32 scale [m, groups]) per token and each of `groups` equal runs
+    of its inputs, symmetric (xlm.quantization's rule; `q8_linear`'s kernel does the same
+    float32 steps itself)."""
+    m, k = x.shape
+    blocks = x.astype(jnp.float32).reshape(m, groups, k // groups)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(blocks / scale[:, :, None]), -127, 127).astype(jnp.int8)
+    return q.reshape(m, k), scale
 
 
 def q8_matmul_reference(
@@ -340,6 +360,44 @@ def q8_matmul(
     y = call(
         xq.reshape(-1, k),
         xscale.reshape(-1, groups).astype(jnp.float32),
+        w,
+        scale.astype(jnp.float32),
+        max_workers=np.int64(max_workers),
+        scalar=np.int64(scalar),
+        bands=np.int64(bands),
+    )
+    return y.reshape(*lead, n)
+
+
+def q8_linear(
+    x: jax.Array,
+    w: jax.Array,
+    scale: jax.Array,
+    *,
+    max_workers: int = 0,
+    scalar: bool = False,
+    bands: bool = True,
+) -> jax.Array:
+    """`q8_matmul` of float activations x [..., k]: the kernel quantizes each row and group
+    of the weight's G first (`quantize_activations`' rule, the same codes and scales bit for
+    bit), so a w8a8 projection is one call in the program. The jnp reference (quantize,
+    then `q8_matmul_reference`) when the kernel is unavailable."""
+    groups = _check_q8_matmul(x, None, w, scale)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    if max_workers < 0:
+        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    if not available():
+        y = q8_matmul_reference(*quantize_activations(x2, groups), w, scale)
+        return y.reshape(*lead, -1)
+    n = w.shape[0] * Q8_STRIP_COLS if w.ndim == 4 else w.shape[1]
+    call = jax.ffi.ffi_call(
+        _targets["q8_linear"],
+        jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+        vmap_method="sequential",
+    )
+    y = call(
+        x2,
         w,
         scale.astype(jnp.float32),
         max_workers=np.int64(max_workers),

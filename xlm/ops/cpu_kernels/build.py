@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 # The C++ sources, one library holds them all; and the headers they include.
 SOURCES = ("quant_matmul.cc", "float_matmul.cc", "paged_attention.cc")
-HEADERS = ("column_split.h",)
+HEADERS = ("column_split.h", "ffi_shapes.h")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 # The installed library's name: PREBUILT_PREFIX + key (+ the interpreter's extension suffix).
 PREBUILT_PREFIX = "prebuilt_"

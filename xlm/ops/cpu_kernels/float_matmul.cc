@@ -23,6 +23,7 @@
 #include <string>
 
 #include "column_split.h"
+#include "ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -452,26 +453,23 @@ void avx2_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
 
 #endif  // XLM_HAVE_AVX2
 
-std::string shape_str(const ffi::AnyBuffer::Dimensions& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
+using xlm::shape_str;
 
 ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                            ffi::ResultBuffer<ffi::F32> y, int64_t max_workers, int64_t scalar,
                            int64_t transposed) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  const std::string shapes =
-      "x " + shape_str(xd) + ", w " + shape_str(wd) + ", y " + shape_str(yd);
+  auto shapes = [&] {
+    return "x " + shape_str(xd) + ", w " + shape_str(wd) + ", y " + shape_str(yd);
+  };
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("xlm_float_matmul: x, w and y must be 2-D; got " + shapes);
+    return ffi::Error::InvalidArgument("xlm_float_matmul: x, w and y must be 2-D; got " + shapes());
   }
   const int64_t m = xd[0], k = xd[1], n = transposed ? wd[0] : wd[1];
   if ((transposed ? wd[1] : wd[0]) != k || yd[0] != m || yd[1] != n) {
     return ffi::Error::InvalidArgument(
         std::string("xlm_float_matmul: want x [m, k], w ") +
-        (transposed ? "[n, k]" : "[k, n]") + ", y [m, n]; got " + shapes);
+        (transposed ? "[n, k]" : "[k, n]") + ", y [m, n]; got " + shapes());
   }
   WType type;
   switch (w.element_type()) {

@@ -34,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -435,11 +436,7 @@ inline void cpu_relax() {
 #endif
 }
 
-std::string shape_str(const ffi::AnyBuffer::Dimensions& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
+using xlm::shape_str;
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> block_tables,
@@ -448,8 +445,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               float sm_scale, int64_t sliding_window, float soft_cap,
                               int64_t max_workers) {
   const auto qd = q.dimensions(), cd = cache.dimensions(), bd = block_tables.dimensions();
-  const std::string shapes = "q " + shape_str(qd) + ", kv_cache " + shape_str(cd) +
-                             ", block_tables " + shape_str(bd);
+  auto shapes = [&] {
+    return "q " + shape_str(qd) + ", kv_cache " + shape_str(cd) + ", block_tables " +
+           shape_str(bd);
+  };
   CacheType type;
   int64_t elem_bytes = 1, extra = 0;  // extra: elements after head_dim in a row
   switch (cache.element_type()) {
@@ -474,18 +473,18 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     default:
       return ffi::Error::InvalidArgument(
           "xlm_paged_attention: kv_cache must be float32, bfloat16, float8_e4m3fn, "
-          "float8_e5m2 or int8 (rows with their scale); got " + shapes);
+          "float8_e5m2 or int8 (rows with their scale); got " + shapes());
   }
   if (qd.size() != 3 || cd.size() != 5 || bd.size() != 2 || cd[0] != 2 ||
       cd[4] != qd[2] + extra || cd[3] < 1 || qd[1] % cd[3] != 0) {
-    return ffi::Error::InvalidArgument("xlm_paged_attention: bad shapes: " + shapes);
+    return ffi::Error::InvalidArgument("xlm_paged_attention: bad shapes: " + shapes());
   }
   const int64_t num_reqs = bd[0];
   if (seq_lens.element_count() != static_cast<size_t>(num_reqs) ||
       qsl.element_count() != static_cast<size_t>(num_reqs + 1) || num_seqs.element_count() != 1) {
     return ffi::Error::InvalidArgument(
         "xlm_paged_attention: seq_lens [R], query_start_loc [R + 1] and num_seqs [1] must "
-        "match block_tables [R, max_blocks]; got " + shapes);
+        "match block_tables [R, max_blocks]; got " + shapes());
   }
   Problem p{q.typed_data(), cache.untyped_data(), type, cd[4], elem_bytes,
             block_tables.typed_data(), seq_lens.typed_data(), qsl.typed_data(),
@@ -493,12 +492,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
             sliding_window, soft_cap};
   const int64_t group = p.num_q_heads / p.num_kv_heads;
   if (p.block_size > kMaxPage) {
-    return ffi::Error::InvalidArgument("xlm_paged_attention: block_size above 256: " + shapes);
+    return ffi::Error::InvalidArgument("xlm_paged_attention: block_size above 256: " + shapes());
   }
   const int64_t row_tile = std::max<int64_t>(1, std::min(kRowTile, kMaxGroupRows / group));
   if (group > kMaxGroupRows) {
     return ffi::Error::InvalidArgument("xlm_paged_attention: more than 64 query heads per KV "
-                                       "head: " + shapes);
+                                       "head: " + shapes());
   }
   const int64_t reqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, num_reqs);
   const int64_t real_tokens = std::clamp<int64_t>(p.qsl[reqs], 0, p.num_tokens);

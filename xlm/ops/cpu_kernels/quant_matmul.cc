@@ -18,6 +18,11 @@
 // Q8_0; G = 1: per token). Each group's products are summed exactly in int32 (AVX2:
 // maddubs + madd on four rows of w interleaved in registers; a portable loop otherwise or
 // when asked, `scalar`), then scaled by xscale * scale into y.
+// XlmQ8Linear is the same matmul from float32 x [m, k]: the kernel quantizes each row and
+// group itself (xlm.ops.cpu_kernels.quantize_activations' rule, bit for bit: scale = amax /
+// 127, or 1 where amax is 0; codes = round-half-even(x / scale) clipped to +-127) before the
+// columns are split, so that a w8a8 projection in a step is one call rather than an XLA
+// quantization fusion and a call (SmolLM2 w8a8: ~180 of each a decode step).
 // Its weights may come in strips (xlm.quantization.q8_kernel_strips, the loader's layout for
 // w8a8 on CPU): w s8 [n / 32, k / 4, 32, 4], element [s, b, c, r] = w[4b + r, 32s + c],
 // and scale f32 [n / 32, G, 32]. Each 32-column strip is then one sequential stream (the
@@ -53,6 +58,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -61,6 +67,7 @@
 #include <vector>
 
 #include "column_split.h"
+#include "ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -760,11 +767,65 @@ constexpr int64_t kTallRows = 1024;  // from this many rows, chunks of about a p
 constexpr int64_t kPageTiles = 4096 / kTileCols;
 
 
-std::string shape_str(const ffi::AnyBuffer::Dimensions& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
+// x [m, k] -> codes xq [m, k] and scales xs [m, groups]: per row and group, scale = amax /
+// 127 (1 where amax is 0) and code = round-half-even(x / scale) clipped to [-127, 127], the
+// float32 steps of quantize_activations (division, not a reciprocal: bit for bit).
+// `simd` false: the portable loops only (tests; the same codes).
+void quantize_rows(const float* x, int64_t m, int64_t k, int64_t groups, int8_t* xq,
+                   float* xs, bool simd) {
+  const int64_t gs = k / groups;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xr = x + r * k + g * gs;
+      int8_t* qr = xq + r * k + g * gs;
+      int64_t i = 0;
+      float amax = 0.0f;
+#if XLM_HAVE_AVX2
+      const int64_t vec_end = simd ? gs : 0;
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 vmax = _mm256_setzero_ps();
+      for (; i + 8 <= vec_end; i += 8) {
+        vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + i)));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmax);
+      for (float v : lanes) amax = std::max(amax, v);
+#else
+      (void)simd;
+#endif
+      for (; i < gs; ++i) amax = std::max(amax, std::fabs(xr[i]));
+      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+      xs[r * groups + g] = scale;
+      i = 0;
+#if XLM_HAVE_AVX2
+      // 32 codes at a time: divide, round, clip, then narrow int32 -> int8 (the two packs
+      // interleave the 128-bit lanes; the permutation puts the 8 dwords back in order).
+      const __m256 vs = _mm256_set1_ps(scale), hi = _mm256_set1_ps(127.0f);
+      const __m256 lo = _mm256_set1_ps(-127.0f);
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      for (; i + 32 <= vec_end; i += 32) {
+        __m256i q[4];
+        XLM_UNROLL
+        for (int v = 0; v < 4; ++v) {
+          __m256 t = _mm256_div_ps(_mm256_loadu_ps(xr + i + 8 * v), vs);
+          t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          q[v] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, lo), hi));
+        }
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                  _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + i),
+                            _mm256_permutevar8x32_epi32(packed, order));
+      }
+#endif
+      for (; i < gs; ++i) {
+        const float t = std::nearbyint(xr[i] / scale);
+        qr[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, t)));
+      }
+    }
+  }
 }
+
+using xlm::shape_str;
 
 // Checks the shapes (w: `rows_per_byte_row` rows of the logical [k, n] per stored row)
 // and fills p's sizes and pointers but w's; `name` prefixes the errors.
@@ -774,26 +835,29 @@ ffi::Error MakeProblem(const char* name, ffi::Buffer<ffi::F32>& x,
                        Problem* p) {
   const auto xd = x.dimensions(), sd = scale.dimensions();
   const auto yd = y->dimensions();
-  const std::string shapes = "x " + shape_str(xd) + ", w " + shape_str(wd) + ", scale " +
-                             shape_str(sd) + ", y " + shape_str(yd);
-  const std::string prefix = std::string(name) + ": ";
+  // Built only on failure.
+  auto shapes = [&] {
+    return "x " + shape_str(xd) + ", w " + shape_str(wd) + ", scale " + shape_str(sd) +
+           ", y " + shape_str(yd);
+  };
+  auto prefix = [name] { return std::string(name) + ": "; };
   if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument(prefix + "x, w, scale and y must be 2-D; got " + shapes);
+    return ffi::Error::InvalidArgument(prefix() + "x, w, scale and y must be 2-D; got " + shapes());
   }
   const int64_t m = xd[0], k = xd[1], n = wd[1], groups = sd[0];
   if (wd[0] * rows_per_byte_row != k) {
     return ffi::Error::InvalidArgument(
-        prefix + (rows_per_byte_row == 1 ? "x [m, k] and w [k, n] disagree on k; got "
+        prefix() + (rows_per_byte_row == 1 ? "x [m, k] and w [k, n] disagree on k; got "
                                          : "x [m, k] and w [k / 2, n] disagree on k; got ") +
-        shapes);
+        shapes());
   }
   if (sd[1] != n || groups < 1 || k % groups != 0 || (k / groups) % rows_per_byte_row != 0) {
     return ffi::Error::InvalidArgument(
-        prefix + "scale must be [G, n] with G >= 1 dividing k (int4: into even groups); got " +
-        shapes);
+        prefix() + "scale must be [G, n] with G >= 1 dividing k (int4: into even groups); got " +
+        shapes());
   }
   if (yd[0] != m || yd[1] != n) {
-    return ffi::Error::InvalidArgument(prefix + "y must be [m, n]; got " + shapes);
+    return ffi::Error::InvalidArgument(prefix() + "y must be [m, n]; got " + shapes());
   }
   *p = Problem{x.typed_data(), nullptr, nullptr, scale.typed_data(), y->typed_data(),
                m,             k,       n,       groups,             k / groups};
@@ -839,21 +903,25 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return RunMatmul(pool, p, max_workers);
 }
 
-ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
-                        ffi::Buffer<ffi::F32> xscale, ffi::Buffer<ffi::S8> w,
-                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
-                        int64_t max_workers, int64_t scalar, int64_t bands) {
-  const auto xd = xq.dimensions(), xsd = xscale.dimensions(), wd = w.dimensions();
-  const auto sd = scale.dimensions(), yd = y->dimensions();
-  const std::string shapes = "xq " + shape_str(xd) + ", xscale " + shape_str(xsd) + ", w " +
-                             shape_str(wd) + ", scale " + shape_str(sd) + ", y " +
-                             shape_str(yd);
+// Checks a q8 problem's shapes (x [m, k] of either kind; xscale [m, G] when given) and
+// fills p's sizes and w, scale, y. The error strings are built only on failure (a decode
+// step makes ~180 of these calls).
+ffi::Error MakeQ8Problem(const char* name, const ffi::AnyBuffer::Dimensions& xd,
+                         const ffi::AnyBuffer::Dimensions* xsd, ffi::Buffer<ffi::S8>& w,
+                         ffi::Buffer<ffi::F32>& scale, ffi::ResultBuffer<ffi::F32>& y,
+                         Problem* p) {
+  const auto wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  auto shapes = [&] {
+    return std::string(xsd ? "xq " : "x ") + shape_str(xd) +
+           (xsd ? ", xscale " + shape_str(*xsd) : std::string()) + ", w " + shape_str(wd) +
+           ", scale " + shape_str(sd) + ", y " + shape_str(yd);
+  };
   const bool strips = wd.size() == 4;
-  if (xd.size() != 2 || xsd.size() != 2 || yd.size() != 2 ||
+  if (xd.size() != 2 || (xsd && xsd->size() != 2) || yd.size() != 2 ||
       wd.size() != (strips ? 4 : 2) || sd.size() != (strips ? 3 : 2)) {
     return ffi::Error::InvalidArgument(
-        "xlm_q8_matmul: xq, xscale and y must be 2-D and w, scale 2-D or in strips (4-D, "
-        "3-D); got " + shapes);
+        std::string(name) + ": x" + (xsd ? "q, xscale" : "") +
+        " and y must be 2-D and w, scale 2-D or in strips (4-D, 3-D); got " + shapes());
   }
   const int64_t m = xd[0], k = xd[1];
   const int64_t n = strips ? wd[0] * kStripCols : wd[1];
@@ -861,18 +929,48 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
   const bool w_ok = strips ? wd[1] * kStripRows == k && wd[2] == kStripCols &&
                                  wd[3] == kStripRows && sd[0] == wd[0] && sd[2] == kStripCols
                            : wd[0] == k && sd[1] == n;
-  if (!w_ok || groups < 1 || k % groups != 0 || xsd[0] != m || xsd[1] != groups ||
+  if (!w_ok || groups < 1 || k % groups != 0 || (xsd && ((*xsd)[0] != m || (*xsd)[1] != groups)) ||
       yd[0] != m || yd[1] != n || (strips && (k / groups) % kStripRows != 0)) {
     return ffi::Error::InvalidArgument(
-        "xlm_q8_matmul: want xq [m, k], xscale [m, G], w [k, n] and scale [G, n] (G dividing "
-        "k), or in strips w [n / 32, k / 4, 32, 4] and scale [n / 32, G, 32] (groups of a "
-        "multiple of 4 rows), y [m, n]; got " + shapes);
+        std::string(name) + ": want x" + (xsd ? "q [m, k], xscale [m, G]" : " [m, k]") +
+        ", w [k, n] and scale [G, n] (G dividing k), or in strips w [n / 32, k / 4, 32, 4] "
+        "and scale [n / 32, G, 32] (groups of a multiple of 4 rows), y [m, n]; got " +
+        shapes());
   }
-  Problem p{nullptr, w.typed_data(), nullptr, scale.typed_data(), y->typed_data(),
-            m,       k,            n,       groups,             k / groups};
-  p.strips = strips;
+  *p = Problem{nullptr, w.typed_data(), nullptr, scale.typed_data(), y->typed_data(),
+               m,       k,            n,       groups,             k / groups};
+  p->strips = strips;
+  return ffi::Error::Success();
+}
+
+ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
+                        ffi::Buffer<ffi::F32> xscale, ffi::Buffer<ffi::S8> w,
+                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
+                        int64_t max_workers, int64_t scalar, int64_t bands) {
+  const auto xsd = xscale.dimensions();
+  Problem p;
+  ffi::Error error = MakeQ8Problem("xlm_q8_matmul", xq.dimensions(), &xsd, w, scale, y, &p);
+  if (error.failure()) return error;
   p.xq = xq.typed_data();
   p.xscale = xscale.typed_data();
+  p.scalar = scalar != 0;
+  p.bands = bands != 0;
+  return RunMatmul(pool, p, max_workers);
+}
+
+ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
+                        int64_t max_workers, int64_t scalar, int64_t bands) {
+  Problem p;
+  ffi::Error error = MakeQ8Problem("xlm_q8_linear", x.dimensions(), nullptr, w, scale, y, &p);
+  if (error.failure()) return error;
+  // Quantized on the calling thread before the columns are split (m * k steps; each
+  // worker reads all of it). Heap buffers: a call is reentrant on any thread.
+  std::unique_ptr<int8_t[]> xq(new int8_t[std::max<int64_t>(1, p.m * p.k)]);
+  std::unique_ptr<float[]> xs(new float[std::max<int64_t>(1, p.m * p.groups)]);
+  quantize_rows(x.typed_data(), p.m, p.k, p.groups, xq.get(), xs.get(), scalar == 0);
+  p.xq = xq.get();
+  p.xscale = xs.get();
   p.scalar = scalar != 0;
   p.bands = bands != 0;
   return RunMatmul(pool, p, max_workers);
@@ -927,6 +1025,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmQ8Matmul, Q8MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()   // xq [m, k]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // xscale [m, G]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [k, n] or in strips
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n] or in strips
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
+                                  .Attr<int64_t>("max_workers")  // threads to use; 0: all
+                                  .Attr<int64_t>("scalar")       // 1: the portable loops
+                                  .Attr<int64_t>("bands")        // 0: the tiles at one row too
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmQ8Linear, Q8LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [m, k], quantized here
                                   .Arg<ffi::Buffer<ffi::S8>>()   // w [k, n] or in strips
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n] or in strips
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
