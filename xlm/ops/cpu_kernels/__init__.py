@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
-import math
 import threading
 from pathlib import Path
 
@@ -148,6 +147,11 @@ def cache_key(key: str, compiler: str, version: str) -> str:
     return disk_cache.cache_key(key, jax.__version__, compiler, version, length=24)
 
 
+def _check_workers(max_workers: int) -> None:
+    if max_workers < 0:
+        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+
+
 def _check_int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
     if w.ndim != 2 or w.dtype != jnp.int8:
         raise ValueError(f"w must be int8 [k, n]; got {w.dtype} {list(w.shape)}")
@@ -183,8 +187,7 @@ def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, max_workers: in
     of XLA's intra-op pool (0: all); the jnp reference when the kernel is unavailable.
     """
     _check_int8_matmul(x, w, scale)
-    if max_workers < 0:
-        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    _check_workers(max_workers)
     if not available():
         return int8_matmul_reference(x, w, scale)
     k, n = w.shape
@@ -247,8 +250,7 @@ def int4_matmul(
     (in [0, 15]); scale and minimum [G, n] (None: zeros), groups of an even number of rows.
     Each byte is read once and unpacked in registers."""
     _check_int4_matmul(x, w, scale, minimum)
-    if max_workers < 0:
-        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    _check_workers(max_workers)
     if not available():
         return int4_matmul_reference(x, w, scale, minimum)
     minimum = jnp.zeros(scale.shape, jnp.float32) if minimum is None else minimum
@@ -343,30 +345,13 @@ def q8_matmul(
     xlm.quantization.q8_kernel_strips): each 32-column strip read as one stream, at every row
     count, with the same results as [k, n]. The jnp reference when the kernel is
     unavailable."""
-    _check_q8_matmul(xq, xscale, w, scale)
-    if max_workers < 0:
-        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    groups = _check_q8_matmul(xq, xscale, w, scale)
+    _check_workers(max_workers)
     if not available():
         return q8_matmul_reference(xq, xscale, w, scale)
-    k = xq.shape[-1]
-    n = w.shape[0] * Q8_STRIP_COLS if w.ndim == 4 else w.shape[1]
-    groups = xscale.shape[-1]
-    lead = xq.shape[:-1]
-    call = jax.ffi.ffi_call(
-        _targets["q8"],
-        jax.ShapeDtypeStruct((math.prod(lead), n), jnp.float32),
-        vmap_method="sequential",
-    )
-    y = call(
-        xq.reshape(-1, k),
-        xscale.reshape(-1, groups).astype(jnp.float32),
-        w,
-        scale.astype(jnp.float32),
-        max_workers=np.int64(max_workers),
-        scalar=np.int64(scalar),
-        bands=np.int64(bands),
-    )
-    return y.reshape(*lead, n)
+    lead, k = xq.shape[:-1], xq.shape[-1]
+    xs = xscale.reshape(-1, groups).astype(jnp.float32)
+    return _q8_call("q8", (xq.reshape(-1, k), xs), w, scale, max_workers, scalar, bands, lead)
 
 
 def q8_linear(
@@ -385,19 +370,32 @@ def q8_linear(
     groups = _check_q8_matmul(x, None, w, scale)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    if max_workers < 0:
-        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    _check_workers(max_workers)
     if not available():
         y = q8_matmul_reference(*quantize_activations(x2, groups), w, scale)
         return y.reshape(*lead, -1)
+    return _q8_call("q8_linear", (x2,), w, scale, max_workers, scalar, bands, lead)
+
+
+def _q8_call(
+    kind: str,
+    x_args: tuple[jax.Array, ...],
+    w: jax.Array,
+    scale: jax.Array,
+    max_workers: int,
+    scalar: bool,
+    bands: bool,
+    lead: tuple[int, ...],
+) -> jax.Array:
+    """The q8 FFI target `kind` on x's arguments ([rows, ...] each), w and scale."""
     n = w.shape[0] * Q8_STRIP_COLS if w.ndim == 4 else w.shape[1]
     call = jax.ffi.ffi_call(
-        _targets["q8_linear"],
-        jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+        _targets[kind],
+        jax.ShapeDtypeStruct((x_args[0].shape[0], n), jnp.float32),
         vmap_method="sequential",
     )
     y = call(
-        x2,
+        *x_args,
         w,
         scale.astype(jnp.float32),
         max_workers=np.int64(max_workers),
@@ -448,8 +446,7 @@ def float_matmul(
     (decode) kernel. `scalar`: the portable loops, as without AVX2/FMA/F16C. The jnp
     reference when the kernel is unavailable."""
     _check_float_matmul(x, w, transposed)
-    if max_workers < 0:
-        raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
+    _check_workers(max_workers)
     if not available():
         return float_matmul_reference(x, w, transposed=transposed)
     k = x.shape[-1]
