@@ -4,7 +4,7 @@
 
 For each of SmolLM2-135M's weight shapes (the tied LM head [576, 49152] and the layers'
 projections), one jitted program multiplies float activations by `copies` distinct weight
-matrices (2 to 256, enough to fill `--mib` MiB) in a dependent chain (each call's input
+matrices (2 to 128, enough to fill `--mib` MiB) in a dependent chain (each call's input
 depends on the last one's output, so XLA cannot run two at once, as in a decode step),
 groups of 32 rows (w8a8 from float weights). The paths alternate, on one thread and on all
 of XLA's intra-op threads:
@@ -63,7 +63,7 @@ def main() -> None:
     load_before = os.getloadavg()
     results = []
     for k, n in SHAPES:
-        copies = min(256, max(2, (args.mib << 20) // (k * n)))
+        copies = min(128, max(2, (args.mib << 20) // (k * n)))
         host = [rng.integers(-127, 128, (k, n), dtype=np.int8) for _ in range(copies)]
         scale_host = rng.uniform(0.001, 0.01, (k // 32, n)).astype(np.float32)
         ws, scale = [jnp.asarray(w) for w in host], jnp.asarray(scale_host)

@@ -72,6 +72,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Load the CPU kernel library the package build made (when its key matches this
     # runtime's); 0 always uses the one built at run time (into XLM_CACHE_ROOT).
     "XLM_CPU_KERNELS_PREBUILT": _get_bool("XLM_CPU_KERNELS_PREBUILT", True),
+    # Microseconds the CPU kernels' own helper threads spin after a small (decode) call
+    # before sleeping (xlm/ops/cpu_kernels/column_split.h; the library reads it itself at
+    # its first split); 0: every split wakes XLA's intra-op pool instead.
+    "XLM_CPU_SPIN_US": _get_float("XLM_CPU_SPIN_US", 200.0),
     # Directory holding the ipc:// socket files of the engine's ZeroMQ sockets.
     "XLM_RPC_BASE_PATH": lambda: os.environ.get("XLM_RPC_BASE_PATH", "/tmp"),
     # Seconds the engine-core client waits for the engine process to start.

@@ -557,6 +557,58 @@ def test_q8_linear_rejects_what_it_cannot_run() -> None:
         call(np.zeros((1, 60), np.float32), w, scale, **attrs).block_until_ready()
 
 
+def _spin_case() -> tuple[np.ndarray, ...]:
+    """One row through a projection big enough to split over two threads."""
+    case = np.random.default_rng(5)
+    x = case.standard_normal((1, 576)).astype(np.float32)
+    w = case.integers(-128, 128, (576, 960), dtype=np.int8)
+    scale = case.uniform(0.001, 0.02, (18, 960)).astype(np.float32)
+    return x, q8_kernel_strips(w), q8_scale_strips(scale)
+
+
+SPIN_OFF = """
+    import sys
+    import numpy as np
+    from xlm.ops import cpu_kernels
+    sys.path.insert(0, {tests!r})
+    from test_cpu_quant_kernel import _spin_case
+    assert cpu_kernels.available()
+    np.save({out!r}, np.asarray(cpu_kernels.q8_linear(*_spin_case(), max_workers=2)))
+"""
+
+
+def test_spinning_helpers_change_no_result(tmp_path) -> None:
+    """Small calls split over the kernels' own spinning helpers (column_split.h), others
+    and XLM_CPU_SPIN_US=0 over XLA's pool: the same chunks, the same results bit for bit,
+    also with calls from several threads at once (one holds the helpers, the others take
+    the pool)."""
+    x, ws, ss = _spin_case()
+    kernel = jax.jit(lambda a: cpu_kernels.q8_linear(a, ws, ss, max_workers=2))
+    want = np.asarray(kernel(x))
+    code = SPIN_OFF.format(tests=str(Path(__file__).parent), out=str(tmp_path / "y.npy"))
+    from xlm import envs
+
+    proc = _run(code, tmp_path, XLM_CPU_SPIN_US="0", XLM_CACHE_ROOT=str(envs.XLM_CACHE_ROOT))
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), want)
+    inputs = [x * (1 + t) for t in range(4)]
+    expected = [np.asarray(kernel(a)) for a in inputs]
+    errors: list[str] = []
+
+    def calls(t: int) -> None:
+        for _ in range(25):
+            got = np.asarray(kernel(inputs[t]))
+            if not np.array_equal(got, expected[t]):
+                errors.append(f"thread {t}")
+
+    threads = [threading.Thread(target=calls, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+
+
 # Weights in strips (xlm.quantization.q8_kernel_strips: the loader's w8a8 layout on CPU).
 def strips_of(w: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (

@@ -95,6 +95,8 @@ def _load() -> bool:
     if not envs.XLM_CPU_KERNELS:
         logger.info("XLM_CPU_KERNELS=0: CPU kernels are off; ops use their jnp path.")
         return False
+    if envs.XLM_CPU_SPIN_US < 0:  # read by the library itself; checked here
+        raise ValueError(f"XLM_CPU_SPIN_US must be >= 0 (0: off); got {envs.XLM_CPU_SPIN_US}")
     try:
         sources, headers = build.read_texts()
         path = _library_path()

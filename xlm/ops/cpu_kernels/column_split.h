@@ -8,9 +8,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -39,6 +44,120 @@ struct ColumnJob {
 };
 
 using SplitClock = std::chrono::steady_clock;
+
+// Helper threads of the kernels' own that spin for a while between jobs. XLA's intra-op
+// pool parks its threads soon after their last task, and a parked thread started ~40 us
+// after Schedule here (a spinning one ~0.3 us): a decode step makes ~200 kernel calls of
+// 20-300 us each with a few us of XLA fusions between them, so a helper woken per call
+// joins late in most of them. These stay awake XLM_CPU_SPIN_US microseconds (default
+// 200; 0: off, every split goes to XLA's pool) after their last job, yielding the core
+// between polls (a runnable thread, the engine's host loop, gets it), then sleep until
+// the next. Only small calls use them (kSpinMaxWork: decode-sized, where a late helper
+// costs a large part of the call); a batch's long calls wake XLA's pool as before, so
+// the helpers sleep through them rather than spin beside the engine's host thread. One
+// call holds them at a time; a call that finds them held, or needs more than there are,
+// schedules on XLA's pool.
+class SpinHelpers {
+ public:
+  // The process's helpers (XLA's pool size - 1 of them, made on first use); null when
+  // XLM_CPU_SPIN_US=0 or the pool has one thread.
+  static SpinHelpers* Get(int64_t pool_threads) {
+    static SpinHelpers* helpers = [pool_threads]() -> SpinHelpers* {
+      const char* env = std::getenv("XLM_CPU_SPIN_US");
+      const double spin_us = env != nullptr && *env != '\0' ? std::atof(env) : 200.0;
+      if (spin_us <= 0 || pool_threads < 2) return nullptr;
+      // Lives as long as the process.
+      return new SpinHelpers(pool_threads - 1, static_cast<int64_t>(spin_us));
+    }();
+    return helpers;
+  }
+
+  int64_t size() const { return static_cast<int64_t>(threads_.size()); }
+
+  // Runs `task` on `count` (<= size()) helpers and returns true, unless another call holds
+  // them (false: nothing posted). The caller calls Release() once its job is done.
+  bool Post(int64_t count, std::shared_ptr<std::function<void()>> task) {
+    bool expected = false;
+    if (!held_.compare_exchange_strong(expected, true, std::memory_order_acquire)) return false;
+    std::lock_guard<std::mutex> lock(mutex_);
+    task_ = std::move(task);
+    tickets_.store(count, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
+    if (sleepers_ > 0) wake_.notify_all();
+    return true;
+  }
+
+  void Release() { held_.store(false, std::memory_order_release); }
+
+ private:
+  SpinHelpers(int64_t count, int64_t spin_us) : spin_(std::chrono::microseconds(spin_us)) {
+    for (int64_t t = 0; t < count; ++t) threads_.emplace_back([this] { Loop(); });
+    for (auto& thread : threads_) thread.detach();
+  }
+
+  void Loop() {
+    uint64_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto idle_since = SplitClock::now();
+      while (generation_.load(std::memory_order_acquire) == seen) {
+        for (int i = 0; i < 32; ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+          __builtin_ia32_pause();
+#endif
+        }
+        std::this_thread::yield();
+        if (SplitClock::now() - idle_since > spin_) {
+          std::unique_lock<std::mutex> lock(mutex_);
+          ++sleepers_;
+          wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          --sleepers_;
+        }
+      }
+      std::shared_ptr<std::function<void()>> task;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        seen = generation_.load(std::memory_order_acquire);
+        task = task_;
+      }
+      if (task && tickets_.fetch_sub(1, std::memory_order_acq_rel) > 0) (*task)();
+    }
+  }
+
+  const SplitClock::duration spin_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> held_{false};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> tickets_{0};
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  int64_t sleepers_ = 0;  // guarded by mutex_
+  std::shared_ptr<std::function<void()>> task_;  // guarded by mutex_
+};
+
+// Calls of up to kSpinMaxRows rows (tokens) and kSpinMaxWork multiply-adds (or the like)
+// use the spinning helpers: a layer's projections at one row of SmolLM2 are 0.1-1.8 M,
+// its attention 0.1-1 M; its LM head (28 M a row) and a batch's calls take XLA's pool.
+// Without the row bound (32 M alone), a batch of 64's attention and q/k/v/o calls kept
+// the helpers spinning through its steps beside the engine's busy host thread: batch-64
+// decode measured 5-15% slower, where one request gained 8-15%.
+constexpr int64_t kSpinMaxRows = 8;
+constexpr int64_t kSpinMaxWork = int64_t{1} << 22;
+
+// Runs job->run() on `helpers` more threads: the spinning helpers when the call is small
+// (`rows`, `work`) and they are free and enough, else XLA's pool. Returns whether the
+// spinning helpers took it (then Release() them once the job is done).
+template <class Job>
+bool StartHelpers(xla::ffi::ThreadPool& pool, int64_t helpers, const std::shared_ptr<Job>& job,
+                  int64_t rows, int64_t work) {
+  const bool small = rows <= kSpinMaxRows && work <= kSpinMaxWork;
+  SpinHelpers* spin = small ? SpinHelpers::Get(pool.num_threads()) : nullptr;
+  if (spin != nullptr && helpers <= spin->size() &&
+      spin->Post(helpers, std::make_shared<std::function<void()>>([job] { job->run(); }))) {
+    return true;
+  }
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->run(); });
+  return false;
+}
 // After waiting on a descheduled pool thread, calls run on the caller alone this long.
 inline std::atomic<SplitClock::rep> g_split_single_until{0};
 
@@ -47,12 +166,12 @@ inline double split_seconds_since(SplitClock::time_point t) {
 }
 
 // compute(c0, c1) over [0, n) in chunks of `tile_cols`-column tiles, on up to max_workers
-// threads (0: all of the pool's, plus the caller); `work` (multiply-adds) below ~10 us of
-// one core runs on the caller alone. `page_tiles` > 0 (tall weights): chunks at least
+// threads (0: all of the pool's, plus the caller); `work` (multiply-adds over `rows` rows
+// of input) below ~10 us of one core runs on the caller alone. `page_tiles` > 0 (tall weights): chunks at least
 // that many tiles wide where the balance allows, since every row of a chunk is a page walk.
 template <class Compute>
-void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_t work,
-                int64_t max_workers, Compute compute, int64_t page_tiles = 0) {
+void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_t rows,
+                int64_t work, int64_t max_workers, Compute compute, int64_t page_tiles = 0) {
   constexpr int64_t kMinParallelWork = 1 << 18;
   const int64_t tiles = (n + tile_cols - 1) / tile_cols;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -74,7 +193,13 @@ void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_
   job->n = n;
   job->chunk_cols = chunk_tiles * tile_cols;
   job->num_chunks = (n + job->chunk_cols - 1) / job->chunk_cols;
-  for (int64_t t = 1; t < workers; ++t) pool.Schedule([job] { job->run(); });
+  const bool spinning = StartHelpers(pool, workers - 1, job, rows, work);
+  struct ReleaseOnReturn {
+    bool spinning;
+    ~ReleaseOnReturn() {
+      if (spinning) SpinHelpers::Get(0)->Release();
+    }
+  } release{spinning};
   const auto start = SplitClock::now();
   const int64_t own_chunks = job->run();
   if (job->done.load(std::memory_order_acquire) == job->num_chunks) return;

@@ -502,7 +502,7 @@ ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   // outputs; many rows: of 16 (the register tile's width), which balances 2 threads on
   // 576 columns (9 tiles of 64 split 6 / 4 at best).
   const int64_t tile = m > kStreamMaxRows || transposed ? 16 : kTileCols;
-  xlm::RunColumns(pool, n, tile, m * k * n, max_workers, compute);
+  xlm::RunColumns(pool, n, tile, m, m * k * n, max_workers, compute);
   return ffi::Error::Success();
 }
 

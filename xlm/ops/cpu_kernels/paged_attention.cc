@@ -34,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "column_split.h"
 #include "ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -531,7 +532,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (max_workers > 0) threads = std::min(threads, max_workers);
   const int64_t workers = work < kMinParallelWork ? 1 : std::min(threads, count);
-  for (int64_t t = 1; t < workers; ++t) pool.Schedule([job] { job->run(); });
+  const bool spinning = workers > 1 && xlm::StartHelpers(pool, workers - 1, job, p.num_tokens, work);
   job->run();
   for (int spins = 0; job->done.load(std::memory_order_acquire) < count; ++spins) {
     if (spins < 4096) {
@@ -540,6 +541,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       std::this_thread::yield();
     }
   }
+  if (spinning) xlm::SpinHelpers::Get(0)->Release();
   return ffi::Error::Success();
 }
 

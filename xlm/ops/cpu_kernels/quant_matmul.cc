@@ -991,7 +991,7 @@ ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_worker
   // more in TLB misses than the balancing gains (measured).
   // Strips: chunks of whole strips, each contiguous (no page walk to bound).
   xlm::RunColumns(
-      pool, n, p.strips ? kStripCols : kTileCols, m * k * n, max_workers,
+      pool, n, p.strips ? kStripCols : kTileCols, m, m * k * n, max_workers,
       [&p](int64_t c0, int64_t c1) { compute_columns(p, c0, c1); },
       k >= kTallRows && !p.strips ? kPageTiles : 0);
   return ffi::Error::Success();
