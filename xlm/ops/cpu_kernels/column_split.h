@@ -55,19 +55,23 @@ using SplitClock = std::chrono::steady_clock;
 // the next. Only small calls use them (kSpinMaxWork: decode-sized, where a late helper
 // costs a large part of the call); a batch's long calls wake XLA's pool as before, so
 // the helpers sleep through them rather than spin beside the engine's host thread. One
-// call holds them at a time; a call that finds them held, or needs more than there are,
-// schedules on XLA's pool.
+// call holds them at a time; a call that finds them held schedules on XLA's pool.
+// A small call gains little from more threads, and a many-core host should not spin
+// all of its cores through a decode.
+constexpr int64_t kMaxSpinHelpers = 7;
+
 class SpinHelpers {
  public:
-  // The process's helpers (XLA's pool size - 1 of them, made on first use); null when
-  // XLM_CPU_SPIN_US=0 or the pool has one thread.
+  // The process's helpers (XLA's pool size - 1 of them, at most kMaxSpinHelpers, made on
+  // first use); null when XLM_CPU_SPIN_US=0 or the pool has one thread.
   static SpinHelpers* Get(int64_t pool_threads) {
     static SpinHelpers* helpers = [pool_threads]() -> SpinHelpers* {
       const char* env = std::getenv("XLM_CPU_SPIN_US");
       const double spin_us = env != nullptr && *env != '\0' ? std::atof(env) : 200.0;
       if (spin_us <= 0 || pool_threads < 2) return nullptr;
       // Lives as long as the process.
-      return new SpinHelpers(pool_threads - 1, static_cast<int64_t>(spin_us));
+      return new SpinHelpers(std::min<int64_t>(pool_threads - 1, kMaxSpinHelpers),
+                             static_cast<int64_t>(spin_us));
     }();
     return helpers;
   }
@@ -151,8 +155,10 @@ bool StartHelpers(xla::ffi::ThreadPool& pool, int64_t helpers, const std::shared
                   int64_t rows, int64_t work) {
   const bool small = rows <= kSpinMaxRows && work <= kSpinMaxWork;
   SpinHelpers* spin = small ? SpinHelpers::Get(pool.num_threads()) : nullptr;
-  if (spin != nullptr && helpers <= spin->size() &&
-      spin->Post(helpers, std::make_shared<std::function<void()>>([job] { job->run(); }))) {
+  // More workers than helpers: the helpers alone (the chunks are claimed, so fewer threads
+  // only take more chunks each).
+  if (spin != nullptr && spin->Post(std::min(helpers, spin->size()),
+                                    std::make_shared<std::function<void()>>([job] { job->run(); }))) {
     return true;
   }
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->run(); });
