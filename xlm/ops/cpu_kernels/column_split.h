@@ -45,6 +45,10 @@ struct ColumnJob {
 
 using SplitClock = std::chrono::steady_clock;
 
+// A small call gains little from more threads, and a many-core host should not spin
+// all of its cores through a decode.
+constexpr int64_t kMaxSpinHelpers = 7;
+
 // Helper threads of the kernels' own that spin for a while between jobs. XLA's intra-op
 // pool parks its threads soon after their last task, and a parked thread started ~40 us
 // after Schedule here (a spinning one ~0.3 us): a decode step makes ~200 kernel calls of
@@ -56,10 +60,6 @@ using SplitClock = std::chrono::steady_clock;
 // costs a large part of the call); a batch's long calls wake XLA's pool as before, so
 // the helpers sleep through them rather than spin beside the engine's host thread. One
 // call holds them at a time; a call that finds them held schedules on XLA's pool.
-// A small call gains little from more threads, and a many-core host should not spin
-// all of its cores through a decode.
-constexpr int64_t kMaxSpinHelpers = 7;
-
 class SpinHelpers {
  public:
   // The process's helpers (XLA's pool size - 1 of them, at most kMaxSpinHelpers, made on
@@ -147,22 +147,39 @@ class SpinHelpers {
 constexpr int64_t kSpinMaxRows = 8;
 constexpr int64_t kSpinMaxWork = int64_t{1} << 22;
 
+// Holds the spinning helpers for one call (none when the call went to XLA's pool) and
+// releases them when it goes out of scope, after the caller has waited for its job.
+class HelperLease {
+ public:
+  explicit HelperLease(SpinHelpers* held = nullptr) : held_(held) {}
+  HelperLease(const HelperLease&) = delete;
+  HelperLease& operator=(const HelperLease&) = delete;
+  ~HelperLease() {
+    if (held_ != nullptr) held_->Release();
+  }
+
+ private:
+  SpinHelpers* held_;
+};
+
 // Runs job->run() on `helpers` more threads: the spinning helpers when the call is small
-// (`rows`, `work`) and they are free and enough, else XLA's pool. Returns whether the
-// spinning helpers took it (then Release() them once the job is done).
+// (`rows`, `work`) and they are free, else XLA's pool. Keep the lease until the job is
+// done.
 template <class Job>
-bool StartHelpers(xla::ffi::ThreadPool& pool, int64_t helpers, const std::shared_ptr<Job>& job,
-                  int64_t rows, int64_t work) {
+[[nodiscard]] std::unique_ptr<HelperLease> StartHelpers(xla::ffi::ThreadPool& pool,
+                                                        int64_t helpers,
+                                                        const std::shared_ptr<Job>& job,
+                                                        int64_t rows, int64_t work) {
   const bool small = rows <= kSpinMaxRows && work <= kSpinMaxWork;
   SpinHelpers* spin = small ? SpinHelpers::Get(pool.num_threads()) : nullptr;
   // More workers than helpers: the helpers alone (the chunks are claimed, so fewer threads
   // only take more chunks each).
   if (spin != nullptr && spin->Post(std::min(helpers, spin->size()),
                                     std::make_shared<std::function<void()>>([job] { job->run(); }))) {
-    return true;
+    return std::make_unique<HelperLease>(spin);
   }
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->run(); });
-  return false;
+  return std::make_unique<HelperLease>();
 }
 // After waiting on a descheduled pool thread, calls run on the caller alone this long.
 inline std::atomic<SplitClock::rep> g_split_single_until{0};
@@ -173,8 +190,9 @@ inline double split_seconds_since(SplitClock::time_point t) {
 
 // compute(c0, c1) over [0, n) in chunks of `tile_cols`-column tiles, on up to max_workers
 // threads (0: all of the pool's, plus the caller); `work` (multiply-adds over `rows` rows
-// of input) below ~10 us of one core runs on the caller alone. `page_tiles` > 0 (tall weights): chunks at least
-// that many tiles wide where the balance allows, since every row of a chunk is a page walk.
+// of input) below ~10 us of one core runs on the caller alone. `page_tiles` > 0 (tall
+// weights): chunks at least that many tiles wide where the balance allows, since every
+// row of a chunk is a page walk.
 template <class Compute>
 void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_t rows,
                 int64_t work, int64_t max_workers, Compute compute, int64_t page_tiles = 0) {
@@ -199,13 +217,7 @@ void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_
   job->n = n;
   job->chunk_cols = chunk_tiles * tile_cols;
   job->num_chunks = (n + job->chunk_cols - 1) / job->chunk_cols;
-  const bool spinning = StartHelpers(pool, workers - 1, job, rows, work);
-  struct ReleaseOnReturn {
-    bool spinning;
-    ~ReleaseOnReturn() {
-      if (spinning) SpinHelpers::Get(0)->Release();
-    }
-  } release{spinning};
+  const auto lease = StartHelpers(pool, workers - 1, job, rows, work);
   const auto start = SplitClock::now();
   const int64_t own_chunks = job->run();
   if (job->done.load(std::memory_order_acquire) == job->num_chunks) return;

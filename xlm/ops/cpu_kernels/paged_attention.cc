@@ -532,7 +532,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (max_workers > 0) threads = std::min(threads, max_workers);
   const int64_t workers = work < kMinParallelWork ? 1 : std::min(threads, count);
-  const bool spinning = workers > 1 && xlm::StartHelpers(pool, workers - 1, job, p.num_tokens, work);
+  std::unique_ptr<xlm::HelperLease> lease;
+  if (workers > 1) lease = xlm::StartHelpers(pool, workers - 1, job, p.num_tokens, work);
   job->run();
   for (int spins = 0; job->done.load(std::memory_order_acquire) < count; ++spins) {
     if (spins < 4096) {
@@ -541,7 +542,6 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       std::this_thread::yield();
     }
   }
-  if (spinning) xlm::SpinHelpers::Get(0)->Release();
   return ffi::Error::Success();
 }
 
