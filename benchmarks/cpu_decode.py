@@ -1,17 +1,17 @@
-"""The decode step on CPU, one request or a batch: XLA's dot against the float kernel,
+"""The decode step on CPU, one request or a batch: the float kernel against XLA's dot,
 float32 and half weights, in one process, against each variant's weight-streaming floor.
 
-    python benchmarks/cpu_decode.py [--variants float32,float32-kernel,bfloat16,float16]
+    python benchmarks/cpu_decode.py [--variants float32,float32-xla,bfloat16,float16]
         [--batch 1] [--output-len 64] [--repeats 5] [--out benchmarks/cpu_decode.json]
 
 Variants (built-in SmolLM2-135M GGUF, dequantized):
-- `float32`: float32 weights, XLA's dot (the default);
-- `float32-kernel`: float32 weights through xlm.ops.cpu_kernels.float_matmul at 1-8 rows
-  (FloatMatmul.float32_kernel, set while that engine compiles its programs);
+- `float32`: float32 weights, the default: projections stored [out, in], through
+  xlm.ops.cpu_kernels.float_matmul at 1-8 rows, XLA's dot on [out, in] above;
 - `bfloat16`, `float16`: `--dtype` half on CPU: half projections and embeddings widened in
   the kernel, float32 activations (the default for those dtypes);
-- `bfloat16-xla`: half weights with the float_matmul op off (custom_ops -float_matmul):
-  XLA's convert + dot, the path before the kernel;
+- `<dtype>-xla`: the float_matmul op off (custom_ops -float_matmul): kernels [in, out]
+  and XLA's dot (half weights: XLA's convert + dot), the paths before the kernel
+  (`float32-xla` is also `FloatMatmul.float32_kernel` off);
 - any `xlm.LLM` quantization (`int8`, `w8a8`, ...) as a variant name.
 Every engine is built first (all programs compiled), then the variants take turns,
 `--repeats` rounds: decode tok/s = B (L - 1) / (T(L) - T(1)) of B = `--batch` real-text
@@ -42,26 +42,20 @@ QUANTIZATIONS = ("int8", "w8a8", "fp8", "gguf", "int4")
 
 def build(variant: str, model: str, batch: int, output_len: int) -> XlmRunner:
     """An engine for `variant`, every program compiled before it returns."""
-    from xlm.ops import FloatMatmul
-
     args: dict = dict(
         max_model_len=512,
         max_num_batched_tokens=128,
         num_gpu_blocks_override=max(64, batch * ((64 + output_len) // 16 + 2)),
         enable_prefix_caching=False,
     )
-    name = variant.removesuffix("-kernel").removesuffix("-xla")
+    name = variant.removesuffix("-xla")
     if name in QUANTIZATIONS:
         args["quantization"] = name
     else:
         args["dtype"] = name
     if variant.endswith("-xla"):
         args["custom_ops"] = ["-float_matmul"]
-    FloatMatmul.float32_kernel = variant.endswith("-kernel")
-    try:
-        return XlmRunner(model, max_num_seqs=max(8, batch), **args)
-    finally:
-        FloatMatmul.float32_kernel = False
+    return XlmRunner(model, max_num_seqs=max(8, batch), **args)
 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:
@@ -71,7 +65,7 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--variants", default="float32,float32-kernel,bfloat16,float16")
+    parser.add_argument("--variants", default="float32,float32-xla,bfloat16,float16")
     parser.add_argument("--batch", type=int, default=1, help="requests decoded together")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)

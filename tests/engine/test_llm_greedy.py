@@ -136,14 +136,33 @@ def test_tiny_float32_through_the_kernel_equals_xla_dot(tiny_checkpoint, monkeyp
     path = tiny_checkpoint("llama")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(6, VOCAB_SIZE, size=n).tolist() for n in (5, 17, 70)]
-    plain = small_engine(path).generate(prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
-    monkeypatch.setattr(FloatMatmul, "float32_kernel", True)  # part of the programs' key
-    # SMALL_ENGINE's 8 logit rows: the LM head's 1- and 8-row steps take the kernel.
+    # The kernel is the default; off, the projections keep [in, out] and XLA's dot.
+    monkeypatch.setattr(FloatMatmul, "float32_kernel", False)  # part of the programs' key
+    xla_llm = xlm.LLM(model=path, **SMALL_ENGINE)
+    plain = xla_llm.generate(prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
+    monkeypatch.setattr(FloatMatmul, "float32_kernel", True)
+    # SMALL_ENGINE's 8 logit rows: the 1- and 8-row steps take the kernel, the projections'
+    # kernels stored [out, in], prefill's 70 rows XLA's dot on them.
     llm = xlm.LLM(model=path, **SMALL_ENGINE)
     compiled = llm.llm_engine.num_compilations
     outs = llm.generate(prompts, greedy(TINY_NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert llm.llm_engine.num_compilations == compiled
+    # The stored kernels: the same values, transposed.
+    kernels, xla_kernels = stored_kernels(llm), stored_kernels(xla_llm)
+    assert kernels.keys() == xla_kernels.keys() and kernels
+    for name, kernel in kernels.items():
+        np.testing.assert_array_equal(kernel, xla_kernels[name].T, err_msg=name)
+
+
+def stored_kernels(llm) -> dict[str, np.ndarray]:
+    """The projections' stored kernels (xlm.models.layers.Linear) by parameter path."""
+    from flax import nnx
+
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    flat = nnx.to_flat_state(runner.state)
+    paths = {".".join(map(str, path)): var.get_value() for path, var in flat}
+    return {p: np.asarray(v) for p, v in paths.items() if p.endswith("_proj.kernel")}
 
 
 # ---- SmolLM2-135M-Instruct ------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from xlm.distributed.mesh import TP_AXIS
+from xlm.models import layers
 from xlm.models.layers import (
     GatedMLP,
     Linear,
@@ -31,6 +32,12 @@ def _set(variable: nnx.Param, value: np.ndarray) -> None:
     variable.set_value(jnp.asarray(value))
 
 
+def _set_kernel(linear: Linear, value: np.ndarray) -> None:
+    """A Linear's kernel from its [in, out] value, in the layout it stores (out_major:
+    [out, in], the CPU float kernel's)."""
+    _set(linear.kernel, value.T if linear.out_major else value)
+
+
 def _random(*shape: int) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
 
@@ -42,8 +49,11 @@ def _silu(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_is_x_times_kernel_plus_bias(bias):
     layer = Linear(6, 5, bias=bias, rngs=nnx.Rngs(0))
+    # On CPU the float kernel is stored [out, in] (FloatMatmul.prefers_out_major).
+    assert layer.out_major == layer.matmul.prefers_out_major(jnp.float32)
+    assert layer.kernel.shape == ((5, 6) if layer.out_major else (6, 5))
     w, b, x = _random(6, 5), _random(5), _random(3, 6)
-    _set(layer.kernel, w)
+    _set_kernel(layer, w)
     if bias:
         _set(layer.bias, b)
     else:
@@ -53,9 +63,13 @@ def test_linear_is_x_times_kernel_plus_bias(bias):
     assert layer.lora is None and layer.quant is None  # neither LoRA nor quantization is on
 
 
-def test_parallel_linears_name_the_dimension_they_split():
+def test_parallel_linears_name_the_dimension_they_split(monkeypatch):
+    # Under tensor parallelism (two devices here) kernels are [in, out]: out_major is one
+    # device's whole kernel.
+    monkeypatch.setattr(layers, "tp_size", lambda: 2)
     column = Linear(4, 8, bias=True, parallel="column", rngs=nnx.Rngs(0))
     row = Linear(8, 4, bias=True, parallel="row", rngs=nnx.Rngs(0))
+    assert not column.out_major and not row.out_major
     assert column.kernel.get_metadata()["out_sharding"] == (None, TP_AXIS)
     assert column.bias.get_metadata()["out_sharding"] == (TP_AXIS,)
     assert row.kernel.get_metadata()["out_sharding"] == (TP_AXIS, None)
@@ -84,8 +98,8 @@ def test_embeddings_and_lm_head_against_numpy():
 def test_gated_mlp_is_down_of_silu_gate_times_up():
     mlp = GatedMLP(4, 6, hidden_act="silu", rngs=nnx.Rngs(0))
     gate, up, down, x = _random(4, 6), _random(4, 6), _random(6, 4), _random(5, 4)
-    _set(mlp.gate_up_proj.kernel, np.concatenate([gate, up], axis=1))
-    _set(mlp.down_proj.kernel, down)
+    _set_kernel(mlp.gate_up_proj, np.concatenate([gate, up], axis=1))
+    _set_kernel(mlp.down_proj, down)
     want = (_silu(x @ gate) * (x @ up)) @ down
     np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), want, rtol=1e-4, atol=1e-5)
 

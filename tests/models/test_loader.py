@@ -218,11 +218,15 @@ def test_sharding_metadata_and_mesh_placement(tiny_checkpoint):
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     model = get_model(XlmConfig(ModelConfig(model=tiny_checkpoint("llama"))), mesh=mesh)
     attn = model.model.layers[0].self_attn
-    assert attn.q_proj.kernel.get_metadata()["out_sharding"] == (None, "model")
-    assert attn.o_proj.kernel.get_metadata()["out_sharding"] == ("model", None)
+    # Column-parallel q names its output dimension, row-parallel o its input: dims 1 and 0
+    # of [in, out], 0 and 1 of [out, in] (Linear.out_major: the CPU float kernel's layout
+    # where the model axis is one device, as here).
+    q_spec = ("model", None) if attn.q_proj.out_major else (None, "model")
+    assert attn.q_proj.kernel.get_metadata()["out_sharding"] == q_spec
+    assert attn.o_proj.kernel.get_metadata()["out_sharding"] == q_spec[::-1]
     sharding = attn.q_proj.kernel[...].sharding
     assert isinstance(sharding, jax.sharding.NamedSharding)
-    assert sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert sharding.spec == jax.sharding.PartitionSpec(*q_spec)
 
 
 def test_moe_fused_expert_tensors_load_like_per_expert(tmp_path, tiny_checkpoint):

@@ -107,10 +107,13 @@ def test_op_takes_the_kernel_for_half_weights_and_few_rows(monkeypatch) -> None:
     x_many = jnp.ones((HALF_KERNEL_MAX_ROWS + 1, 64), jnp.float32)
     assert _custom_calls(op, x_many, w) == 0  # a long prefill: XLA's dot
     w32 = w.astype(jnp.float32)
-    assert _custom_calls(op, x, w32) == 0  # float32: XLA's dot by default
+    assert _custom_calls(op, x, w32) == 1  # float32 through the kernel: 1-8 rows
+    assert _custom_calls(op, x_batch, w32) == 0
+    assert op.prefers_out_major(jnp.float32) and op.prefers_out_major(jnp.bfloat16)
+    monkeypatch.setattr(FloatMatmul, "float32_kernel", False)  # XLA's dot, [in, out]
+    assert _custom_calls(op, x, w32) == 0
+    assert not op.prefers_out_major(jnp.float32) and op.prefers_out_major(jnp.bfloat16)
     monkeypatch.setattr(FloatMatmul, "float32_kernel", True)
-    assert _custom_calls(op, x, w32) == 1
-    assert _custom_calls(op, x_batch, w32) == 0  # float32 through the kernel: 1-8 rows
     # Both paths agree with the native one, which widens the kernel in XLA.
     for rows, weights in ((x, w), (x, w32), (x_batch, w)):
         np.testing.assert_allclose(

@@ -53,7 +53,10 @@ def kv_head_replicas(num_kv_heads: int, tp: int) -> int:
 def logical_shape(shape: tuple[int, ...], metadata: dict[str, Any]) -> tuple[int, ...]:
     """The checkpoint's shape of a parameter stored in `shape` (a w8a8 kernel or its
     scales stored in the CPU kernel's strips, xlm.quantization.q8_kernel_strips: [in, out] or
-    [G, out]; only without tensor parallelism)."""
+    [G, out]; a float kernel stored [out, in]: [in, out]; both only without tensor
+    parallelism)."""
+    if metadata.get("out_major"):  # a float kernel [out, in] (xlm.models.layers.Linear)
+        shape = (shape[1], shape[0])
     if metadata.get("q8_strips"):
         if len(shape) == 4:  # kernel [out / 32, in / 4, 32, 4]
             return (shape[1] * shape[3], shape[0] * shape[2])

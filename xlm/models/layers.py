@@ -107,7 +107,11 @@ def q8_strip_params(
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias), kernel [in, out]; column/row-parallel sharding metadata."""
+    """y = x @ kernel (+ bias), kernel [in, out]; column/row-parallel sharding metadata.
+
+    A float kernel the CPU float kernel streams is stored [out, in] instead (`out_major`,
+    FloatMatmul.prefers_out_major; one device's whole kernel), a w8a8 one in the q8
+    kernel's strips (`in_q8_strips`): the loader makes both from the [in, out] weight."""
 
     def __init__(
         self,
@@ -128,12 +132,21 @@ class Linear(nnx.Module):
         self.in_features, self.out_features = in_features, out_features
         layout = layout or {}
         quantization, quant_layout = get_current_quantization() if quantize else (None, None)
+        self.out_major = False
         if quantization is None:
             weight_dtype = (get_current_weight_dtype() if quantize else None) or dtype
-            kernel = unloaded((in_features, out_features), weight_dtype)
-            self.kernel = param(kernel, _KERNEL_SHARDING[parallel], **layout)
-            self.weight_scale = self.weight_min = self.quant = None
             self.matmul = FloatMatmul()
+            sharding = _KERNEL_SHARDING[parallel]
+            if self.matmul.prefers_out_major(weight_dtype) and tp_size() == 1:
+                # The CPU kernel's rows of w: [out, in], replicated (one device's whole
+                # kernel, under which the layout metadata moves nothing).
+                self.out_major = True
+                kernel = unloaded((out_features, in_features), weight_dtype)
+                self.kernel = param(kernel, sharding[::-1], out_major=True, **layout)
+            else:
+                kernel = unloaded((in_features, out_features), weight_dtype)
+                self.kernel = param(kernel, sharding, **layout)
+            self.weight_scale = self.weight_min = self.quant = None
         else:
             self._init_quantized(quantization, quant_layout, parallel, layout)
         bias_sharding = (TP_AXIS,) if parallel == "column" else (None,)
@@ -230,6 +243,8 @@ class Linear(nnx.Module):
         if self.quant is not None:
             minimum = None if self.weight_min is None else self.weight_min[...]
             y = self.quant(x, self.kernel[...], self.weight_scale[...], minimum)
+        elif self.out_major:
+            y = self.matmul(x, self.kernel[...], transposed=True).astype(x.dtype)
         else:
             y = self.matmul(x, self.kernel[...])
         if self.lora is not None:

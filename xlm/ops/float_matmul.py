@@ -1,25 +1,27 @@
 """The float projection: y = x @ kernel, kernel [in, out] (or [out, in], `transposed`: an
-embedding table used as the LM head) in float32, float16 or bfloat16.
+embedding table used as the LM head, or a projection's kernel stored so) in float32,
+float16 or bfloat16.
 
-The native path is XLA's dot on the kernel widened to x's dtype. On CPU, half-precision
-weights run xlm.ops.cpu_kernels.float_matmul at up to ``HALF_KERNEL_MAX_ROWS`` rows
-(decode of one request to a batch, and short prefills): XLA:CPU converts the whole matrix
-before its dot, every step, which made half weights several times slower than float32
-ones at one row and ~1.9x slower at 64 (docs/engine.md, "Float and half weights on
-CPU"). The kernel streams each weight once at 1-8 rows and, above, widens each tile of
-weights once into a float32 buffer that all rows use (a GEMM's packing); past
-``HALF_KERNEL_MAX_ROWS`` rows XLA's convert is paid once for many rows and its GEMM
-wins. float32 kernels keep XLA's dot by default (``FloatMatmul.float32_kernel``, at most
-``FLOAT_KERNEL_MAX_ROWS`` rows when on): alone the kernel lost to it at one row and, at
-2-8 rows, a kernel that wins alone lost in the step before (benchmarks/RESULTS.md).
-Chosen by shape at trace time; a tensor-parallel mesh or unavailable kernels take the
-native path.
+The native path is XLA's dot on the kernel widened to x's dtype. On CPU the projections'
+kernels are stored [out, in] (`prefers_out_major`, xlm.models.layers.Linear) and steps of
+few rows run xlm.ops.cpu_kernels.float_matmul, whose rows-of-w path reads each weight once
+as long sequential streams: float32 kernels at up to ``FLOAT_KERNEL_MAX_ROWS`` rows (a
+decode of one request to a few), half-precision ones at up to ``HALF_KERNEL_MAX_ROWS``
+(decode of one request to a batch, and short prefills: XLA:CPU converts the whole matrix
+before its dot, every step, which made half weights several times slower than float32 ones
+at one row and ~1.9x slower at 64; docs/engine.md, "Float and half weights on CPU"). Above,
+the kernel widens each tile of half weights once into a float32 buffer that all rows use (a
+GEMM's packing); past ``HALF_KERNEL_MAX_ROWS`` rows XLA's convert is paid once for many rows
+and its GEMM wins, and float32 steps of more than ``FLOAT_KERNEL_MAX_ROWS`` rows take XLA's
+dot on [out, in]. Chosen by shape at trace time; a tensor-parallel mesh or unavailable
+kernels take the native path (``FloatMatmul.float32_kernel`` off: float32 kernels [in, out]
+and XLA's dot at every row count, the path before; benchmarks/RESULTS.md, session 13).
 """
 
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,7 @@ from xlm.ops.cpu_kernels import start_build as start_cpu_kernels_build
 from xlm.ops.custom_op import CustomOp
 
 # Rows up to which the CPU kernel replaces XLA's dot: float32 weights (when
-# FloatMatmul.float32_kernel is on; a matrix-vector-like step) and half weights.
+# FloatMatmul.float32_kernel is on, the default; a matrix-vector-like step) and half weights.
 FLOAT_KERNEL_MAX_ROWS = 8
 HALF_KERNEL_MAX_ROWS = 256
 HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -43,8 +45,10 @@ class FloatMatmul(CustomOp):
     float32, as logits are)."""
 
     default_enabled = True
-    # Whether float32 kernels take the CPU kernel too (measured slower in the step: off).
-    float32_kernel: ClassVar[bool] = False
+    # Whether float32 kernels take the CPU kernel too (stored [out, in]; at one request
+    # 1.26x XLA's dot on [in, out] in the step, and XLA's dot on [out, in] 1.78x at a batch
+    # of 64: RESULTS.md, session 13).
+    float32_kernel: ClassVar[bool] = True
 
     def __init__(self, *, enforce_enable: bool = False) -> None:
         super().__init__(enforce_enable=enforce_enable)
@@ -59,6 +63,18 @@ class FloatMatmul(CustomOp):
                 "...h,vh->...v", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32
             )
         return x @ kernel.astype(x.dtype)
+
+    def prefers_out_major(self, dtype: Any) -> bool:
+        """Whether a projection's kernel of `dtype` is best stored [out, in] for this op
+        (xlm.models.layers.Linear): where the CPU kernel runs it (a CPU platform with the
+        op on; half weights, float32 ones with `float32_kernel`), whose few-rows path reads
+        rows of w as long sequential streams, faster than columns of [in, out]
+        (cpu_kernels/float_matmul.cc). Longer steps run XLA's dot on [out, in] as they do
+        for the LM head."""
+        dtype = jnp.dtype(dtype)
+        return self._forward_name == "forward_cpu" and (
+            dtype in HALF_DTYPES or (dtype == jnp.float32 and self.float32_kernel)
+        )
 
     def uses_kernel(self, x: jax.Array, kernel: jax.Array) -> bool:
         """Whether forward_cpu runs the CPU kernel for these shapes and dtypes."""

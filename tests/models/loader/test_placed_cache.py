@@ -14,6 +14,7 @@ from xlm.engine.arg_utils import EngineArgs
 from xlm.metrics import startup
 from xlm.models import loader
 from xlm.models.loader import _split, get_model, placed_cache
+from xlm.ops import FloatMatmul
 
 
 @pytest.fixture
@@ -66,9 +67,20 @@ def test_each_parameter_signature_has_its_own_entry(gguf, tmp_path, monkeypatch)
     startup.run_deferred().join(60)
     quantized = _load(gguf, quantization="int8")  # another signature: from the GGUF
     startup.run_deferred().join(60)
-    assert len(_entries(tmp_path)) == 2
+    # float32 kernels [in, out] (the float kernel off): the square ones (o_proj) have
+    # their [out, in] shape, and the layout alone tells the entries apart.
+    monkeypatch.setattr(FloatMatmul, "float32_kernel", False)
+    columns = _load(gguf)
+    startup.run_deferred().join(60)
+    square = [p for p, v in columns.items() if v.ndim == 2 and v.shape[0] == v.shape[1]]
+    assert any(p.endswith("o_proj.kernel") for p in square)
+    for path in square:
+        np.testing.assert_array_equal(columns[path], floats[path].T, err_msg=path)
+    assert len(_entries(tmp_path)) == 3
     with monkeypatch.context() as m:
         _no_gguf_reads(m)
+        _assert_equal(_load(gguf), columns)
+        m.setattr(FloatMatmul, "float32_kernel", True)
         _assert_equal(_load(gguf), floats)
         _assert_equal(_load(gguf, quantization="int8"), quantized)
 

@@ -44,6 +44,7 @@ from xlm.models.loader.placement import (
     scale_path,
     sharding_for,
     stored_dtype,
+    stored_layout,
 )
 from xlm.models.loader.safetensors_format import (
     count_safetensors_tensors,
@@ -407,8 +408,11 @@ def _load_model(xlm_config: XlmConfig, mesh: Mesh | None, abstract: bool) -> nnx
     keep_quantized = model_config.quantization == "gguf"
     placed = None  # a GGUF's placed cache entry (xlm.models.loader.placed_cache)
     if load_format == "gguf" and not keep_quantized and placed_cache.applies(mesh):
-        stored = {p: (tuple(v.shape), stored_dtype(v, dtype)) for p, v in _split(model)[2].items()}
-        placed = placed_cache.entry_dir(model_config.model, placed_cache.signature(stored))
+        variables = _split(model)[2]
+        stored = {p: (tuple(v.shape), stored_dtype(v, dtype)) for p, v in variables.items()}
+        # The layout too: a square kernel stored [out, in] has its [in, out] shape.
+        layouts = {p: (*stored[p], stored_layout(v)) for p, v in variables.items()}
+        placed = placed_cache.entry_dir(model_config.model, placed_cache.signature(layouts))
         loaded = _load_placed(model, dtype, placed[0], stored)
         if loaded is not None:
             return loaded

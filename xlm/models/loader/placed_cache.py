@@ -1,16 +1,16 @@
 """A GGUF's weights saved as the model holds them: the placed cache.
 
 On a CPU without a mesh, a GGUF model's parameters are saved after its first start
-exactly as they were placed (q/k/v and gate/up fused, [in, out] kernels, quantized codes
-and scales where `--quantization` made them), so a warm start copies each from one
-memory-mapped file into host memory the device takes as it is: no dequantizing,
+exactly as they were placed (q/k/v and gate/up fused, kernels in their stored layout,
+quantized codes and scales where `--quantization` made them), so a warm start copies each
+from one memory-mapped file into host memory the device takes as it is: no dequantizing,
 transposing or fusing. Elsewhere (a mesh, an accelerator) the dequantized GGUF in the
 checkpoint's own layout serves (`_dequantized_gguf_dir`), since the placed layout is
 one device's.
 
 An entry is keyed by the GGUF file (path, size, mtime), the model's parameter signature
-(paths, shapes, stored dtypes: another dtype, quantization or adapter layout is another
-entry) and the source of the code that decides the values (the models, the loader, the
+(paths, shapes, stored dtypes and layouts: another dtype, quantization or adapter layout
+is another entry) and the source of the code that decides the values (the models, the loader, the
 quantization); a newer source replaces its stale entries. Written and checked through
 xlm.disk_cache (atomic, a manifest of sizes), plus the safetensors header; the LoRA
 slots are not saved (placed as zeros, as a load from the GGUF does).
@@ -52,9 +52,12 @@ def _layout_source() -> str:
     return disk_cache.cache_key(fingerprint, length=12)
 
 
-def signature(stored: dict[str, tuple[tuple[int, ...], Any]]) -> str:
-    """A key over the parameters' paths, physical shapes and stored dtypes."""
-    text = repr(sorted((p, (shape, str(dtype))) for p, (shape, dtype) in stored.items()))
+def signature(stored: dict[str, tuple[tuple[int, ...], Any, str]]) -> str:
+    """A key over the parameters' paths, physical shapes, stored dtypes and layouts
+    (xlm.models.loader.placement.stored_layout)."""
+    text = repr(
+        sorted((p, (shape, str(dtype), layout)) for p, (shape, dtype, layout) in stored.items())
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

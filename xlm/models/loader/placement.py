@@ -121,9 +121,12 @@ class WeightPlacer:
         self._put_physical(path, self._stored(path, value))
 
     def _stored(self, path: str, value: np.ndarray) -> np.ndarray:
-        """A quantized kernel or its scales in their stored layout: the CPU kernel's
-        strips where the parameter is kept so (xlm.quantization.q8_kernel_strips)."""
+        """A kernel or its scales in their stored layout: the q8 CPU kernel's strips
+        (xlm.quantization.q8_kernel_strips) or a float kernel's [out, in] where the
+        parameter is kept so."""
         var = self.variables[path]
+        if var.get_metadata().get("out_major"):
+            return np.ascontiguousarray(value.T)
         if not var.get_metadata().get("q8_strips"):
             return value
         return q8_scale_strips(value) if is_scale(var) else q8_kernel_strips(value)
@@ -206,6 +209,13 @@ def is_scale(var: nnx.Variable) -> bool:
     from xlm.models.layers import WeightScale
 
     return isinstance(var, WeightScale)
+
+
+def stored_layout(var: nnx.Variable) -> str:
+    """How a parameter's stored layout departs from the checkpoint's ("" where it does
+    not): a float kernel [out, in], a w8a8 kernel or its scales in strips."""
+    metadata = var.get_metadata()
+    return next((name for name in ("out_major", "q8_strips") if metadata.get(name)), "")
 
 
 def stored_dtype(var: nnx.Variable, dtype: Any) -> np.dtype:

@@ -11,8 +11,15 @@
 // - [k, n]: blocks of kKb rows of w swept across the chunk's columns in tiles of 64
 //   columns x up to 4 rows of x, sums in registers over the block, added into y (which
 //   stays in L1/L2). w is read as kKb sequential streams, each prefetched ahead.
-// - [n, k]: each output is a dot product along a contiguous row of w: 4 rows of w at a
-//   time against up to 2 rows of x, 8 accumulators, then horizontal sums.
+// - [n, k] (the loader's layout for float projections on CPU, and an embedding table used
+//   as the LM head): each output is a dot product along a contiguous row of w, 4 rows of w
+//   at a time against up to 2 rows of x, 8 accumulators, then horizontal sums. The 4 rows
+//   are one from each quarter of the thread's chunk, so that a core reads 4 long
+//   sequential streams at once: a core has more misses in flight over several streams
+//   (one stream read ~9 GB/s on one core of the 2-core dev CPU, 4 far-apart ones ~12),
+//   and 4 adjacent rows are short streams at k of a few hundred. At one row, per call in
+//   a dependent chain: SmolLM2's 576 x 3072 (as [3072, 576]) 557 -> 339 us in float32
+//   (XLA's dot on [576, 3072]: 424), 578 -> 197 us in bfloat16 (RESULTS.md, session 13).
 // The columns (outputs) are split into chunks claimed by the calling thread and XLA's
 // intra-op pool (column_split.h). `scalar` runs the portable loops (also where the library
 // is built without AVX2 + FMA + F16C).
@@ -388,10 +395,11 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// y[r0 : r0 + MR, j0 : j0 + NJ] = x[r0 : r0 + MR] . w[j0 : j0 + NJ] (rows of w contiguous,
-// the first at `w`: w itself at j0, or a widened copy of its rows).
+// y[r0 : r0 + MR, j0 + c * js] = x[r0 : r0 + MR] . w[j0 + c * js] for c < NJ (rows of w
+// `js` rows apart, the first at `w`).
 template <WType T, int MR, int NJ>
-void nk_tile(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0, int64_t j0) {
+void nk_tile(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0, int64_t j0,
+             int64_t js = 1) {
   const int64_t k = p.k;
   const float* x = p.x + r0 * k;
   __m256 acc[MR][NJ];
@@ -406,8 +414,8 @@ void nk_tile(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0,
     for (int r = 0; r < MR; ++r) a[r] = _mm256_loadu_ps(x + r * k + i);
     XLM_UNROLL
     for (int c = 0; c < NJ; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + c * k + i) + kPrefetchAhead, _MM_HINT_T0);
-      const __m256 b = load8<T>(w + c * k + i);
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * js * k + i) + kPrefetchAhead, _MM_HINT_T0);
+      const __m256 b = load8<T>(w + c * js * k + i);
       XLM_UNROLL
       for (int r = 0; r < MR; ++r) acc[r][c] = _mm256_fmadd_ps(a[r], b, acc[r][c]);
     }
@@ -417,8 +425,8 @@ void nk_tile(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0,
     XLM_UNROLL
     for (int c = 0; c < NJ; ++c) {
       float sum = hsum(acc[r][c]);
-      for (int64_t t = i; t < k; ++t) sum += x[r * k + t] * widen_one<T>(w[c * k + t]);
-      p.y[(r0 + r) * p.n + j0 + c] = sum;
+      for (int64_t t = i; t < k; ++t) sum += x[r * k + t] * widen_one<T>(w[c * js * k + t]);
+      p.y[(r0 + r) * p.n + j0 + c * js] = sum;
     }
   }
 }
@@ -428,9 +436,13 @@ template <WType T, int MR>
 void nk_rows(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0, int64_t r1,
              int64_t j0, int64_t j1) {
   for (int64_t r = r0; r + MR <= r1; r += MR) {
-    int64_t j = j0;
-    for (; j + 4 <= j1; j += 4) nk_tile<T, MR, 4>(p, w + (j - j0) * p.k, r, j);
-    for (; j < j1; ++j) nk_tile<T, MR, 1>(p, w + (j - j0) * p.k, r, j);
+    // The chunk's rows of w in four quarters, a tile taking one row of each: four long
+    // sequential streams (see the top).
+    const int64_t quarter = (j1 - j0) / 4;
+    for (int64_t j = j0; j < j0 + quarter; ++j) {
+      nk_tile<T, MR, 4>(p, w + (j - j0) * p.k, r, j, quarter);
+    }
+    for (int64_t j = j0 + 4 * quarter; j < j1; ++j) nk_tile<T, MR, 1>(p, w + (j - j0) * p.k, r, j);
   }
 }
 
