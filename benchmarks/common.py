@@ -33,6 +33,16 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return 2 * num_bytes / best
 
 
+def settle(max_load: float, timeout: float) -> float:
+    """Wait until the 1-minute load average is below `max_load` (the conventions' quiet
+    machine: the last engine's own exit keeps it near 2 for a minute), at most `timeout`
+    seconds; the load it ends at, which the caller records."""
+    deadline = time.monotonic() + timeout
+    while (load := os.getloadavg()[0]) >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    return load
+
+
 def time_call(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     t = time.perf_counter()
     result = fn(*args)

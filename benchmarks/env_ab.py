@@ -20,6 +20,12 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import settle  # noqa: E402
+
+sys.path.pop(0)
 
 RUN = r"""
 import json, os, sys, time
@@ -67,8 +73,7 @@ def main() -> None:
             run_env = {k: v for k, v in env.items() if k != args.var}
             if value != "default":
                 run_env[args.var] = value
-            time.sleep(8)  # let the last run's load settle a little
-            load = os.getloadavg()[0]
+            load = settle(1.5, 300)  # the last run's own load, gone
             proc = subprocess.run(
                 [sys.executable, "-c", RUN, args.quantization, text],
                 env=run_env,

@@ -27,7 +27,10 @@ pools in one process disturb each other. Engines that are not installed are skip
   XLM_CACHE_ROOT: no saved programs, tokenizer or dequantized weights) and warm (a
   second process on that cache); torch is hidden from xlm's workers, as on an install
   without it. Log lines of the worker that mention "phase" are kept in the JSON.
-- Fairness: the machine, the load average before and after each engine, and the CPU
+- Fairness: each engine's process starts once the 1-minute load average is below
+  `--settle-load` (1.5; the last engine's exit holds it near 2 for a minute), or after
+  `--settle-timeout`. Recorded: the machine, the load average before and after each
+  engine, and the CPU
   seconds that OTHER processes used during each timed call (/proc/stat busy time minus
   the CPU time of the worker and its children), package versions, the date.
 - Greedy agreement with xlm float32 on the largest batch x output length.
@@ -65,6 +68,7 @@ from common import (  # noqa: E402
     XlmRunner,
     cpu_model,
     measure_bandwidth,
+    settle,
     single_request,
     time_call,
 )
@@ -491,6 +495,7 @@ def run_worker(
     cmd = [python, str(Path(__file__).resolve()), "--worker", engine, "--spec", str(spec_path)]
     if tag == "-warm":
         cmd.append("--startup-only")
+    settle(args.settle_load, args.settle_timeout)
     load_before = load_average()
     with open(log, "w") as f:
         spawn = time.time()
@@ -794,6 +799,15 @@ def main() -> None:
         help="where the GGUFs, the HF directory and the workers' logs are kept",
     )
     parser.add_argument("--worker-timeout", type=float, default=3600.0)
+    parser.add_argument(
+        "--settle-load",
+        type=float,
+        default=1.5,
+        help="before each engine's process, wait until the 1-minute load average is below this",
+    )
+    parser.add_argument(
+        "--settle-timeout", type=float, default=300.0, help="seconds to wait for it at most"
+    )
     parser.add_argument("--out", default=str(HERE / "peers.json"))
     parser.add_argument("--plot", nargs="?", const=str(HERE / "peers.png"), default=None)
     parser.add_argument("--markdown", default=None, help="also write the tables to this file")
