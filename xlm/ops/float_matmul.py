@@ -46,8 +46,7 @@ class FloatMatmul(CustomOp):
 
     default_enabled = True
     # Whether float32 kernels take the CPU kernel too (stored [out, in]; at one request
-    # 1.26x XLA's dot on [in, out] in the step, and XLA's dot on [out, in] 1.78x at a batch
-    # of 64: RESULTS.md, session 13).
+    # 1.26x XLA's dot on [in, out] in the step, a batch of 64 level: RESULTS.md, session 13).
     float32_kernel: ClassVar[bool] = True
 
     def __init__(self, *, enforce_enable: bool = False) -> None:
