@@ -70,19 +70,21 @@ class FloatMatmul(CustomOp):
         rows of w as long sequential streams, faster than columns of [in, out]
         (cpu_kernels/float_matmul.cc). Longer steps run XLA's dot on [out, in] as they do
         for the LM head."""
+        return self._forward_name == "forward_cpu" and self.kernel_takes(dtype)
+
+    def kernel_takes(self, dtype: Any) -> bool:
+        """Whether the CPU kernel takes weights of `dtype`: half ones, float32 ones while
+        `float32_kernel` is on."""
         dtype = jnp.dtype(dtype)
-        return self._forward_name == "forward_cpu" and (
-            dtype in HALF_DTYPES or (dtype == jnp.float32 and self.float32_kernel)
-        )
+        return dtype in HALF_DTYPES or (dtype == jnp.float32 and self.float32_kernel)
 
     def uses_kernel(self, x: jax.Array, kernel: jax.Array) -> bool:
         """Whether forward_cpu runs the CPU kernel for these shapes and dtypes."""
         rows = math.prod(x.shape[:-1])
-        dtype = jnp.dtype(kernel.dtype)
-        half = dtype in HALF_DTYPES
+        half = jnp.dtype(kernel.dtype) in HALF_DTYPES
         return (
             1 <= rows <= (HALF_KERNEL_MAX_ROWS if half else FLOAT_KERNEL_MAX_ROWS)
-            and (half or (dtype == jnp.float32 and self.float32_kernel))
+            and self.kernel_takes(kernel.dtype)
             and jnp.dtype(x.dtype) in (jnp.float32, *HALF_DTYPES)
             and tp_mesh() is None  # no partitioning rule: XLA would gather the kernel
             and cpu_kernels_available()

@@ -10,8 +10,8 @@ one device's.
 
 An entry is keyed by the GGUF file (path, size, mtime), the model's parameter signature
 (paths, shapes, stored dtypes and layouts: another dtype, quantization or adapter layout
-is another entry) and the source of the code that decides the values (the models, the loader, the
-quantization); a newer source replaces its stale entries. Written and checked through
+is another entry) and the source of the code that decides the values (the models, the
+loader, the quantization); a newer source replaces its stale entries. Written and checked through
 xlm.disk_cache (atomic, a manifest of sizes), plus the safetensors header; the LoRA
 slots are not saved (placed as zeros, as a load from the GGUF does).
 """

@@ -125,11 +125,12 @@ class WeightPlacer:
         (xlm.quantization.q8_kernel_strips) or a float kernel's [out, in] where the
         parameter is kept so."""
         var = self.variables[path]
-        if var.get_metadata().get("out_major"):
+        layout = stored_layout(var)
+        if layout == "out_major":
             return np.ascontiguousarray(value.T)
-        if not var.get_metadata().get("q8_strips"):
-            return value
-        return q8_scale_strips(value) if is_scale(var) else q8_kernel_strips(value)
+        if layout == "q8_strips":
+            return q8_scale_strips(value) if is_scale(var) else q8_kernel_strips(value)
+        return value
 
     def _put_physical(self, path: str, value: np.ndarray) -> None:
         var = self.variables[path]
