@@ -76,6 +76,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # before sleeping (xlm/ops/cpu_kernels/column_split.h; the library reads it itself at
     # its first split); 0: every split wakes XLA's intra-op pool instead.
     "XLM_CPU_SPIN_US": _get_float("XLM_CPU_SPIN_US", 200.0),
+    # Microseconds the CPU kernels run on the calling thread alone after a split waited
+    # on a descheduled helper, at first; doubled while such waits go on, at most 100 ms
+    # (column_split.h's SplitBackoff, which reads it itself at its first wait).
+    "XLM_CPU_SPLIT_BACKOFF_US": _get_float("XLM_CPU_SPLIT_BACKOFF_US", 2000.0),
     # Directory holding the ipc:// socket files of the engine's ZeroMQ sockets.
     "XLM_RPC_BASE_PATH": lambda: os.environ.get("XLM_RPC_BASE_PATH", "/tmp"),
     # Seconds the engine-core client waits for the engine process to start.

@@ -181,8 +181,52 @@ template <class Job>
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->run(); });
   return std::make_unique<HelperLease>();
 }
-// After waiting on a descheduled pool thread, calls run on the caller alone this long.
+// After waiting on a descheduled helper, calls run on the caller alone until this time.
 inline std::atomic<SplitClock::rep> g_split_single_until{0};
+
+// How long calls run alone after such a wait: XLM_CPU_SPLIT_BACKOFF_US (default 2000) at
+// first, doubled each time the first split after a backoff waits again (sustained load:
+// other processes hold the cores), at most 100 ms; back to the base after a split that
+// did not wait. In a one-request decode the helper is mostly descheduled by the engine's
+// own host thread, whose work between steps takes a few ms: a fixed 100 ms (before) kept
+// ~5 steps single-threaded after each such burst. One request, alternating processes:
+// bfloat16 47.5 -> 49.8 tok/s, w8a8 60.0 -> 62.0, and 36.3 -> 38.8 (bfloat16) with a busy
+// process beside (RESULTS.md, session 14).
+class SplitBackoff {
+ public:
+  static SplitBackoff& Get() {
+    static SplitBackoff backoff;
+    return backoff;
+  }
+
+  // A split waited too long: run alone for the current backoff, and double it.
+  void Waited() {
+    const int64_t us = std::max(current_us_.load(std::memory_order_relaxed), base_us_);
+    const SplitClock::time_point until = SplitClock::now() + std::chrono::microseconds(us);
+    g_split_single_until.store(until.time_since_epoch().count(), std::memory_order_relaxed);
+    current_us_.store(std::min(2 * us, kMaxUs), std::memory_order_relaxed);
+  }
+
+  // A split finished without waiting: the next wait backs off for the base again.
+  void Finished() {
+    if (current_us_.load(std::memory_order_relaxed) != base_us_) {
+      current_us_.store(base_us_, std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  static constexpr int64_t kMaxUs = 100000;
+
+  SplitBackoff() {
+    const char* env = std::getenv("XLM_CPU_SPLIT_BACKOFF_US");
+    base_us_ = env != nullptr && *env != '\0' ? std::max<int64_t>(0, std::atoll(env)) : 2000;
+    base_us_ = std::min(base_us_, kMaxUs);
+    current_us_.store(base_us_, std::memory_order_relaxed);
+  }
+
+  int64_t base_us_ = 2000;
+  std::atomic<int64_t> current_us_{2000};
+};
 
 inline double split_seconds_since(SplitClock::time_point t) {
   return std::chrono::duration<double>(SplitClock::now() - t).count();
@@ -220,7 +264,10 @@ void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_
   const auto lease = StartHelpers(pool, workers - 1, job, rows, work);
   const auto start = SplitClock::now();
   const int64_t own_chunks = job->run();
-  if (job->done.load(std::memory_order_acquire) == job->num_chunks) return;
+  if (job->done.load(std::memory_order_acquire) == job->num_chunks) {
+    SplitBackoff::Get().Finished();
+    return;
+  }
   const double own_seconds = split_seconds_since(start);
   const auto wait_start = SplitClock::now();
   for (int spins = 0; job->done.load(std::memory_order_acquire) < job->num_chunks; ++spins) {
@@ -235,8 +282,9 @@ void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_
   // Longer than a chunk takes, with margin: the helper was descheduled.
   const double chunk_seconds = own_seconds / std::max<int64_t>(own_chunks, 1);
   if (split_seconds_since(wait_start) > 2 * chunk_seconds + 50e-6) {
-    const SplitClock::time_point until = SplitClock::now() + std::chrono::milliseconds(100);
-    g_split_single_until.store(until.time_since_epoch().count(), std::memory_order_relaxed);
+    SplitBackoff::Get().Waited();
+  } else {
+    SplitBackoff::Get().Finished();
   }
 }
 

@@ -762,7 +762,8 @@ void compute_columns(const Problem& p, int64_t c0, int64_t c1) {
 // saves: waking a parked pool thread took ~4 us here, and the Schedule call ~1 us
 // (column_split.h's kMinParallelWork). When the other cores are busy with other
 // processes, a pool thread can be descheduled holding a chunk; after such a wait, calls
-// run on the caller alone for 100 ms (column_split.h).
+// run on the caller alone for a while (2 ms, doubling while the waits go on, at most
+// 100 ms: column_split.h's SplitBackoff).
 constexpr int64_t kTallRows = 1024;  // from this many rows, chunks of about a page of w
 constexpr int64_t kPageTiles = 4096 / kTileCols;
 
