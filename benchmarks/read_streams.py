@@ -1,6 +1,7 @@
 """How fast a core reads memory as 1, 2, 4 or 8 sequential streams at once: the
 measurement behind the CPU kernels' 4-stream row order (xlm/ops/cpu_kernels/
-float_matmul.cc, docs/engine.md "Float and half weights on CPU").
+float_matmul.cc, docs/engine.md "Float and half weights on CPU"); and the float32 FMA peak
+of 1 and 2 threads, the ceiling of a compute-bound step (a batch's matmuls).
 
     python benchmarks/read_streams.py [--mib 256] [--repeats 5] [--out FILE]
 
@@ -9,6 +10,9 @@ buffer of `--mib` MiB (past the caches) with AVX2 loads, on 1 thread and on 2 (e
 half), each thread's part read as S streams far apart (stream s covers the s-th S-th of
 the part; one 64-byte line of each in turn). GB/s = bytes / best time of `--repeats`.
 Only the read: no arithmetic on the bytes besides an add that keeps the loads.
+FMA peak: each thread runs 12 independent chains of 8-lane fused multiply-adds (enough to
+cover the FMA latency on 2 pipes) from registers, 2 x 8 flops an FMA; GFLOP/s = flops /
+best time.
 """
 
 from __future__ import annotations
@@ -49,6 +53,17 @@ int64_t read_streams(const int8_t* p, int64_t n) {
 
 using Reader = int64_t (*)(const int8_t*, int64_t);
 
+float fma_chains(int64_t iters) {
+  __m256 acc[12];
+  const __m256 b = _mm256_set1_ps(1.0000001f), c = _mm256_set1_ps(1e-7f);
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], b, c);
+  float s = 0;
+  for (int i = 0; i < 12; ++i) s += _mm256_cvtss_f32(acc[i]);
+  return s;
+}
+
 int main(int argc, char** argv) {
   const int64_t bytes = atoll(argv[1]) << 20;
   const int repeats = atoi(argv[2]);
@@ -75,6 +90,24 @@ int main(int argc, char** argv) {
       printf("%d %d %.3f\n", threads, counts[r], bytes / best / 1e9);
     }
   }
+  const int64_t iters = 100000000;
+  float fsinks[2] = {0, 0};
+  for (int threads = 1; threads <= 2; ++threads) {
+    double best = 1e30;
+    for (int rep = 0; rep < repeats; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<std::thread> pool;
+      for (int t = 1; t < threads; ++t) {
+        pool.emplace_back([&, t] { fsinks[t] += fma_chains(iters); });
+      }
+      fsinks[0] += fma_chains(iters);
+      for (auto& th : pool) th.join();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = s < best ? s : best;
+    }
+    printf("fma %d %.3f\n", threads, threads * iters * 12.0 * 16.0 / best / 1e9);
+  }
+  printf("sink %g\n", fsinks[0] + fsinks[1]);  // keeps the chains' results
   return 0;
 }
 """
@@ -99,14 +132,22 @@ def main() -> None:
         out = subprocess.run(
             [exe, str(args.mib), str(args.repeats)], check=True, capture_output=True, text=True
         ).stdout
-    rows = []
+    rows, peaks = [], []
     print(f"load average before: {load:.2f}")
     print("| threads | streams a thread | GB/s |\n|---|---|---|")
     for line in out.split("\n"):
-        if line.strip():
+        if line.startswith("sink "):
+            continue
+        if line.startswith("fma "):
+            _, threads, gflops = line.split()
+            peaks.append({"threads": int(threads), "fma_gflops": float(gflops)})
+        elif line.strip():
             threads, streams, gbps = line.split()
             rows.append({"threads": int(threads), "streams": int(streams), "gbps": float(gbps)})
             print(f"| {threads} | {streams} | {float(gbps):.1f} |")
+    print("\n| threads | float32 FMA peak, GFLOP/s |\n|---|---|")
+    for peak in peaks:
+        print(f"| {peak['threads']} | {peak['fma_gflops']:.1f} |")
     if args.out:
         record = {
             "command": f"python benchmarks/read_streams.py --mib {args.mib} "
@@ -114,6 +155,7 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "load_before": load,
             "rows": rows,
+            "fma_peak": peaks,
         }
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
