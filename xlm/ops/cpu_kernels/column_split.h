@@ -215,17 +215,19 @@ class SplitBackoff {
   }
 
  private:
+  static constexpr int64_t kDefaultBaseUs = 2000;
   static constexpr int64_t kMaxUs = 100000;
 
-  SplitBackoff() {
+  static int64_t BaseFromEnv() {
     const char* env = std::getenv("XLM_CPU_SPLIT_BACKOFF_US");
-    base_us_ = env != nullptr && *env != '\0' ? std::max<int64_t>(0, std::atoll(env)) : 2000;
-    base_us_ = std::min(base_us_, kMaxUs);
-    current_us_.store(base_us_, std::memory_order_relaxed);
+    const int64_t us = env != nullptr && *env != '\0' ? std::atoll(env) : kDefaultBaseUs;
+    return std::clamp<int64_t>(us, 0, kMaxUs);
   }
 
-  int64_t base_us_ = 2000;
-  std::atomic<int64_t> current_us_{2000};
+  SplitBackoff() : base_us_(BaseFromEnv()), current_us_(base_us_) {}
+
+  const int64_t base_us_;
+  std::atomic<int64_t> current_us_;
 };
 
 inline double split_seconds_since(SplitClock::time_point t) {
