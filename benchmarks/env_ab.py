@@ -1,10 +1,10 @@
 """One environment variable's values side by side: an engine per run, turns alternating.
 
     python benchmarks/env_ab.py --var XLM_CPU_SPIN_US --values 0,default \
-        [--quantization w8a8] [--turns 2] [--out FILE]
+        [--quantization w8a8] [--dtype bfloat16] [--turns 2] [--out FILE]
 
 Each run is a fresh process (one `xlm.LLM` on the built-in SmolLM2, the given
-quantization) that waits for all its programs (a shared XLM_COMPILATION_CACHE_DIR under
+quantization and dtype) that waits for all its programs (a shared XLM_COMPILATION_CACHE_DIR under
 /tmp makes later runs load them), then decodes one request of 128 greedy tokens five times
 (the decode rate of each) and a batch of 64 requests x 64 tokens twice (after one
 warm-up). The runs alternate value by value, `--turns` times; "default" leaves the variable
@@ -31,7 +31,9 @@ RUN = r"""
 import json, os, sys, time
 import xlm
 quantization = sys.argv[1] or None
-llm = xlm.LLM(model="smollm2-135m", quantization=quantization, max_model_len=512)
+llm = xlm.LLM(
+    model="smollm2-135m", quantization=quantization, dtype=sys.argv[3], max_model_len=512
+)
 llm.wait_for_programs()
 time.sleep(3)
 prompt = "The history of the printing press begins in the fifteenth century, when"
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument("--var", required=True)
     parser.add_argument("--values", required=True, help="comma-separated; 'default': unset")
     parser.add_argument("--quantization", default="")
+    parser.add_argument("--dtype", default="auto", help="xlm.LLM's dtype (bfloat16: half weights)")
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -75,7 +78,7 @@ def main() -> None:
                 run_env[args.var] = value
             load = settle(1.5, 300)  # the last run's own load, gone
             proc = subprocess.run(
-                [sys.executable, "-c", RUN, args.quantization, text],
+                [sys.executable, "-c", RUN, args.quantization, text, args.dtype],
                 env=run_env,
                 capture_output=True,
                 text=True,

@@ -72,6 +72,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Load the CPU kernel library the package build made (when its key matches this
     # runtime's); 0 always uses the one built at run time (into XLM_CACHE_ROOT).
     "XLM_CPU_KERNELS_PREBUILT": _get_bool("XLM_CPU_KERNELS_PREBUILT", True),
+    # The widest vector instructions the CPU kernels use: native (this CPU's, AVX-512
+    # where it has it) or avx2 (xlm/ops/cpu_kernels/build.py, which reads it itself).
+    "XLM_CPU_KERNELS_ISA": lambda: os.environ.get("XLM_CPU_KERNELS_ISA") or "native",
     # Microseconds the CPU kernels' own helper threads spin after a small (decode) call
     # before sleeping (xlm/ops/cpu_kernels/column_split.h; the library reads it itself at
     # its first split); 0: every split wakes XLA's intra-op pool instead.

@@ -42,8 +42,9 @@ def assert_close(y: jax.Array, x: jax.Array, w: jax.Array, transposed: bool) -> 
 SHAPES = [(37, 101), (100, 3), (576, 960), (577, 70)]
 
 
-# 1-8: the streaming loops; 9 and more: the packed tiles (6 rows at a time, remainders).
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 23, 64])
+# 1-8: the streaming loops; 9 and more: the packed tiles, rows in near-equal groups of up
+# to 12 (AVX-512; 15: 8 + 7, 23: 12 + 11, 64: 4 x 11 + 2 x 10) or 6 (AVX2).
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 15, 23, 64])
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transposed", [False, True])

@@ -80,6 +80,14 @@ def available() -> bool:
     return _available
 
 
+def vector_bits() -> int:
+    """The widest vectors the loaded library's loops use: 512 (AVX-512: this CPU has it and
+    XLM_CPU_KERNELS_ISA is native), 256 (AVX2), 0 (the portable loops only, or no kernels)."""
+    if not available():
+        return 0
+    return int(_library.xlm_cpu_kernels_vector_bits())
+
+
 def start_build() -> None:
     """Start building and registering the kernels in a background thread, unless done or
     under way; `available()` waits for it."""
@@ -97,6 +105,11 @@ def _load() -> bool:
         return False
     if envs.XLM_CPU_SPIN_US < 0:  # read by the library itself; checked here
         raise ValueError(f"XLM_CPU_SPIN_US must be >= 0 (0: off); got {envs.XLM_CPU_SPIN_US}")
+    if envs.XLM_CPU_KERNELS_ISA not in build.ISA_FLAGS:  # read by the build; checked here
+        raise ValueError(
+            f"XLM_CPU_KERNELS_ISA must be one of {sorted(build.ISA_FLAGS)}; "
+            f"got {envs.XLM_CPU_KERNELS_ISA!r}"
+        )
     try:
         sources, headers = build.read_texts()
         path = _library_path()

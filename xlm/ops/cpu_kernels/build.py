@@ -30,12 +30,26 @@ HERE = Path(__file__).parent
 SOURCES = ("quant_matmul.cc", "float_matmul.cc", "paged_attention.cc")
 HEADERS = ("column_split.h", "ffi_shapes.h")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
+# XLM_CPU_KERNELS_ISA: the widest vector instructions the library may use. "native": what
+# this CPU has (AVX-512 where it has it); "avx2": AVX-512 off (the AVX2 loops, as on a
+# CPU without it: how they are tested on one that has it, and a choice where AVX-512
+# clocks the cores down). Standard library only, as the rest of this file: read here
+# rather than through xlm.envs.
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
 # The installed library's name: PREBUILT_PREFIX + key (+ the interpreter's extension suffix).
 PREBUILT_PREFIX = "prebuilt_"
 
 
 class BuildError(Exception):
     """Why the library cannot be built."""
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags: FLAGS and XLM_CPU_KERNELS_ISA's."""
+    isa = os.environ.get("XLM_CPU_KERNELS_ISA") or "native"
+    if isa not in ISA_FLAGS:
+        raise BuildError(f"XLM_CPU_KERNELS_ISA must be one of {sorted(ISA_FLAGS)}; got {isa!r}")
+    return FLAGS + ISA_FLAGS[isa]
 
 
 @functools.cache
@@ -76,7 +90,7 @@ def library_key(include_dir: str | Path) -> str:
     """The key of a library built here from these sources against `include_dir`'s FFI."""
     sources, headers = read_texts()
     texts = [sources[n] for n in sorted(sources)] + [headers[n] for n in sorted(headers)]
-    parts = (*texts, FLAGS, ffi_api_version(include_dir), cpu_fingerprint())
+    parts = (*texts, flags(), ffi_api_version(include_dir), cpu_fingerprint())
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
@@ -110,7 +124,7 @@ def build_library(output: str | Path, include_dir: str | Path, compiler: str) ->
         work = Path(name)
         for file, text in headers.items():  # found beside the sources that include them
             (work / file).write_text(text)
-        argv = [*shlex.split(compiler), *FLAGS]
+        argv = [*shlex.split(compiler), *flags()]
         objects, compiles = [], []
         # One compiler per source, at once: each takes seconds, mostly in the FFI headers.
         for file, text in sources.items():

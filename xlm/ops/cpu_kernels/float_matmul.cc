@@ -39,6 +39,11 @@
 #else
 #define XLM_HAVE_AVX2 0
 #endif
+#if XLM_HAVE_AVX2 && defined(__AVX512F__)
+#define XLM_HAVE_AVX512 1
+#else
+#define XLM_HAVE_AVX512 0
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -258,50 +263,104 @@ void kn_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
   }
 }
 
-// y[r0 : r0 + MR, t0 + 16 s : + 16] (+)= x[r0 : r0 + MR, i0 : i1] @ the packed tile's
-// 16 columns at s (buf [i1 - i0, kTileCols] float32); `cols`: the tile's valid columns.
+// The next packed tile's weights, fetched into L2 a line at a time while the current
+// tile's products run (a weight comes from DRAM once per step; fetched only when packed,
+// the read and the products took turns instead of overlapping): `rows` runs of
+// `row_bytes` bytes, `stride` bytes apart, from `p`.
+struct Prefetcher {
+  const char* p = nullptr;
+  int64_t stride = 0, row_bytes = 0, rows = 0, offset = 0;
+
+  void one() {
+    if (rows <= 0) return;
+    _mm_prefetch(p + offset, _MM_HINT_T1);
+    if ((offset += 64) >= row_bytes) {
+      offset = 0;
+      p += stride;
+      --rows;
+    }
+  }
+};
+
+// A packed tile of w: buf [i1 - i0, kTileCols] float32, w's columns [t0, t0 + cols) at
+// rows [i0, i1) of the [k, n] matrix it stands for; `first`: y is written, not added to.
+struct Packed {
+  const float* buf;
+  int64_t t0, cols, i0, i1;
+  bool first;
+  Prefetcher* next;
+};
+
+#if XLM_HAVE_AVX512
+using Vec = __m512;
+constexpr int kLanes = 16;
+constexpr int64_t kMaxMR = 12;  // rows x 2 vectors of sums: 24 of the 32 registers
+inline Vec vload(const float* p) { return _mm512_load_ps(p); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+// y[0 : valid] (+)= v.
+inline void vstore_y(float* y, Vec v, int64_t valid, bool first) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  if (!first) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, y));
+  _mm512_mask_storeu_ps(y, mask, v);
+}
+#else
+using Vec = __m256;
+constexpr int kLanes = 8;
+constexpr int64_t kMaxMR = 6;  // rows x 2 vectors of sums: 12 of the 16 registers
+inline Vec vload(const float* p) { return _mm256_load_ps(p); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline void vstore_y(float* y, Vec v, int64_t valid, bool first) {
+  if (valid == 8) {
+    if (!first) v = _mm256_add_ps(v, _mm256_loadu_ps(y));
+    _mm256_storeu_ps(y, v);
+  } else {
+    const __m256i mask = lane_mask(static_cast<int>(valid));
+    if (!first) v = _mm256_add_ps(v, _mm256_maskload_ps(y, mask));
+    _mm256_maskstore_ps(y, mask, v);
+  }
+}
+#endif
+
+// y[r0 : r0 + MR, t0 + 2 kLanes s : + 2 kLanes] (+)= x[r0 : r0 + MR, i0 : i1] @ the packed
+// tile's 2 vectors of columns at s, MR x 2 vectors of sums in registers; one line of the
+// next tile prefetched every other row of w.
 template <int MR>
-void packed_tile(const FloatProblem& p, const float* buf, int64_t r0, int64_t t0, int s,
-                 int64_t cols, int64_t i0, int64_t i1, bool first) {
+void packed_tile(const FloatProblem& p, const Packed& t, int64_t r0, int s) {
   const int64_t k = p.k, n = p.n;
-  const float* x = p.x + r0 * k + i0;
-  const float* b = buf + 16 * s;
-  __m256 acc[MR][2];
+  const float* x = p.x + r0 * k + t.i0;
+  const float* b = t.buf + 2 * kLanes * s;
+  Vec acc[MR][2];
   XLM_UNROLL
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < i1 - i0; ++i, b += kTileCols) {
-    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int64_t i = 0; i < t.i1 - t.i0; ++i, b += kTileCols) {
+    if (i & 1) t.next->one();
+    const Vec b0 = vload(b), b1 = vload(b + kLanes);
     XLM_UNROLL
     for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * k + i);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+      const Vec a = vset1(x[r * k + i]);
+      acc[r][0] = vfmadd(a, b0, acc[r][0]);
+      acc[r][1] = vfmadd(a, b1, acc[r][1]);
     }
   }
   XLM_UNROLL
   for (int v = 0; v < 2; ++v) {
-    const int64_t valid = std::min<int64_t>(8, cols - 16 * s - 8 * v);
+    const int64_t valid = std::min<int64_t>(kLanes, t.cols - 2 * kLanes * s - kLanes * v);
     if (valid <= 0) break;
-    const __m256i mask = lane_mask(static_cast<int>(valid));
     XLM_UNROLL
     for (int r = 0; r < MR; ++r) {
-      float* yp = p.y + (r0 + r) * n + t0 + 16 * s + 8 * v;
-      __m256 out = acc[r][v];
-      if (valid == 8) {
-        if (!first) out = _mm256_add_ps(out, _mm256_loadu_ps(yp));
-        _mm256_storeu_ps(yp, out);
-      } else {
-        if (!first) out = _mm256_add_ps(out, _mm256_maskload_ps(yp, mask));
-        _mm256_maskstore_ps(yp, mask, out);
-      }
+      vstore_y(p.y + (r0 + r) * n + t.t0 + 2 * kLanes * s + kLanes * v, acc[r][v], valid,
+               t.first);
     }
   }
 }
 
 template <int MR>
-void packed_rows(const FloatProblem& p, const float* buf, int64_t r0, int64_t t0, int64_t cols,
-                 int64_t i0, int64_t i1, bool first) {
-  for (int s = 0; 16 * s < cols; ++s) packed_tile<MR>(p, buf, r0, t0, s, cols, i0, i1, first);
+void packed_rows(const FloatProblem& p, const Packed& t, int64_t r0) {
+  for (int s = 0; 2 * kLanes * s < t.cols; ++s) packed_tile<MR>(p, t, r0, s);
 }
 
 // The 8 x 8 block in r[0..8) transposed in place.
@@ -361,28 +420,71 @@ void pack_tile(const FloatProblem& p, float* buf, int64_t t0, int64_t cols, int6
   }
 }
 
+// Rows [r, r + rows) of x (1..kMaxMR) against the packed tile.
+inline void packed_group(const FloatProblem& p, const Packed& t, int64_t r, int64_t rows) {
+  switch (rows) {
+    case 1: return packed_rows<1>(p, t, r);
+    case 2: return packed_rows<2>(p, t, r);
+    case 3: return packed_rows<3>(p, t, r);
+    case 4: return packed_rows<4>(p, t, r);
+    case 5: return packed_rows<5>(p, t, r);
+#if XLM_HAVE_AVX512
+    case 6: return packed_rows<6>(p, t, r);
+    case 7: return packed_rows<7>(p, t, r);
+    case 8: return packed_rows<8>(p, t, r);
+    case 9: return packed_rows<9>(p, t, r);
+    case 10: return packed_rows<10>(p, t, r);
+    case 11: return packed_rows<11>(p, t, r);
+    default: return packed_rows<12>(p, t, r);
+#else
+    default: return packed_rows<6>(p, t, r);
+#endif
+  }
+}
+
+// The weights of the packed tile of columns [t0, t0 + cols) and rows [i0, i1) of the
+// [k, n] matrix w stands for.
+template <WType T, bool kTransposed>
+Prefetcher tile_source(const FloatProblem& p, int64_t t0, int64_t cols, int64_t i0, int64_t i1) {
+  const int64_t size = sizeof(typename Elem<T>::type);
+  const char* w = static_cast<const char*>(p.w);
+  if constexpr (kTransposed) {  // rows t0.. of w [n, k], (i1 - i0) elements each
+    return {w + (t0 * p.k + i0) * size, p.k * size, (i1 - i0) * size, cols};
+  } else {  // rows i0.. of w [k, n], cols elements each
+    return {w + (i0 * p.n + t0) * size, p.n * size, cols * size, i1 - i0};
+  }
+}
+
 // Many rows of x: each [kPackK, 64] tile of w widened once into a float32 buffer (a
-// GEMM's packing; transposed from w [n, k]), then every row of x against it, 6 rows x 16
-// columns at a time (12 accumulators); a tile's sums in y stay in cache across its blocks
-// of k.
+// GEMM's packing; transposed from w [n, k]), then every row of x against it, in groups of
+// up to kMaxMR rows x 2 vectors of columns (AVX-512: 12 rows x 32 columns, 24 registers
+// of sums; AVX2: 6 x 16, 12), while the next tile's weights are prefetched; a tile's sums
+// in y stay in cache across its blocks of k.
 template <WType T, bool kTransposed>
 void packed_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
   alignas(64) float buf[kPackK * kTileCols];
+  // Rows in near-equal groups of at most kMaxMR (64 rows: 11, 11, 11, 11, 10, 10).
+  const int64_t groups = (p.m + kMaxMR - 1) / kMaxMR;
+  Prefetcher next;
   for (int64_t t0 = c0; t0 < c1; t0 += kTileCols) {
     const int64_t cols = std::min(kTileCols, c1 - t0);
     for (int64_t i0 = 0; i0 < p.k; i0 += kPackK) {
       const int64_t i1 = std::min(p.k, i0 + kPackK);
       pack_tile<T, kTransposed>(p, buf, t0, cols, i0, i1);
-      const bool first = i0 == 0;
-      int64_t r = 0;
-      for (; r + 6 <= p.m; r += 6) packed_rows<6>(p, buf, r, t0, cols, i0, i1, first);
-      switch (p.m - r) {
-        case 1: packed_rows<1>(p, buf, r, t0, cols, i0, i1, first); break;
-        case 2: packed_rows<2>(p, buf, r, t0, cols, i0, i1, first); break;
-        case 3: packed_rows<3>(p, buf, r, t0, cols, i0, i1, first); break;
-        case 4: packed_rows<4>(p, buf, r, t0, cols, i0, i1, first); break;
-        case 5: packed_rows<5>(p, buf, r, t0, cols, i0, i1, first); break;
-        default: break;
+      if (i1 < p.k) {
+        next = tile_source<T, kTransposed>(p, t0, cols, i1, std::min(p.k, i1 + kPackK));
+      } else if (t0 + kTileCols < c1) {
+        const int64_t t1 = t0 + kTileCols;
+        next = tile_source<T, kTransposed>(p, t1, std::min(kTileCols, c1 - t1), 0,
+                                           std::min(p.k, kPackK));
+      } else {
+        next = Prefetcher{};
+      }
+      const Packed t{buf, t0, cols, i0, i1, i0 == 0, &next};
+      for (int64_t g = 0, r = 0; g < groups; ++g) {
+        const int64_t rows = p.m / groups + (g < p.m % groups ? 1 : 0);
+        packed_group(p, t, r, rows);
+        r += rows;
       }
     }
   }
@@ -530,3 +632,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmFloatMatmul, FloatMatmulImpl,
                                   .Attr<int64_t>("scalar")       // 1: the portable loops
                                   .Attr<int64_t>("transposed")   // 1: w is [n, k]
 );
+
+// The widest vectors this build's loops use (every source is built with the same flags):
+// 512 (AVX-512), 256 (AVX2 + FMA + F16C), 0 (the portable loops only).
+extern "C" int xlm_cpu_kernels_vector_bits() {
+  return XLM_HAVE_AVX512 ? 512 : XLM_HAVE_AVX2 ? 256 : 0;
+}

@@ -1,0 +1,99 @@
+"""XLM_CPU_KERNELS_ISA: the native build uses the widest vectors this CPU has, and the AVX2
+loops (what a CPU without AVX-512 runs) still match the references on a CPU that has it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from xlm.ops import cpu_kernels
+from xlm.ops.cpu_kernels import build
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def test_the_native_build_uses_the_widest_vectors_this_cpu_has() -> None:
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels could not be built here")
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    want = 512 if "avx512f" in flags else 256 if {"avx2", "fma", "f16c"} <= flags else 0
+    assert cpu_kernels.vector_bits() == want
+
+
+def _run(code: str, tmp_path: Path, isa: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "XLM_CPU_KERNELS_ISA": isa,
+        "XLM_CPU_KERNELS_PREBUILT": "0",
+        "XLM_CACHE_ROOT": str(tmp_path / "cache"),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+AVX2_LOOPS = """
+    import numpy as np
+    from xlm.ops import cpu_kernels
+
+    assert cpu_kernels.vector_bits() == 256, cpu_kernels.vector_bits()
+    rng = np.random.default_rng(0)
+    # Float weights: the streaming loops (1-8 rows) and the packed tiles (9, 23, 64: groups
+    # of 5 + 4, 6 x 3 + 5, 6 x 10 + 4); int8: the decode tiles (1, 3) and the GEMM (20).
+    for m in (1, 3, 9, 23, 64):
+        for dtype in ("float32", "float16", "bfloat16"):
+            for transposed in (False, True):
+                x = rng.standard_normal((m, 577)).astype(np.float32)
+                w = rng.standard_normal((70, 577) if transposed else (577, 70))
+                w = np.asarray(w, dtype=np.float32).astype(dtype)
+                got = np.asarray(cpu_kernels.float_matmul(x, w, transposed=transposed))
+                ref = cpu_kernels.float_matmul_reference(x, w, transposed=transposed)
+                np.testing.assert_allclose(got, np.asarray(ref), rtol=1e-4, atol=1e-4)
+    for m in (1, 3, 20):
+        x = rng.standard_normal((m, 576)).astype(np.float32)
+        w = rng.integers(-128, 128, (576, 200), dtype=np.int8)
+        scale = rng.uniform(0.001, 0.02, (18, 200)).astype(np.float32)
+        got = np.asarray(cpu_kernels.int8_matmul(x, w, scale))
+        ref = np.asarray(cpu_kernels.int8_matmul_reference(x, w, scale))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    print("ok")
+"""
+
+
+def test_the_avx2_loops_match_the_references_on_an_avx512_cpu(tmp_path) -> None:
+    """On a CPU with AVX-512 the default build never runs the 8-lane loops the AVX-512
+    ones replace; built with XLM_CPU_KERNELS_ISA=avx2 (its own cache entry) they must
+    still give the references' results."""
+    if "avx512f" not in cpu_flags() or not cpu_kernels.available():
+        pytest.skip("no AVX-512 here: the default build is the AVX2 one, tested everywhere")
+    proc = _run(AVX2_LOOPS, tmp_path, "avx2")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_an_unknown_isa_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XLM_CPU_KERNELS_ISA", "avx9")
+    with pytest.raises(build.BuildError, match="XLM_CPU_KERNELS_ISA must be one of"):
+        build.flags()
+    proc = _run("from xlm.ops import cpu_kernels; cpu_kernels.available()", tmp_path, "avx9")
+    assert proc.returncode != 0
+    assert "ValueError: XLM_CPU_KERNELS_ISA must be one of ['avx2', 'native']" in proc.stderr
