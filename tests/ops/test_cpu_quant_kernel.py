@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.ops.cpu_kernels import run_python
 from xlm.ops import cpu_kernels
 from xlm.quantization import (
     from_q8_strips,
@@ -152,24 +153,6 @@ def test_int4_handler_rejects_inconsistent_shapes() -> None:
         jax.block_until_ready(call(x, np.zeros((50, 37), np.uint8), ones, ones[:1], max_workers=0))
 
 
-def _run(code: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
-    # XLM_CPU_KERNELS_PREBUILT=0: the runtime build is under test, not a library an
-    # install left in the tree.
-    environ = {
-        **os.environ,
-        "XLM_CACHE_ROOT": str(tmp_path / "cache"),
-        "XLM_CPU_KERNELS_PREBUILT": "0",
-        **env,
-    }
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 FALLBACK = """
     import numpy as np
     from xlm.ops import cpu_kernels
@@ -203,7 +186,7 @@ FALLBACK = """
 
 
 def test_missing_compiler_falls_back_with_one_warning(tmp_path) -> None:
-    proc = _run(FALLBACK, tmp_path, CXX=str(tmp_path / "no-such-compiler"))
+    proc = run_python(FALLBACK, tmp_path, CXX=str(tmp_path / "no-such-compiler"))
     assert proc.returncode == 0, proc.stderr
     assert "fallback ok" in proc.stdout
     warnings = [line for line in proc.stderr.splitlines() if "CPU kernels are unavailable" in line]
@@ -214,14 +197,14 @@ def test_failing_build_falls_back(tmp_path) -> None:
     compiler = tmp_path / "broken-c++"
     compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo broken 1.0 && exit 0\nexit 1\n')
     compiler.chmod(0o755)
-    proc = _run(FALLBACK, tmp_path, CXX=str(compiler))
+    proc = run_python(FALLBACK, tmp_path, CXX=str(compiler))
     assert proc.returncode == 0, proc.stderr
     assert "failed" in proc.stderr
     assert not list((tmp_path / "cache").rglob("*.so"))  # no partial entry left behind
 
 
 def test_disabled_by_environment(tmp_path) -> None:
-    proc = _run(FALLBACK, tmp_path, XLM_CPU_KERNELS="0")
+    proc = run_python(FALLBACK, tmp_path, XLM_CPU_KERNELS="0")
     assert proc.returncode == 0, proc.stderr
     assert "CPU kernels are unavailable" not in proc.stderr
 
@@ -246,7 +229,7 @@ def test_a_prebuilt_library_with_this_runtimes_key_loads_without_a_compiler(tmp_
     key = cpu_kernels.build.library_key(jax.ffi.include_dir())
     folder = _prebuilt(tmp_path, key)
     env = dict(PREBUILT=str(folder), XLM_CPU_KERNELS_PREBUILT="1", XLM_LOGGING_LEVEL="INFO")
-    proc = _run(PREBUILT, tmp_path, CXX=str(tmp_path / "no-such-compiler"), **env)
+    proc = run_python(PREBUILT, tmp_path, CXX=str(tmp_path / "no-such-compiler"), **env)
     assert proc.returncode == 0, proc.stderr
     assert "available True" in proc.stdout, proc.stderr
     assert "Compiling" not in proc.stderr
@@ -256,7 +239,7 @@ def test_a_prebuilt_library_with_this_runtimes_key_loads_without_a_compiler(tmp_
 def test_a_prebuilt_library_with_another_key_is_ignored(tmp_path) -> None:
     folder = _prebuilt(tmp_path, "0" * 24)
     env = dict(PREBUILT=str(folder), XLM_CPU_KERNELS_PREBUILT="1")
-    proc = _run(PREBUILT, tmp_path, CXX=str(tmp_path / "no-such-compiler"), **env)
+    proc = run_python(PREBUILT, tmp_path, CXX=str(tmp_path / "no-such-compiler"), **env)
     assert proc.returncode == 0, proc.stderr
     # It went on to build (and had no compiler) rather than load the other key's library.
     assert "available False" in proc.stdout
@@ -543,7 +526,7 @@ def test_q8_linear_quantizes_as_the_definition(m, k, n, groups, scalar) -> None:
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_q8_linear_rejects_what_it_cannot_run() -> None:
+def test_q8_linear_rejects_what_it_cannotrun_python() -> None:
     _, w, scale = make(1, 64, 16, 2)
     with pytest.raises(ValueError, match="x must be float"):
         cpu_kernels.q8_linear(np.zeros((1, 64), np.int8), w, scale)
@@ -588,7 +571,7 @@ def test_spinning_helpers_change_no_result(tmp_path) -> None:
     code = SPIN_OFF.format(tests=str(Path(__file__).parent), out=str(tmp_path / "y.npy"))
     from xlm import envs
 
-    proc = _run(code, tmp_path, XLM_CPU_SPIN_US="0", XLM_CACHE_ROOT=str(envs.XLM_CACHE_ROOT))
+    proc = run_python(code, tmp_path, XLM_CPU_SPIN_US="0", XLM_CACHE_ROOT=str(envs.XLM_CACHE_ROOT))
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), want)
     inputs = [x * (1 + t) for t in range(4)]

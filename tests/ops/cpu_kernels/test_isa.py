@@ -3,14 +3,11 @@ loops (what a CPU without AVX-512 runs) still match the references on a CPU that
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.ops.cpu_kernels import run_python
 from xlm.ops import cpu_kernels
 from xlm.ops.cpu_kernels import build
 
@@ -34,22 +31,6 @@ def test_the_native_build_uses_the_widest_vectors_this_cpu_has() -> None:
         pytest.skip("no /proc/cpuinfo flags to compare with")
     want = 512 if "avx512f" in flags else 256 if {"avx2", "fma", "f16c"} <= flags else 0
     assert cpu_kernels.vector_bits() == want
-
-
-def _run(code: str, tmp_path: Path, isa: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "XLM_CPU_KERNELS_ISA": isa,
-        "XLM_CPU_KERNELS_PREBUILT": "0",
-        "XLM_CACHE_ROOT": str(tmp_path / "cache"),
-    }
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 AVX2_LOOPS = """
@@ -86,7 +67,7 @@ def test_the_avx2_loops_match_the_references_on_an_avx512_cpu(tmp_path) -> None:
     still give the references' results."""
     if "avx512f" not in cpu_flags() or not cpu_kernels.available():
         pytest.skip("no AVX-512 here: the default build is the AVX2 one, tested everywhere")
-    proc = _run(AVX2_LOOPS, tmp_path, "avx2")
+    proc = run_python(AVX2_LOOPS, tmp_path, XLM_CPU_KERNELS_ISA="avx2")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
@@ -94,6 +75,7 @@ def test_an_unknown_isa_is_a_clear_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XLM_CPU_KERNELS_ISA", "avx9")
     with pytest.raises(build.BuildError, match="XLM_CPU_KERNELS_ISA must be one of"):
         build.flags()
-    proc = _run("from xlm.ops import cpu_kernels; cpu_kernels.available()", tmp_path, "avx9")
+    code = "from xlm.ops import cpu_kernels; cpu_kernels.available()"
+    proc = run_python(code, tmp_path, XLM_CPU_KERNELS_ISA="avx9")
     assert proc.returncode != 0
     assert "ValueError: XLM_CPU_KERNELS_ISA must be one of ['avx2', 'native']" in proc.stderr
