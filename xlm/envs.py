@@ -73,7 +73,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # runtime's); 0 always uses the one built at run time (into XLM_CACHE_ROOT).
     "XLM_CPU_KERNELS_PREBUILT": _get_bool("XLM_CPU_KERNELS_PREBUILT", True),
     # The widest vector instructions the CPU kernels use: native (this CPU's, AVX-512
-    # where it has it) or avx2 (xlm/ops/cpu_kernels/build.py, which reads it itself).
+    # where it has it) or avx2 (AVX-512 off; xlm/ops/cpu_kernels/build.py's ISA_FLAGS).
     "XLM_CPU_KERNELS_ISA": lambda: os.environ.get("XLM_CPU_KERNELS_ISA") or "native",
     # Microseconds the CPU kernels' own helper threads spin after a small (decode) call
     # before sleeping (xlm/ops/cpu_kernels/column_split.h; the library reads it itself at

@@ -105,7 +105,7 @@ def _load() -> bool:
         return False
     if envs.XLM_CPU_SPIN_US < 0:  # read by the library itself; checked here
         raise ValueError(f"XLM_CPU_SPIN_US must be >= 0 (0: off); got {envs.XLM_CPU_SPIN_US}")
-    if envs.XLM_CPU_KERNELS_ISA not in build.ISA_FLAGS:  # read by the build; checked here
+    if envs.XLM_CPU_KERNELS_ISA not in build.ISA_FLAGS:
         raise ValueError(
             f"XLM_CPU_KERNELS_ISA must be one of {sorted(build.ISA_FLAGS)}; "
             f"got {envs.XLM_CPU_KERNELS_ISA!r}"
@@ -134,7 +134,7 @@ def _library_path() -> Path:
     """The package build's library when its key is this runtime's, else one compiled into
     the cache if not there yet."""
     include_dir = jax.ffi.include_dir()
-    key = build.library_key(include_dir)
+    key = build.library_key(include_dir, envs.XLM_CPU_KERNELS_ISA)
     if envs.XLM_CPU_KERNELS_PREBUILT:
         prebuilt = build.find_prebuilt(PREBUILT_DIR, key)
         if prebuilt is not None:
@@ -153,7 +153,7 @@ def _library_path() -> Path:
         if not disk_cache.check_directory(directory):
             logger.info("Compiling xlm CPU kernels into %s", directory)
             with disk_cache.atomic_directory(directory) as tmp:
-                build.build_library(tmp / _LIBRARY, include_dir, compiler)
+                build.build_library(tmp / _LIBRARY, include_dir, compiler, envs.XLM_CPU_KERNELS_ISA)
     return directory / _LIBRARY
 
 

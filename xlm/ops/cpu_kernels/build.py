@@ -30,11 +30,11 @@ HERE = Path(__file__).parent
 SOURCES = ("quant_matmul.cc", "float_matmul.cc", "paged_attention.cc")
 HEADERS = ("column_split.h", "ffi_shapes.h")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
-# XLM_CPU_KERNELS_ISA: the widest vector instructions the library may use. "native": what
-# this CPU has (AVX-512 where it has it); "avx2": AVX-512 off (the AVX2 loops, as on a
-# CPU without it: how they are tested on one that has it, and a choice where AVX-512
-# clocks the cores down). Standard library only, as the rest of this file: read here
-# rather than through xlm.envs.
+# The widest vector instructions the library may use, by XLM_CPU_KERNELS_ISA's value (the
+# runtime passes it from xlm.envs; the package build uses "native"). "native": what this
+# CPU has (AVX-512 where it has it); "avx2": AVX-512 off (the AVX2 loops, as on a CPU
+# without it: how they are tested on one that has it, and a choice where AVX-512 clocks
+# the cores down).
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
 # The installed library's name: PREBUILT_PREFIX + key (+ the interpreter's extension suffix).
 PREBUILT_PREFIX = "prebuilt_"
@@ -44,9 +44,8 @@ class BuildError(Exception):
     """Why the library cannot be built."""
 
 
-def flags() -> tuple[str, ...]:
-    """The compiler flags: FLAGS and XLM_CPU_KERNELS_ISA's."""
-    isa = os.environ.get("XLM_CPU_KERNELS_ISA") or "native"
+def flags(isa: str = "native") -> tuple[str, ...]:
+    """The compiler flags: FLAGS and `isa`'s (ISA_FLAGS)."""
     if isa not in ISA_FLAGS:
         raise BuildError(f"XLM_CPU_KERNELS_ISA must be one of {sorted(ISA_FLAGS)}; got {isa!r}")
     return FLAGS + ISA_FLAGS[isa]
@@ -86,11 +85,12 @@ def cpu_fingerprint() -> str:
     return f"{platform.machine()}|" + "|".join(fields)
 
 
-def library_key(include_dir: str | Path) -> str:
-    """The key of a library built here from these sources against `include_dir`'s FFI."""
+def library_key(include_dir: str | Path, isa: str = "native") -> str:
+    """The key of a library built here from these sources against `include_dir`'s FFI,
+    for `isa` (ISA_FLAGS)."""
     sources, headers = read_texts()
     texts = [sources[n] for n in sorted(sources)] + [headers[n] for n in sorted(headers)]
-    parts = (*texts, flags(), ffi_api_version(include_dir), cpu_fingerprint())
+    parts = (*texts, flags(isa), ffi_api_version(include_dir), cpu_fingerprint())
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
@@ -114,7 +114,9 @@ def find_compiler(name: str | None = None) -> tuple[str, str]:
     return name, proc.stdout
 
 
-def build_library(output: str | Path, include_dir: str | Path, compiler: str) -> None:
+def build_library(
+    output: str | Path, include_dir: str | Path, compiler: str, isa: str = "native"
+) -> None:
     """Compile the sources against the FFI headers in `include_dir` into the shared
     library `output`: in a temporary directory beside it, the library moved into place
     only when every step succeeded."""
@@ -124,7 +126,7 @@ def build_library(output: str | Path, include_dir: str | Path, compiler: str) ->
         work = Path(name)
         for file, text in headers.items():  # found beside the sources that include them
             (work / file).write_text(text)
-        argv = [*shlex.split(compiler), *flags()]
+        argv = [*shlex.split(compiler), *flags(isa)]
         objects, compiles = [], []
         # One compiler per source, at once: each takes seconds, mostly in the FFI headers.
         for file, text in sources.items():
