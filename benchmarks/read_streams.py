@@ -10,9 +10,10 @@ buffer of `--mib` MiB (past the caches) with AVX2 loads, on 1 thread and on 2 (e
 half), each thread's part read as S streams far apart (stream s covers the s-th S-th of
 the part; one 64-byte line of each in turn). GB/s = bytes / best time of `--repeats`.
 Only the read: no arithmetic on the bytes besides an add that keeps the loads.
-FMA peak: each thread runs 12 independent chains of 8-lane fused multiply-adds (enough to
-cover the FMA latency on 2 pipes) from registers, 2 x 8 flops an FMA; GFLOP/s = flops /
-best time.
+FMA peak: each thread runs 12 independent chains of fused multiply-adds (enough to cover
+the FMA latency on 2 pipes) from registers, in the widest vectors the CPU has (16 lanes
+with AVX-512, as the kernels use it; 8 with AVX2), 2 flops a lane; GFLOP/s = flops / best
+time.
 """
 
 from __future__ import annotations
@@ -53,14 +54,29 @@ int64_t read_streams(const int8_t* p, int64_t n) {
 
 using Reader = int64_t (*)(const int8_t*, int64_t);
 
+// The FMA chains in the widest vectors the CPU has (what the kernels use, -march=native).
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kBits = 512;
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float first(Vec v) { return _mm512_cvtss_f32(v); }
+#else
+using Vec = __m256;
+constexpr int kBits = 256;
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float first(Vec v) { return _mm256_cvtss_f32(v); }
+#endif
+
 float fma_chains(int64_t iters) {
-  __m256 acc[12];
-  const __m256 b = _mm256_set1_ps(1.0000001f), c = _mm256_set1_ps(1e-7f);
-  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
+  Vec acc[12];
+  const Vec b = vset1(1.0000001f), c = vset1(1e-7f);
+  for (int i = 0; i < 12; ++i) acc[i] = vset1(static_cast<float>(i));
   for (int64_t it = 0; it < iters; ++it)
-    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], b, c);
+    for (int i = 0; i < 12; ++i) acc[i] = vfma(acc[i], b, c);
   float s = 0;
-  for (int i = 0; i < 12; ++i) s += _mm256_cvtss_f32(acc[i]);
+  for (int i = 0; i < 12; ++i) s += first(acc[i]);
   return s;
 }
 
@@ -105,7 +121,8 @@ int main(int argc, char** argv) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       best = s < best ? s : best;
     }
-    printf("fma %d %.3f\n", threads, threads * iters * 12.0 * 16.0 / best / 1e9);
+    const double flops = threads * iters * 12.0 * (kBits / 32) * 2;  // lanes x (mul + add)
+    printf("fma %d %.3f %d\n", threads, flops / best / 1e9, kBits);
   }
   printf("sink %g\n", fsinks[0] + fsinks[1]);  // keeps the chains' results
   return 0;
@@ -139,15 +156,17 @@ def main() -> None:
         if line.startswith("sink "):
             continue
         if line.startswith("fma "):
-            _, threads, gflops = line.split()
-            peaks.append({"threads": int(threads), "fma_gflops": float(gflops)})
+            _, threads, gflops, bits = line.split()
+            peaks.append(
+                {"threads": int(threads), "fma_gflops": float(gflops), "vector_bits": int(bits)}
+            )
         elif line.strip():
             threads, streams, gbps = line.split()
             rows.append({"threads": int(threads), "streams": int(streams), "gbps": float(gbps)})
             print(f"| {threads} | {streams} | {float(gbps):.1f} |")
-    print("\n| threads | float32 FMA peak, GFLOP/s |\n|---|---|")
+    print("\n| threads | float32 FMA peak, GFLOP/s | vector bits |\n|---|---|---|")
     for peak in peaks:
-        print(f"| {peak['threads']} | {peak['fma_gflops']:.1f} |")
+        print(f"| {peak['threads']} | {peak['fma_gflops']:.1f} | {peak['vector_bits']} |")
     if args.out:
         record = {
             "command": f"python benchmarks/read_streams.py --mib {args.mib} "
