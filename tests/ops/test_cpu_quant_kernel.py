@@ -526,7 +526,7 @@ def test_q8_linear_quantizes_as_the_definition(m, k, n, groups, scalar) -> None:
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_q8_linear_rejects_what_it_cannotrun_python() -> None:
+def test_q8_linear_rejects_what_it_cannot_run() -> None:
     _, w, scale = make(1, 64, 16, 2)
     with pytest.raises(ValueError, match="x must be float"):
         cpu_kernels.q8_linear(np.zeros((1, 64), np.int8), w, scale)

@@ -105,11 +105,10 @@ def _load() -> bool:
         return False
     if envs.XLM_CPU_SPIN_US < 0:  # read by the library itself; checked here
         raise ValueError(f"XLM_CPU_SPIN_US must be >= 0 (0: off); got {envs.XLM_CPU_SPIN_US}")
-    if envs.XLM_CPU_KERNELS_ISA not in build.ISA_FLAGS:
-        raise ValueError(
-            f"XLM_CPU_KERNELS_ISA must be one of {sorted(build.ISA_FLAGS)}; "
-            f"got {envs.XLM_CPU_KERNELS_ISA!r}"
-        )
+    try:  # a bad value is the user's error, not a failed build to fall back from
+        build.flags(envs.XLM_CPU_KERNELS_ISA)
+    except build.BuildError as e:
+        raise ValueError(str(e)) from e
     try:
         sources, headers = build.read_texts()
         path = _library_path()
