@@ -1,4 +1,4 @@
-"""The w8a8 (int8 x int8) kernel at decode: weights in strips, and [k, n]'s bands and tiles.
+"""The int8 kernels at decode, w8a8 (int8 x int8) and weight-only: weights in strips and [k, n].
 
     python benchmarks/q8_decode.py [--rows 1] [--mib 24] [--repeats 8] [--out FILE]
 
@@ -12,7 +12,9 @@ of XLA's intra-op threads:
   xlm.quantization.q8_kernel_strips): the kernel quantizes the activations itself, one
   call per projection (what a step runs);
 - `strips`: XLA quantizes (cpu_kernels.quantize_activations), then q8_matmul on strips;
-- `bands`, `tiles`: the same on [k, n].
+- `bands`, `tiles`: the same on [k, n];
+- `int8`, `int8_strips`: the weight-only int8 kernel (float activations, a scale per
+  output channel: `--quantization int8`) on [k, n] and in strips.
 Times are per call, the min of the repeats; GB/s = weight bytes / that time. Per call
 includes the FFI call and the chain's small fusions, which is what a step pays per
 projection.
@@ -42,6 +44,8 @@ def chain(x, ws, scale, path: str, max_workers: int):
     for w in ws:
         if path == "linear":
             y = cpu_kernels.q8_linear(x, w, scale, max_workers=max_workers)
+        elif path.startswith("int8"):
+            y = cpu_kernels.int8_matmul(x, w, scale, max_workers=max_workers)
         else:
             xq, xs = cpu_kernels.quantize_activations(x, x.shape[1] // 32)
             y = cpu_kernels.q8_matmul(
@@ -72,6 +76,11 @@ def main() -> None:
             strips = [jnp.asarray(np.ascontiguousarray(q8_kernel_strips(w))) for w in host]
             strip_scale = jnp.asarray(np.ascontiguousarray(q8_scale_strips(scale_host)))
             inputs["strips"] = inputs["linear"] = (strips, strip_scale)
+        # Weight-only int8 (float x, a scale per output channel) on [k, n] and in strips.
+        channel_scale = rng.uniform(0.001, 0.01, (1, n)).astype(np.float32)
+        inputs["int8"] = (ws, jnp.asarray(channel_scale))
+        if n % 32 == 0:
+            inputs["int8_strips"] = (strips, jnp.asarray(q8_scale_strips(channel_scale)))
         x = jnp.asarray(rng.standard_normal((args.rows, k)).astype(np.float32))
         for workers in (1, 0):
             programs = {

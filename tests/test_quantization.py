@@ -13,7 +13,7 @@ import xlm
 from tests.conftest import VOCAB_SIZE, write_tiny_checkpoint
 from tests.engine.reference import SMALL_ENGINE, hf_greedy, load_hf, small_engine
 from tests.quantization.reference import quantize_hf_model
-from xlm.quantization import from_q8_strips, get_scheme, weight_groups
+from xlm.quantization import from_q8_strips, get_scheme, q8_strips_fit, weight_groups
 
 NEW_TOKENS = 16
 # logprob tolerance. w8a8 rounds every projection's input to int8 per block: a float32
@@ -61,17 +61,20 @@ def check_against_reference(base: str, scheme: str) -> xlm.LLM:
     first = hf_greedy(plain, prompts[2], 1).logits[0]
     assert np.abs(hf_greedy(reference, prompts[2], 1).logits[0] - first).max() > 1e-3
     # What is stored: 8-bit kernels, one float32 scale per output column; int4: two codes
-    # per byte (in * out / 2 bytes), a scale and a minimum per group of inputs; w8a8 on CPU
-    # in the kernel's strips (every projection here fits them, the 8-bit embedding table
-    # and LM head too: the lookups gather their rows from the strips).
+    # per byte (in * out / 2 bytes), a scale and a minimum per group of inputs; int8 and
+    # w8a8 on CPU in the kernels' strips wherever the shape fits them (the 8-bit embedding
+    # table and LM head too: the lookups gather their rows from the strips).
     params = stored_params(llm)
     scales = {p: v for p, v in params.items() if p.endswith(".weight_scale")}
     assert scales
+    strips = scheme in ("int8", "w8a8")
     for path, scale in scales.items():
         kernel = params[path.removesuffix("weight_scale") + "kernel"]
-        assert (kernel.ndim == 4) == (scheme == "w8a8"), path
         if kernel.ndim == 4:
+            assert strips, path
             kernel, scale = from_q8_strips(kernel, scale)
+        else:
+            assert not strips or not q8_strips_fit(*kernel.shape, scale.shape[0]), path
         assert kernel.dtype.itemsize == 1 and scale.dtype == np.float32, path
         if scheme == "int4":
             in_features = 2 * kernel.shape[0]
@@ -134,8 +137,12 @@ def test_int8_stores_embeddings_and_head_in_8_bits(arch, tiny_checkpoint):
     assert sum(v.nbytes for v in params.values()) == expected
     assert params["model.embed_tokens.kernel"].dtype == np.int8
     assert ("lm_head.kernel" in params) == (arch == "llama")
-    # Scales per vocabulary row: of the head's output channels.
-    assert params["model.embed_tokens.weight_scale"].shape == (1, VOCAB_SIZE)
+    # Scales per vocabulary row: of the head's output channels (in the CPU kernel's strips).
+    kernel, scale = from_q8_strips(
+        params["model.embed_tokens.kernel"], params["model.embed_tokens.weight_scale"]
+    )
+    assert kernel.shape == (floats["model.embed_tokens.weight"].shape[1], VOCAB_SIZE)
+    assert scale.shape == (1, VOCAB_SIZE)
 
 
 @pytest.fixture(scope="module")

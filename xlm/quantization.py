@@ -68,6 +68,8 @@ class QuantScheme:
     embeddings: bool = False
     # Inputs per weight scale when quantized from float weights (None: per output channel).
     group_size: int | None = None
+    # int8 kernels the CPU kernel runs are stored in its strips (q8_kernel_strips).
+    cpu_strips: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +88,15 @@ PER_CHANNEL = QuantLayout(None, False)
 
 
 SCHEMES = {
-    "int8": QuantScheme("int8", np.dtype(np.int8), 127.0, embeddings=True),
+    "int8": QuantScheme("int8", np.dtype(np.int8), 127.0, embeddings=True, cpu_strips=True),
     "w8a8": QuantScheme(
-        "w8a8", np.dtype(np.int8), 127.0, activations="int8", embeddings=True, group_size=32
+        "w8a8",
+        np.dtype(np.int8),
+        127.0,
+        activations="int8",
+        embeddings=True,
+        group_size=32,
+        cpu_strips=True,
     ),
     "fp8": QuantScheme("fp8", np.dtype(ml_dtypes.float8_e4m3fn), 448.0),
     "gguf": QuantScheme("gguf", np.dtype(np.int8), 127.0),
@@ -135,8 +143,9 @@ def weight_groups(
     return 1
 
 
-# w8a8 kernels on CPU are stored in strips (xlm.ops.cpu_kernels' q8 kernel reads each
-# 32-column strip as one sequential stream): kernel [in, out] -> [out / 32, in / 4, 32, 4],
+# int8 and w8a8 kernels on CPU are stored in strips (xlm.ops.cpu_kernels' int8 and q8
+# kernels read each 32-column strip as one sequential stream): kernel [in, out] ->
+# [out / 32, in / 4, 32, 4],
 # element [s, b, c, r] = kernel[4b + r, 32s + c]; weight_scale [G, out] -> [out / 32, G, 32].
 # Array-agnostic (numpy at load, jnp where a program needs the [in, out] kernel back).
 Q8_STRIP_COLS, Q8_STRIP_ROWS = 32, 4

@@ -653,3 +653,36 @@ def test_q8_handler_rejects_inconsistent_strips() -> None:
         with pytest.raises(Exception, match=r"in strips w \[n / 32, k / 4, 32, 4\]"):
             jax.block_until_ready(call(xq, xs, w, s, **attrs))
     jax.block_until_ready(call(xq, xs, good_w, good_s, **attrs))
+
+
+@pytest.mark.parametrize("max_workers", [1, 2])
+@pytest.mark.parametrize(
+    "m,k,n,groups",
+    [(1, 576, 960, 1), (1, 1536, 576, 1), (1, 576, 960, 18), (2, 64, 96, 16), (3, 128, 64, 2)]
+    + [(4, 576, 192, 1), (5, 96, 4128, 3), (15, 64, 96, 2), (16, 576, 192, 1), (70, 256, 160, 8)],
+)
+def test_int8_strips_match_the_reference(m, k, n, groups, max_workers) -> None:
+    """Weight-only int8 (float x) on weights in strips: the strip passes below 16 rows
+    (AVX-512: up to 3 rows of x a pass; AVX2: half strips, one row), the GEMM's packing from
+    strips at 16 and more; within float32 rounding of the float64 definition, as [k, n]."""
+    x, w, scale = make(m, k, n, groups)
+    ws, ss = strips_of(w, scale)
+    kernel = jax.jit(lambda *a: cpu_kernels.int8_matmul(*a, max_workers=max_workers))
+    assert_close(kernel(x, ws, ss), x, w, scale)
+    jnp_ref = cpu_kernels.int8_matmul_reference(x, ws, ss)
+    assert_close(jnp_ref, x, w, scale)
+
+
+def test_int8_handler_rejects_inconsistent_strips() -> None:
+    call = jax.ffi.ffi_call(
+        cpu_kernels._targets["int8"], jax.ShapeDtypeStruct((1, 64), jnp.float32)
+    )
+    x = np.zeros((1, 64), np.float32)
+    good_w, good_s = np.zeros((2, 16, 32, 4), np.int8), np.ones((2, 2, 32), np.float32)
+    for w, s in [(good_w[:, :15], good_s), (good_w, good_s[:1]), (good_w, good_s[:, :, :16])]:
+        with pytest.raises(Exception, match=r"in strips w \[n / 32, k / 4, 32, 4\]"):
+            jax.block_until_ready(call(x, w, s, max_workers=np.int64(0)))
+    jax.block_until_ready(call(x, good_w, good_s, max_workers=np.int64(0)))
+    _, w, scale = make(1, 100, 32, 4)  # groups of 25 rows: not whole 4-row blocks
+    with pytest.raises(ValueError, match="groups of a multiple of 4 rows"):
+        cpu_kernels.int8_matmul(np.zeros((1, 100), np.float32), *strips_of(w, scale))

@@ -76,11 +76,12 @@ def unloaded(shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def in_q8_strips(quant: Any, scheme: Any, in_features: int, out_features: int, groups: int) -> bool:
-    """Whether a quantized kernel [in, out] is stored in the CPU kernel's strips: int8 x
-    int8 (w8a8) run by the CPU kernel, one device's whole kernel (no tensor-parallel split,
-    under which the layout metadata moves nothing), and a shape the strips fit."""
+    """Whether a quantized kernel [in, out] is stored in the CPU kernel's strips: a scheme
+    stored so (int8, w8a8) run by the CPU kernel, one device's whole kernel (no
+    tensor-parallel split, under which the layout metadata moves nothing), and a shape the
+    strips fit."""
     return (
-        scheme.activations == "int8"
+        scheme.cpu_strips
         and quant.runs_cpu_kernel()
         and tp_size() == 1
         and q8_strips_fit(in_features, out_features, groups)
@@ -110,8 +111,8 @@ class Linear(nnx.Module):
     """y = x @ kernel (+ bias), kernel [in, out]; column/row-parallel sharding metadata.
 
     A float kernel the CPU float kernel streams is stored [out, in] instead (`out_major`,
-    FloatMatmul.prefers_out_major; one device's whole kernel), a w8a8 one in the q8
-    kernel's strips (`in_q8_strips`): the loader makes both from the [in, out] weight."""
+    FloatMatmul.prefers_out_major; one device's whole kernel), an int8 or w8a8 one in the
+    CPU kernel's strips (`in_q8_strips`): the loader makes both from the [in, out] weight."""
 
     def __init__(
         self,
@@ -264,7 +265,7 @@ class VocabEmbedding(nnx.Module):
     as a quantized kernel [hidden, vocab] with scales [G, vocab] (one per vocabulary row,
     or per group of its inputs): a lookup dequantizes the gathered columns, and the LM
     head (`attend`, tied or not) is that kernel's quantized projection, so the table's
-    bytes are read once per step in 8 bits. w8a8 on the CPU kernel stores it in strips as
+    bytes are read once per step in 8 bits. On the CPU kernel it is stored in strips as
     Linear does (`in_q8_strips`), and a lookup gathers each row from its strip.
     `quantize=False` keeps it float.
     """

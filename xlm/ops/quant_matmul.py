@@ -21,8 +21,9 @@ sums per group, as llama.cpp's Q8_0 x Q8_0), which quantizes the activations its
 int8 dot (faster there: benchmarks/quant_matmul.py) and grouped w8a8 the weight-only
 kernel's GEMM on the rounded activations. A w8a8 kernel stored in strips (the loader's
 layout for it on CPU without tensor parallelism: xlm.quantization.q8_kernel_strips, each
-32-column strip one sequential stream) runs the int8 x int8 kernel at every row count;
-the native path turns strips back into ``[in, out]`` first. fp8 kernels, and any step under a
+32-column strip one sequential stream) runs the int8 x int8 kernel at every row count, an
+int8 one (also stored so) the weight-only kernel on strips; the native path turns strips
+back into ``[in, out]`` first. fp8 kernels, and any step under a
 tensor-parallel mesh (the FFI call has no partitioning rule), take the native path. int4
 kernels run through the kernel's int4 variant, which reads each packed byte once, unpacks
 it in registers and adds the minimums' term itself, at every row count (faster than the
@@ -98,7 +99,7 @@ class QuantMatmul(CustomOp):
         scale: jax.Array,
         minimum: jax.Array | None = None,
     ) -> jax.Array:
-        if kernel.ndim == 4:  # w8a8 in strips (kernel-less fallback): back to [in, out]
+        if kernel.ndim == 4:  # in strips (kernel-less fallback): back to [in, out]
             kernel, scale = from_q8_strips(kernel, scale)
         if kernel.dtype == jnp.uint8:  # int4: fused into the dot's operand by XLA
             kernel = unpack_int4(kernel)
@@ -145,7 +146,7 @@ class QuantMatmul(CustomOp):
     ) -> jax.Array:
         lead, k = x.shape[:-1], x.shape[-1]
         w8a8 = self.activations == "int8"
-        strips = kernel.ndim == 4  # w8a8 in the kernel's strips: [out / 32, G, 32] scales
+        strips = kernel.ndim == 4  # in the kernel's strips: [out / 32, G, 32] scales
         rows, groups = math.prod(lead), scale.shape[1 if strips else 0]
         if (
             kernel.dtype not in (jnp.int8, jnp.uint8)

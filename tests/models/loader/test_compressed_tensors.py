@@ -254,8 +254,8 @@ def check_stored(params: dict, path: str, case: str) -> None:
         kernel = params[f"{layer}.{xlm_name}.kernel"]
         scale = params[f"{layer}.{xlm_name}.weight_scale"]
         assert kernel.dtype.itemsize == 1 and scale.dtype == np.float32, xlm_name
-        # w8a8 on CPU is stored in the int8 x int8 kernel's strips: the same codes.
-        assert (np.ndim(kernel) == 4) == (case == "w8a8"), xlm_name
+        # int8 and w8a8 on CPU are stored in the CPU kernels' strips: the same codes.
+        assert (np.ndim(kernel) == 4) == (case in ("int8", "w8a8")), xlm_name
         if np.ndim(kernel) == 4:
             kernel, scale = from_q8_strips(np.asarray(kernel), np.asarray(scale))
         codes = np.concatenate([file_codes(tensors, f"{layer}.{s}").T for s in sources], 1)

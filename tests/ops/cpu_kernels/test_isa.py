@@ -41,7 +41,8 @@ AVX2_LOOPS = """
     assert cpu_kernels.vector_bits() == 256, cpu_kernels.vector_bits()
     rng = np.random.default_rng(0)
     # Float weights: the streaming loops (1-8 rows) and the packed tiles (9, 23, 64: groups
-    # of 5 + 4, 6 x 3 + 5, 6 x 10 + 4); int8: the decode tiles (1, 3) and the GEMM (20).
+    # of 5 + 4, 6 x 3 + 5, 6 x 10 + 4); int8 [k, n]: the decode tiles (1, 3) and the GEMM
+    # (20).
     for m in (1, 3, 9, 23, 64):
         for dtype in ("float32", "float16", "bfloat16"):
             for transposed in (False, True):
@@ -51,13 +52,18 @@ AVX2_LOOPS = """
                 got = np.asarray(cpu_kernels.float_matmul(x, w, transposed=transposed))
                 ref = cpu_kernels.float_matmul_reference(x, w, transposed=transposed)
                 np.testing.assert_allclose(got, np.asarray(ref), rtol=1e-4, atol=1e-4)
+    # int8 in strips (n 192): the half-strip passes (1, 3) and the GEMM's packing (20).
+    from xlm.quantization import q8_kernel_strips, q8_scale_strips
     for m in (1, 3, 20):
-        x = rng.standard_normal((m, 576)).astype(np.float32)
-        w = rng.integers(-128, 128, (576, 200), dtype=np.int8)
-        scale = rng.uniform(0.001, 0.02, (18, 200)).astype(np.float32)
-        got = np.asarray(cpu_kernels.int8_matmul(x, w, scale))
-        ref = np.asarray(cpu_kernels.int8_matmul_reference(x, w, scale))
-        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+        for n, strips in ((200, False), (192, True)):
+            x = rng.standard_normal((m, 576)).astype(np.float32)
+            w = rng.integers(-128, 128, (576, n), dtype=np.int8)
+            scale = rng.uniform(0.001, 0.02, (18, n)).astype(np.float32)
+            ref = np.asarray(cpu_kernels.int8_matmul_reference(x, w, scale))
+            if strips:
+                w, scale = q8_kernel_strips(w).copy(), q8_scale_strips(scale).copy()
+            got = np.asarray(cpu_kernels.int8_matmul(x, w, scale))
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
     print("ok")
 """
 

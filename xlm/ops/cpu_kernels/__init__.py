@@ -166,9 +166,39 @@ def _check_workers(max_workers: int) -> None:
         raise ValueError(f"max_workers must be >= 0 (0: all threads); got {max_workers}")
 
 
+def _check_strips(w: jax.Array, scale: jax.Array) -> tuple[int, int, int]:
+    """(k, n, G) of an int8 kernel and its scales in strips (xlm.quantization.
+    q8_kernel_strips), checked."""
+    s, b, c, r = w.shape
+    k, n = b * r, s * c
+    if (
+        w.dtype != jnp.int8
+        or (c, r) != (Q8_STRIP_COLS, Q8_STRIP_ROWS)
+        or scale.ndim != 3
+        or scale.shape[0] != s
+        or scale.shape[2] != c
+        or not q8_strips_fit(k, n, scale.shape[1])
+    ):
+        raise ValueError(
+            f"w in strips must be int8 [n / {Q8_STRIP_COLS}, k / {Q8_STRIP_ROWS}, "
+            f"{Q8_STRIP_COLS}, {Q8_STRIP_ROWS}] and scale [n / {Q8_STRIP_COLS}, G, "
+            f"{Q8_STRIP_COLS}] with groups of a multiple of {Q8_STRIP_ROWS} rows; got "
+            f"{w.dtype} {list(w.shape)} and {list(scale.shape)}"
+        )
+    return k, n, scale.shape[1]
+
+
 def _check_int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
+    if w.ndim == 4:  # in strips
+        k = _check_strips(w, scale)[0]
+        if x.ndim < 1 or x.shape[-1] != k:
+            raise ValueError(f"x must be [..., k] with k={k} (w in strips); got {x.shape}")
+        return
     if w.ndim != 2 or w.dtype != jnp.int8:
-        raise ValueError(f"w must be int8 [k, n]; got {w.dtype} {list(w.shape)}")
+        raise ValueError(
+            f"w must be int8 [k, n] or in strips [n / 32, k / 4, 32, 4]; got {w.dtype} "
+            f"{list(w.shape)}"
+        )
     k, n = w.shape
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x must be [..., k] with k={k} (w is {list(w.shape)}); got {x.shape}")
@@ -181,6 +211,8 @@ def _check_int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
 def int8_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     """The plain-jnp weight-only int8 matmul: x @ w with w's groups of rows scaled."""
     _check_int8_matmul(x, w, scale)
+    if w.ndim == 4:
+        w, scale = from_q8_strips(w, scale)
     groups, n = scale.shape
     k = w.shape[0]
     wf = w.astype(jnp.float32)
@@ -197,19 +229,21 @@ def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, max_workers: in
     """y[..., j] = sum_g scale[g, j] * sum_{i in group g} x[..., i] * w[i, j].
 
     x float [..., k], w int8 [k, n], scale float [G, n] (groups of k // G rows; G == 1 is
-    per output channel). Runs the native kernel inside jit on up to `max_workers` threads
-    of XLA's intra-op pool (0: all); the jnp reference when the kernel is unavailable.
+    per output channel), or w and scale in strips (4-D and 3-D, xlm.quantization.
+    q8_kernel_strips: each 32-column strip read as one sequential stream). Runs the native
+    kernel inside jit on up to `max_workers` threads of XLA's intra-op pool (0: all); the
+    jnp reference when the kernel is unavailable.
     """
     _check_int8_matmul(x, w, scale)
     _check_workers(max_workers)
     if not available():
         return int8_matmul_reference(x, w, scale)
-    k, n = w.shape
-    return _call("int8", x, k, (w, scale.astype(jnp.float32)), max_workers)
+    return _call("int8", x, x.shape[-1], (w, scale.astype(jnp.float32)), max_workers)
 
 
 def _call(kind: str, x: jax.Array, k: int, weights: tuple, max_workers: int) -> jax.Array:
-    n = weights[0].shape[1]
+    w = weights[0]
+    n = w.shape[0] * Q8_STRIP_COLS if w.ndim == 4 else w.shape[1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     call = jax.ffi.ffi_call(
         _targets[kind],
@@ -276,29 +310,8 @@ def _check_q8_matmul(
     xq: jax.Array, xscale: jax.Array | None, w: jax.Array, scale: jax.Array
 ) -> int:
     """Checks a q8 problem (xscale None: float x, quantized by the kernel); its groups G."""
-    if w.ndim == 4:  # in strips (xlm.quantization.q8_kernel_strips)
-        s, b, c, r = w.shape
-        k, n = b * r, s * c
-        if (
-            w.dtype != jnp.int8
-            or (c, r) != (Q8_STRIP_COLS, Q8_STRIP_ROWS)
-            or scale.ndim != 3
-            or scale.shape[0] != s
-            or scale.shape[2] != c
-            or not q8_strips_fit(k, n, scale.shape[1])
-        ):
-            raise ValueError(
-                f"w in strips must be int8 [n / {Q8_STRIP_COLS}, k / {Q8_STRIP_ROWS}, "
-                f"{Q8_STRIP_COLS}, {Q8_STRIP_ROWS}] and scale [n / {Q8_STRIP_COLS}, G, "
-                f"{Q8_STRIP_COLS}] with groups of a multiple of {Q8_STRIP_ROWS} rows; got "
-                f"{w.dtype} {list(w.shape)} and {list(scale.shape)}"
-            )
-        if xq.ndim < 1 or xq.shape[-1] != k:
-            raise ValueError(f"xq must be [..., k] with k={k} (w in strips); got {xq.shape}")
-        groups = scale.shape[1]
-    else:
-        _check_int8_matmul(xq, w, scale)
-        groups = scale.shape[0]
+    _check_int8_matmul(xq, w, scale)
+    groups = scale.shape[1 if w.ndim == 4 else 0]
     if xscale is None:
         if not jnp.issubdtype(xq.dtype, jnp.floating):
             raise ValueError(f"x must be float [..., k]; got {xq.dtype} {list(xq.shape)}")

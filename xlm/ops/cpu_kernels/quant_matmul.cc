@@ -35,6 +35,12 @@
 // shape 2.5 ms in bands -> 2.0 ms. Strips serve every row count: one row sums a strip's 32
 // columns in registers (q8_strip_row), more rows take the 16-column tiles (q8_tile) over
 // each half strip (level with the [k, n] paths at 32-256 rows).
+// The weight-only int8 kernel (XlmInt8Matmul) takes the same strips (the loader's layout
+// for `--quantization int8` on CPU): below kPackedMinRows rows, passes over each strip in
+// order (int8_strip_pass: float lanes of 4 columns x 4 rows per 16 bytes, the 4 rows added
+// at each group's end); from there on, its GEMM packs its tiles out of the strips. Per call,
+// one row, 2 threads (benchmarks/q8_decode.py, session 16): the tied LM head 951 -> 748 us,
+// 1536 x 576 59 -> 40 us, 576 x 576 23 -> 18 us against [k, n]'s decode tiles.
 //
 // XLA converts the whole int8 matrix to float before its dot, which at decode (m of 1 to
 // 8) costs several times the float32 dot itself. Here the int8 bytes are read once and
@@ -354,6 +360,132 @@ void decode_columns(const Problem& p, int64_t c0, int64_t c1) {
   }
 }
 
+// ---- weight-only int8 in strips, fewer than kPackedMinRows rows of x ----
+// A pass over a strip (or, with AVX2, half of one) reads its 4-row blocks in order, one
+// sequential stream: each vector of the pass widens kLanes bytes of a block (kLanes / 4
+// columns x their 4 rows, interleaved) and multiplies them by the 4 inputs of those rows
+// repeated in each 128-bit lane, 8 vectors of sums per row of x. At a group's end the 4
+// rows' products of each column are added (`column_sums`) and scaled into y.
+#if XLM_HAVE_AVX512
+using SVec = __m512;
+constexpr int kLanes = 16;
+constexpr int kStripMR = 3;  // rows of x per pass: 24 sums, 3 inputs, w (32 registers)
+inline SVec swiden(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline SVec sinputs(const float* x) { return _mm512_broadcast_f32x4(_mm_loadu_ps(x)); }
+inline SVec sfmadd(SVec a, SVec b, SVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline SVec szero() { return _mm512_setzero_ps(); }
+inline SVec sload(const float* p) { return _mm512_loadu_ps(p); }
+inline void sstore(float* p, SVec v) { _mm512_storeu_ps(p, v); }
+inline SVec sadd(SVec a, SVec b) { return _mm512_add_ps(a, b); }
+inline SVec smul(SVec a, SVec b) { return _mm512_mul_ps(a, b); }
+inline SVec sunpacklo(SVec a, SVec b) { return _mm512_unpacklo_ps(a, b); }
+inline SVec sunpackhi(SVec a, SVec b) { return _mm512_unpackhi_ps(a, b); }
+inline SVec sunpacklo64(SVec a, SVec b) {
+  return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+inline SVec sunpackhi64(SVec a, SVec b) {
+  return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+// Lane q = 4 l + e of column_sums' result holds column 4 e + l: back in column order.
+inline SVec in_column_order(SVec v) {
+  return _mm512_permutexvar_ps(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+}
+#else
+using SVec = __m256;
+constexpr int kLanes = 8;
+constexpr int kStripMR = 1;  // 8 sums, the inputs, w (16 registers)
+inline SVec swiden(const int8_t* p) { return widen8(p); }
+inline SVec sinputs(const float* x) {
+  return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(x));
+}
+inline SVec sfmadd(SVec a, SVec b, SVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline SVec szero() { return _mm256_setzero_ps(); }
+inline SVec sload(const float* p) { return _mm256_loadu_ps(p); }
+inline void sstore(float* p, SVec v) { _mm256_storeu_ps(p, v); }
+inline SVec sadd(SVec a, SVec b) { return _mm256_add_ps(a, b); }
+inline SVec smul(SVec a, SVec b) { return _mm256_mul_ps(a, b); }
+inline SVec sunpacklo(SVec a, SVec b) { return _mm256_unpacklo_ps(a, b); }
+inline SVec sunpackhi(SVec a, SVec b) { return _mm256_unpackhi_ps(a, b); }
+inline SVec sunpacklo64(SVec a, SVec b) {
+  return _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+}
+inline SVec sunpackhi64(SVec a, SVec b) {
+  return _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+}
+// Lane q = 4 l + e of column_sums' result holds column 2 e + l: back in column order.
+inline SVec in_column_order(SVec v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+constexpr int64_t kPassCols = 2 * kLanes;  // columns of one pass: 8 vectors of kLanes / 4
+
+// Four vectors of sums (128-bit lane l of a[e]: one column's 4 rows) -> one vector whose
+// lane 4 l + e is the sum of a[e]'s lane l: a 4 x 4 transpose within each 128-bit lane,
+// added up (unpacks work within 128-bit lanes at every width).
+inline SVec column_sums(const SVec* a) {
+  const SVec s0 = sadd(sunpacklo(a[0], a[1]), sunpackhi(a[0], a[1]));
+  const SVec s1 = sadd(sunpacklo(a[2], a[3]), sunpackhi(a[2], a[3]));
+  return sadd(sunpacklo64(s0, s1), sunpackhi64(s0, s1));
+}
+
+// y[r0 : r0 + MR, j0 : j0 + kPassCols] = x[r0 : r0 + MR] @ the strip's columns from j0
+// (a strip's column 0, or 16 with AVX2), group by group.
+template <int MR>
+void int8_strip_pass(const Problem& p, int64_t r0, int64_t j0) {
+  const int64_t off = j0 % kStripCols, gs = p.group_size;
+  const int8_t* wp = p.w + (j0 / kStripCols) * p.k * kStripCols + off * kStripRows;
+  const float* sp = p.scale + (j0 / kStripCols) * p.groups * kStripCols + off;
+  for (int64_t g = 0; g < p.groups; ++g, sp += kStripCols) {
+    SVec acc[MR][8];
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r)
+      XLM_UNROLL
+      for (int v = 0; v < 8; ++v) acc[r][v] = szero();
+    const float* x = p.x + r0 * p.k + g * gs;
+    for (int64_t i = 0; i < gs; i += kStripRows, wp += kStripRows * kStripCols) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + 1024), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + 1024 + 64), _MM_HINT_T0);
+      SVec a[MR];
+      XLM_UNROLL
+      for (int r = 0; r < MR; ++r) a[r] = sinputs(x + r * p.k + i);
+      XLM_UNROLL
+      for (int v = 0; v < 8; ++v) {
+        const SVec b = swiden(wp + kLanes * v);
+        XLM_UNROLL
+        for (int r = 0; r < MR; ++r) acc[r][v] = sfmadd(a[r], b, acc[r][v]);
+      }
+    }
+    XLM_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const SVec scale = sload(sp + kLanes * h);
+      XLM_UNROLL
+      for (int r = 0; r < MR; ++r) {
+        float* yp = p.y + (r0 + r) * p.n + j0 + kLanes * h;
+        const SVec sums = smul(in_column_order(column_sums(acc[r] + 4 * h)), scale);
+        sstore(yp, g == 0 ? sums : sadd(sload(yp), sums));
+      }
+    }
+  }
+}
+
+// Weight-only int8 in strips at fewer than kPackedMinRows rows of x: columns [c0, c1)
+// (whole strips) pass by pass, kStripMR rows of x at a time (the passes after a strip's
+// first read it from L1/L2).
+void int8_strip_columns(const Problem& p, int64_t c0, int64_t c1) {
+  for (int64_t j = c0; j < c1; j += kPassCols) {
+    int64_t r = 0;
+    for (; r + kStripMR <= p.m; r += kStripMR) int8_strip_pass<kStripMR>(p, r, j);
+#if XLM_HAVE_AVX512
+    if (p.m - r == 2) int8_strip_pass<2>(p, r, j);
+#endif
+    if (p.m - r == 1) int8_strip_pass<1>(p, r, j);
+  }
+}
+
 // buf[i][0:kBufCols] = w[kc0 + i, j0 : j0 + cols] * scale[group of the row], zero-padded.
 void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, float* buf) {
   const int64_t n = p.n, gs = p.group_size;
@@ -378,6 +510,40 @@ void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, 
           b0[c] = c < cols ? static_cast<float>(wr[c] & 15) * s[c] + mn[c] : 0.0f;
           b1[c] = c < cols ? static_cast<float>(wr[c] >> 4) * s[c] + mn[c] : 0.0f;
         }
+      }
+    }
+    return;
+  }
+  if (p.strips) {
+    // j0 at a strip's column 0 or 16 and cols 16 (strips are whole), kc0 and kc multiples
+    // of 4: each block's 4 rows x 16 columns, [column][row] bytes, turned into 4 rows of
+    // 16 bytes (a byte shuffle per 4 columns, then a 4 x 4 transpose of 32-bit words).
+    const int64_t strip = j0 / kStripCols, off = j0 % kStripCols;
+    const int8_t* src = p.w + strip * p.k * kStripCols + off * kStripRows;
+    const float* s0 = p.scale + strip * p.groups * kStripCols + off;
+    const __m128i rows_first =
+        _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int64_t i = 0; i < kc; i += kStripRows) {
+      const int8_t* b = src + (kc0 + i) * kStripCols;
+      const float* s = s0 + ((kc0 + i) / gs) * kStripCols;
+      __m128i q[4];
+      XLM_UNROLL
+      for (int v = 0; v < 4; ++v) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * v));
+        q[v] = _mm_shuffle_epi8(bytes, rows_first);  // [row][4 columns]
+      }
+      const __m128i lo01 = _mm_unpacklo_epi32(q[0], q[1]), hi01 = _mm_unpackhi_epi32(q[0], q[1]);
+      const __m128i lo23 = _mm_unpacklo_epi32(q[2], q[3]), hi23 = _mm_unpackhi_epi32(q[2], q[3]);
+      const __m128i rows[4] = {_mm_unpacklo_epi64(lo01, lo23), _mm_unpackhi_epi64(lo01, lo23),
+                               _mm_unpacklo_epi64(hi01, hi23), _mm_unpackhi_epi64(hi01, hi23)};
+      const __m256 sv0 = _mm256_loadu_ps(s), sv1 = _mm256_loadu_ps(s + 8);
+      XLM_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        float* out = buf + (i + r) * kBufCols;
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(rows[r]));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(rows[r], 8)));
+        _mm256_storeu_ps(out, _mm256_mul_ps(w0, sv0));
+        _mm256_storeu_ps(out + 8, _mm256_mul_ps(w1, sv1));
       }
     }
     return;
@@ -488,6 +654,8 @@ void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
     const uint8_t* wr = p.w4 + (i / 2) * p.n + c0;
     const int shift = (i % 2) * 4;
     for (int64_t j = 0; j < width; ++j) out[j] = static_cast<float>((wr[j] >> shift) & 15);
+  } else if (p.strips) {
+    for (int64_t j = 0; j < width; ++j) out[j] = static_cast<float>(q8_w_at(p, i, c0 + j));
   } else {
     const int8_t* wr = p.w + i * p.n + c0;
     for (int64_t j = 0; j < width; ++j) out[j] = static_cast<float>(wr[j]);
@@ -509,8 +677,7 @@ void packed_columns(const Problem& p, int64_t c0, int64_t c1) {
         widen_row(p, i, c0, width, row.get());
         for (int64_t j = 0; j < width; ++j) acc[j] += xi * row[j];
       }
-      const float* s = p.scale + g * p.n + c0;
-      for (int64_t j = 0; j < width; ++j) yr[j] += acc[j] * s[j];
+      for (int64_t j = 0; j < width; ++j) yr[j] += acc[j] * q8_scale_at(p, g, c0 + j);
       if (p.minimum != nullptr) {
         const float* mn = p.minimum + g * p.n + c0;
         const float xs = p.xsum[r * p.groups + g];
@@ -803,6 +970,8 @@ void compute_columns(const Problem& p, int64_t c0, int64_t c1) {
 #if XLM_HAVE_AVX2
   if (p.m >= kPackedMinRows) {
     packed_columns(p, c0, c1);
+  } else if (p.strips) {
+    int8_strip_columns(p, c0, c1);
   } else {
     decode_columns(p, c0, c1);
   }
@@ -919,11 +1088,21 @@ ffi::Error MakeProblem(const char* name, ffi::Buffer<ffi::F32>& x,
 }
 
 ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_workers);
+ffi::Error MakeQ8Problem(const char* name, const ffi::AnyBuffer::Dimensions& xd,
+                         const ffi::AnyBuffer::Dimensions* xsd, ffi::Buffer<ffi::S8>& w,
+                         ffi::Buffer<ffi::F32>& scale, ffi::ResultBuffer<ffi::F32>& y,
+                         Problem* p);
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                           ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
                           int64_t max_workers) {
   Problem p;
+  if (w.dimensions().size() == 4) {  // in strips: the q8 kernel's layout and checks
+    ffi::Error error = MakeQ8Problem("xlm_int8_matmul", x.dimensions(), nullptr, w, scale, y, &p);
+    if (error.failure()) return error;
+    p.x = x.typed_data();
+    return RunMatmul(pool, p, max_workers);
+  }
   ffi::Error error = MakeProblem("xlm_int8_matmul", x, w.dimensions(), 1, scale, y, &p);
   if (error.failure()) return error;
   p.w = w.typed_data();
@@ -1057,8 +1236,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlmInt8Matmul, Int8MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [m, k]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [k, n]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [k, n] or in strips
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, n] or in strips
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
                                   .Attr<int64_t>("max_workers")  // threads to use; 0: all
 );
