@@ -15,7 +15,7 @@ shape runs on [n, k] ("n x kT"). Per shape and rows, three programs:
 Each matmul reads its weights once, so at one row its time is its weight bytes over the
 bandwidth it streams at (GB/s columns); at many rows it is compute (GFLOP/s columns). One
 jitted program multiplies x by `copies` distinct weight matrices (enough to fill
-`--cold-mib` MiB, 8 to 64 at one row, 2 to 64 above) in a dependent chain (each product
+`--cold-mib` MiB, 8 to 200 at one row, 2 to 200 above) in a dependent chain (each product
 feeds the next input, so XLA cannot run two at once, as in a decode step), so Python's
 dispatch (tens of us, more than a small matvec) is shared and the weights come from DRAM
 as in a decode step (whose 0.5 GB of float32 weights do not fit the caches); times are
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -37,7 +38,14 @@ import numpy as np
 from xlm.ops import cpu_kernels
 
 # (k, n): q/o, k/v, gate/up, down, the tied LM head ([vocab, hidden]); all stored [n, k].
-SHAPES = [(576, 576), (576, 192), (576, 3072), (1536, 576), (576, 49152)]
+# (576, 960) is q | k | v in one matrix (xlm keeps them apart for Llama-style checkpoints):
+# what one call would cost against the three.
+SHAPES = [(576, 576), (576, 192), (576, 960), (576, 3072), (1536, 576), (576, 49152)]
+# At most this many copies in one program (each a custom call; ~600 made XLA's program
+# itself the cost). 200 x SmolLM2's smallest bfloat16 matrix is 44 MiB, past the dev CPU's
+# 32 MiB L3: a cap of 64 (before session 16) left the small shapes' weights L3-hot, 1.5-2x
+# faster than in a step, whose 0.27-0.54 GB of weights come from DRAM.
+MAX_COPIES = 200
 
 
 def xla_dot(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
@@ -53,7 +61,7 @@ def ab(m: int, k: int, n: int, dtype: str, repeats: int, cold_bytes: int) -> dic
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     nbytes = k * n * jnp.dtype(dtype).itemsize
-    copies = min(64, max(8 if m == 1 else 2, -(-cold_bytes // nbytes)))
+    copies = min(MAX_COPIES, max(8 if m == 1 else 2, -(-cold_bytes // nbytes)))
     ws = tuple(jnp.asarray(rng.standard_normal((n, k)), dtype) for _ in range(copies))
 
     def chain(matmul):  # x through every copy, each product feeding the next input
@@ -111,6 +119,7 @@ def main() -> None:
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are unavailable here")
     rows = []
+    load_before = os.getloadavg()
     print(
         f"{'rows':>5} {'shape':>11} {'dtype':>8} {'kernel us':>9} {'xla us':>9} "
         f"{'xla[k,n] us':>11} {'kern GB/s':>9} {'kern GF/s':>9} {'xla GF/s':>8} "
@@ -128,8 +137,18 @@ def main() -> None:
                     f"{r['xla_kn_s'] / r['kernel_s']:13.2f}",
                     flush=True,
                 )
+    record = {
+        "command": "python benchmarks/float_matvec.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "cold_mib": args.cold_mib,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     with open(args.out, "w") as f:
-        json.dump({"cold_mib": args.cold_mib, "repeats": args.repeats, "rows": rows}, f, indent=1)
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

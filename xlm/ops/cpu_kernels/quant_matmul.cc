@@ -50,9 +50,12 @@
 //   block adds its sums, times the group's scale, into y. w is read as kKb sequential
 //   streams, and x and the y being summed stay in cache. With AVX-512 the int8 tiles
 //   widen 16 bytes per vpmovsxbd and convert (decode_tile512; AVX2 takes two of each).
-// - more rows: a GEMM blocked over columns (kPackedPanelCols), k (kKc rows) and 16-column
-//   tiles; each tile of w is widened and multiplied by its scale once into an L1 buffer
-//   and reused by every row of x (6 rows x 16 columns of sums in registers).
+// - more rows: a GEMM blocked over columns (kPackedPanelCols), k (kKc rows) and tiles of
+//   kBufCols columns; each tile of w is widened and multiplied by its scale once into an
+//   L1 buffer and reused by every row of x: AVX-512 up to 12 rows x 32 columns of sums in
+//   registers (rows in near-equal groups, as the float kernel's packed path), AVX2 6 x 16.
+//   SmolLM2 int8, a decode step of 64 rows: 520-576 -> 594-763 tok/s with the 12 x 32
+//   tiles (benchmarks/cpu_decode.py, session 16, alternating; noisy machine).
 // Known cost: when a row of w is a multiple of 4 KiB (n = 4096, 16384, 49152...), the kKb
 // rows of a decode block share one L1 set and evict each other between the passes that
 // reuse them (column sub-tiles, blocks of 4 rows of x): 1.3-1.5x slower at 2 to 8 rows.
@@ -139,7 +142,13 @@ constexpr int64_t kKb = 16;               // rows of w per decode block
 constexpr int64_t kPrefetchBytes = 256;   // how far ahead along a row of w to prefetch
 constexpr int64_t kPackedMinRows = 16;    // from this many rows of x on, the packed GEMM
 constexpr int64_t kKc = 256;              // rows of w per packed block
-constexpr int kBufCols = 16;              // columns per packed tile (kKc x 16 floats: 16 KiB)
+// Columns per packed tile: two vectors of sums per row of x (kKc x 32 floats, 32 KiB, with
+// AVX-512; x 16, 16 KiB, with AVX2).
+#if XLM_HAVE_AVX512
+constexpr int kBufCols = 32;
+#else
+constexpr int kBufCols = 16;
+#endif
 constexpr int64_t kPackedPanelCols = 1024;  // columns whose y stays in L2 across k blocks
 
 #if XLM_HAVE_AVX2
@@ -486,6 +495,35 @@ void int8_strip_columns(const Problem& p, int64_t c0, int64_t c1) {
   }
 }
 
+// out[r * kBufCols + c] = w[row + r, j + c] * its scale for r < 4, c < 16, w in strips (row a
+// multiple of 4, j at a strip's column 0 or 16): the block's 4 rows x 16 columns, [column]
+// [row] bytes, turned into 4 rows of 16 bytes (a byte shuffle per 4 columns, then a 4 x 4
+// transpose of 32-bit words), widened and scaled.
+inline void unpack_strip_block(const Problem& p, int64_t row, int64_t j, float* out) {
+  const int64_t strip = j / kStripCols, off = j % kStripCols;
+  const int8_t* b = p.w + strip * p.k * kStripCols + row * kStripCols + off * kStripRows;
+  const float* s = p.scale + (strip * p.groups + row / p.group_size) * kStripCols + off;
+  const __m128i rows_first = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m128i q[4];
+  XLM_UNROLL
+  for (int v = 0; v < 4; ++v) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * v));
+    q[v] = _mm_shuffle_epi8(bytes, rows_first);  // [row][4 columns]
+  }
+  const __m128i lo01 = _mm_unpacklo_epi32(q[0], q[1]), hi01 = _mm_unpackhi_epi32(q[0], q[1]);
+  const __m128i lo23 = _mm_unpacklo_epi32(q[2], q[3]), hi23 = _mm_unpackhi_epi32(q[2], q[3]);
+  const __m128i rows[4] = {_mm_unpacklo_epi64(lo01, lo23), _mm_unpackhi_epi64(lo01, lo23),
+                           _mm_unpacklo_epi64(hi01, hi23), _mm_unpackhi_epi64(hi01, hi23)};
+  const __m256 sv0 = _mm256_loadu_ps(s), sv1 = _mm256_loadu_ps(s + 8);
+  XLM_UNROLL
+  for (int r = 0; r < 4; ++r) {
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(rows[r]));
+    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(rows[r], 8)));
+    _mm256_storeu_ps(out + r * kBufCols, _mm256_mul_ps(w0, sv0));
+    _mm256_storeu_ps(out + r * kBufCols + 8, _mm256_mul_ps(w1, sv1));
+  }
+}
+
 // buf[i][0:kBufCols] = w[kc0 + i, j0 : j0 + cols] * scale[group of the row], zero-padded.
 void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, float* buf) {
   const int64_t n = p.n, gs = p.group_size;
@@ -514,36 +552,10 @@ void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, 
     }
     return;
   }
-  if (p.strips) {
-    // j0 at a strip's column 0 or 16 and cols 16 (strips are whole), kc0 and kc multiples
-    // of 4: each block's 4 rows x 16 columns, [column][row] bytes, turned into 4 rows of
-    // 16 bytes (a byte shuffle per 4 columns, then a 4 x 4 transpose of 32-bit words).
-    const int64_t strip = j0 / kStripCols, off = j0 % kStripCols;
-    const int8_t* src = p.w + strip * p.k * kStripCols + off * kStripRows;
-    const float* s0 = p.scale + strip * p.groups * kStripCols + off;
-    const __m128i rows_first =
-        _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  if (p.strips) {  // j0 at a strip's column 0 (or 16 with AVX2), kc0 and kc multiples of 4
     for (int64_t i = 0; i < kc; i += kStripRows) {
-      const int8_t* b = src + (kc0 + i) * kStripCols;
-      const float* s = s0 + ((kc0 + i) / gs) * kStripCols;
-      __m128i q[4];
-      XLM_UNROLL
-      for (int v = 0; v < 4; ++v) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * v));
-        q[v] = _mm_shuffle_epi8(bytes, rows_first);  // [row][4 columns]
-      }
-      const __m128i lo01 = _mm_unpacklo_epi32(q[0], q[1]), hi01 = _mm_unpackhi_epi32(q[0], q[1]);
-      const __m128i lo23 = _mm_unpacklo_epi32(q[2], q[3]), hi23 = _mm_unpackhi_epi32(q[2], q[3]);
-      const __m128i rows[4] = {_mm_unpacklo_epi64(lo01, lo23), _mm_unpackhi_epi64(lo01, lo23),
-                               _mm_unpacklo_epi64(hi01, hi23), _mm_unpackhi_epi64(hi01, hi23)};
-      const __m256 sv0 = _mm256_loadu_ps(s), sv1 = _mm256_loadu_ps(s + 8);
-      XLM_UNROLL
-      for (int r = 0; r < 4; ++r) {
-        float* out = buf + (i + r) * kBufCols;
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(rows[r]));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(rows[r], 8)));
-        _mm256_storeu_ps(out, _mm256_mul_ps(w0, sv0));
-        _mm256_storeu_ps(out + 8, _mm256_mul_ps(w1, sv1));
+      for (int h = 0; h < kBufCols; h += 16) {
+        unpack_strip_block(p, kc0 + i, j0 + h, buf + i * kBufCols + h);
       }
     }
     return;
@@ -567,6 +579,73 @@ void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, 
 }
 
 // y[r0 : r0 + MR, j0 : j0 + cols] (+)= x[r0 : r0 + MR, kc0 : kc0 + kc] @ buf[:, 0:16].
+#if XLM_HAVE_AVX512
+// 2 x 16 columns of sums per row, up to 12 rows (24 of the 32 zmm registers).
+constexpr int kPackedMR = 12;
+template <int MR>
+void packed_tile(const Problem& p, int64_t r0, int64_t kc0, int64_t kc, const float* buf,
+                 int64_t j0, int cols, bool first) {
+  const int64_t k = p.k, n = p.n;
+  __m512 acc[MR][2];
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const float* x = p.x + r0 * k + kc0;
+  for (int64_t i = 0; i < kc; ++i) {
+    const __m512 b0 = _mm512_load_ps(buf + i * kBufCols);
+    const __m512 b1 = _mm512_load_ps(buf + i * kBufCols + 16);
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * k + i]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  const __mmask16 mask0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 mask1 = cols >= 32   ? 0xFFFF
+                          : cols <= 16 ? 0
+                                       : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r) {
+    float* yp = p.y + (r0 + r) * n + j0;
+    if (!first) {
+      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_maskz_loadu_ps(mask0, yp));
+      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_maskz_loadu_ps(mask1, yp + 16));
+    }
+    _mm512_mask_storeu_ps(yp, mask0, acc[r][0]);
+    _mm512_mask_storeu_ps(yp + 16, mask1, acc[r][1]);
+  }
+}
+
+// Rows [r, r + rows) of x (1..kPackedMR) against the packed tile.
+void packed_group(const Problem& p, int64_t r, int64_t rows, int64_t kc0, int64_t kc,
+                  const float* buf, int64_t j0, int cols, bool first) {
+  switch (rows) {
+    case 1: return packed_tile<1>(p, r, kc0, kc, buf, j0, cols, first);
+    case 2: return packed_tile<2>(p, r, kc0, kc, buf, j0, cols, first);
+    case 3: return packed_tile<3>(p, r, kc0, kc, buf, j0, cols, first);
+    case 4: return packed_tile<4>(p, r, kc0, kc, buf, j0, cols, first);
+    case 5: return packed_tile<5>(p, r, kc0, kc, buf, j0, cols, first);
+    case 6: return packed_tile<6>(p, r, kc0, kc, buf, j0, cols, first);
+    case 7: return packed_tile<7>(p, r, kc0, kc, buf, j0, cols, first);
+    case 8: return packed_tile<8>(p, r, kc0, kc, buf, j0, cols, first);
+    case 9: return packed_tile<9>(p, r, kc0, kc, buf, j0, cols, first);
+    case 10: return packed_tile<10>(p, r, kc0, kc, buf, j0, cols, first);
+    case 11: return packed_tile<11>(p, r, kc0, kc, buf, j0, cols, first);
+    default: return packed_tile<12>(p, r, kc0, kc, buf, j0, cols, first);
+  }
+}
+
+// Rows in near-equal groups of at most kPackedMR (64 rows: 11, 11, 11, 11, 10, 10).
+void packed_rows(const Problem& p, int64_t kc0, int64_t kc, const float* buf, int64_t j0,
+                 int cols) {
+  const int64_t groups = (p.m + kPackedMR - 1) / kPackedMR;
+  for (int64_t g = 0, r = 0; g < groups; ++g) {
+    const int64_t rows = p.m / groups + (g < p.m % groups ? 1 : 0);
+    packed_group(p, r, rows, kc0, kc, buf, j0, cols, kc0 == 0);
+    r += rows;
+  }
+}
+#else
 template <int MR>
 void packed_tile(const Problem& p, int64_t r0, int64_t kc0, int64_t kc, const float* buf,
                  int64_t j0, int cols, bool first) {
@@ -622,6 +701,7 @@ void packed_rows(const Problem& p, int64_t kc0, int64_t kc, const float* buf, in
     default: return;
   }
 }
+#endif
 
 void packed_panel(const Problem& p, int64_t c0, int64_t c1) {
   alignas(64) float buf[kKc * kBufCols];
@@ -631,9 +711,7 @@ void packed_panel(const Problem& p, int64_t c0, int64_t c1) {
     for (int64_t t = c0; t < c1; t += kBufCols) {
       const int tile = static_cast<int>(std::min<int64_t>(kBufCols, c1 - t));
       pack_tile(p, kc0, kc, t, tile, buf);
-      for (int j = 0; j < tile; j += 16) {
-        packed_rows(p, kc0, kc, buf + j, t + j, std::min(16, tile - j));
-      }
+      packed_rows(p, kc0, kc, buf, t, tile);
     }
   }
 }
