@@ -3,7 +3,7 @@ projection shapes, float32 and half weights, at one row (the decode matvec) and 
 (a batched decode step, a short prefill), alternating program by program in one process.
 
     python benchmarks/float_matvec.py [--rows 1,64] [--repeats 20] [--cold-mib 256]
-        [--dtypes float32,bfloat16] [--out benchmarks/float_matvec.json]
+        [--max-copies 64] [--dtypes float32,bfloat16] [--out benchmarks/float_matvec.json]
 
 The projections' kernels are stored [out, in] on CPU (xlm.models.layers.Linear,
 FloatMatmul.prefers_out_major) and the tied LM head is the [vocab, hidden] table, so every
@@ -15,7 +15,7 @@ shape runs on [n, k] ("n x kT"). Per shape and rows, three programs:
 Each matmul reads its weights once, so at one row its time is its weight bytes over the
 bandwidth it streams at (GB/s columns); at many rows it is compute (GFLOP/s columns). One
 jitted program multiplies x by `copies` distinct weight matrices (enough to fill
-`--cold-mib` MiB, 8 to 200 at one row, 2 to 200 above) in a dependent chain (each product
+`--cold-mib` MiB, 8 to `--max-copies` at one row, 2 to it above) in a dependent chain (each product
 feeds the next input, so XLA cannot run two at once, as in a decode step), so Python's
 dispatch (tens of us, more than a small matvec) is shared and the weights come from DRAM
 as in a decode step (whose 0.5 GB of float32 weights do not fit the caches); times are
@@ -41,11 +41,13 @@ from xlm.ops import cpu_kernels
 # (576, 960) is q | k | v in one matrix (xlm keeps them apart for Llama-style checkpoints):
 # what one call would cost against the three.
 SHAPES = [(576, 576), (576, 192), (576, 960), (576, 3072), (1536, 576), (576, 49152)]
-# At most this many copies in one program (each a custom call; ~600 made XLA's program
-# itself the cost). 200 x SmolLM2's smallest bfloat16 matrix is 44 MiB, past the dev CPU's
-# 32 MiB L3: a cap of 64 (before session 16) left the small shapes' weights L3-hot, 1.5-2x
-# faster than in a step, whose 0.27-0.54 GB of weights come from DRAM.
-MAX_COPIES = 200
+# At most this many copies in one program (`--max-copies`). At 64 the small shapes' copies
+# (192 x 576: 28 MiB in float32, 14 in bfloat16) fit the dev CPU's 32 MiB L3, so those rows
+# read partly from L3 where a step's 0.27-0.54 GB of weights come from DRAM: compare them
+# within a run only. A cap of 200 takes them out of L3 but adds its own cost per call
+# (200-call programs, alternating with the XLA ones, ran every shape 1.3-2x slower than an
+# ad hoc kernel-only chain of 200 did; session 16).
+MAX_COPIES = 64
 
 
 def xla_dot(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
@@ -55,13 +57,15 @@ def xla_dot(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
     return x @ w.astype(jnp.float32)
 
 
-def ab(m: int, k: int, n: int, dtype: str, repeats: int, cold_bytes: int) -> dict:
+def ab(
+    m: int, k: int, n: int, dtype: str, repeats: int, cold_bytes: int, max_copies: int = MAX_COPIES
+) -> dict:
     """Seconds per matmul of the kernel and of XLA's dot on [n, k], and of XLA's dot on
     float32 [k, n] copies, at `m` rows (medians over `repeats` programs that alternate)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     nbytes = k * n * jnp.dtype(dtype).itemsize
-    copies = min(MAX_COPIES, max(8 if m == 1 else 2, -(-cold_bytes // nbytes)))
+    copies = min(max_copies, max(8 if m == 1 else 2, -(-cold_bytes // nbytes)))
     ws = tuple(jnp.asarray(rng.standard_normal((n, k)), dtype) for _ in range(copies))
 
     def chain(matmul):  # x through every copy, each product feeding the next input
@@ -114,6 +118,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--cold-mib", type=int, default=256)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--max-copies", type=int, default=MAX_COPIES)
     ap.add_argument("--out", default="benchmarks/float_matvec.json")
     args = ap.parse_args()
     if not cpu_kernels.available():
@@ -128,7 +133,7 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         for dtype in args.dtypes.split(","):
             for k, n in SHAPES:
-                r = ab(m, k, n, dtype, args.repeats, args.cold_mib << 20)
+                r = ab(m, k, n, dtype, args.repeats, args.cold_mib << 20, args.max_copies)
                 rows.append(r)
                 print(
                     f"{m:5d} {f'{n}x{k}T':>11} {dtype:>8} {r['kernel_s'] * 1e6:9.1f} "
