@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 # The C++ sources, one library holds them all; and the headers they include.
 SOURCES = ("quant_matmul.cc", "float_matmul.cc", "paged_attention.cc")
-HEADERS = ("column_split.h", "ffi_shapes.h")
+HEADERS = ("column_split.h", "ffi_shapes.h", "row_groups.h")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 # The widest vector instructions the library may use, by XLM_CPU_KERNELS_ISA's value (the
 # runtime passes it from xlm.envs; the package build uses "native"). "native": what this

@@ -31,6 +31,7 @@
 
 #include "column_split.h"
 #include "ffi_shapes.h"
+#include "row_groups.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -422,28 +423,6 @@ void pack_tile(const FloatProblem& p, float* buf, int64_t t0, int64_t cols, int6
   }
 }
 
-// Rows [r, r + rows) of x (1..kMaxMR) against the packed tile.
-inline void packed_group(const FloatProblem& p, const Packed& t, int64_t r, int64_t rows) {
-  switch (rows) {
-    case 1: return packed_rows<1>(p, t, r);
-    case 2: return packed_rows<2>(p, t, r);
-    case 3: return packed_rows<3>(p, t, r);
-    case 4: return packed_rows<4>(p, t, r);
-    case 5: return packed_rows<5>(p, t, r);
-#if XLM_HAVE_AVX512
-    case 6: return packed_rows<6>(p, t, r);
-    case 7: return packed_rows<7>(p, t, r);
-    case 8: return packed_rows<8>(p, t, r);
-    case 9: return packed_rows<9>(p, t, r);
-    case 10: return packed_rows<10>(p, t, r);
-    case 11: return packed_rows<11>(p, t, r);
-    default: return packed_rows<12>(p, t, r);
-#else
-    default: return packed_rows<6>(p, t, r);
-#endif
-  }
-}
-
 // The weights of the packed tile of columns [t0, t0 + cols) and rows [i0, i1) of the
 // [k, n] matrix w stands for.
 template <WType T, bool kTransposed>
@@ -465,8 +444,6 @@ Prefetcher tile_source(const FloatProblem& p, int64_t t0, int64_t cols, int64_t 
 template <WType T, bool kTransposed>
 void packed_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
   alignas(64) float buf[kPackK * kTileCols];
-  // Rows in near-equal groups of at most kMaxMR (64 rows: 11, 11, 11, 11, 10, 10).
-  const int64_t groups = (p.m + kMaxMR - 1) / kMaxMR;
   Prefetcher next;
   for (int64_t t0 = c0; t0 < c1; t0 += kTileCols) {
     const int64_t cols = std::min(kTileCols, c1 - t0);
@@ -483,11 +460,10 @@ void packed_columns(const FloatProblem& p, int64_t c0, int64_t c1) {
         next = Prefetcher{};
       }
       const Packed t{buf, t0, cols, i0, i1, i0 == 0, &next};
-      for (int64_t g = 0, r = 0; g < groups; ++g) {
-        const int64_t rows = p.m / groups + (g < p.m % groups ? 1 : 0);
-        packed_group(p, t, r, rows);
-        r += rows;
-      }
+      // Rows in near-equal groups of at most kMaxMR (row_groups.h).
+      xlm::ForRowGroups<kMaxMR>(p.m, [&](int64_t r, auto mr) {
+        packed_rows<decltype(mr)::value>(p, t, r);
+      });
     }
   }
 }

@@ -78,6 +78,7 @@
 
 #include "column_split.h"
 #include "ffi_shapes.h"
+#include "row_groups.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -578,7 +579,7 @@ void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, 
   }
 }
 
-// y[r0 : r0 + MR, j0 : j0 + cols] (+)= x[r0 : r0 + MR, kc0 : kc0 + kc] @ buf[:, 0:16].
+// y[r0 : r0 + MR, j0 : j0 + cols] (+)= x[r0 : r0 + MR, kc0 : kc0 + kc] @ buf[:, 0:kBufCols].
 #if XLM_HAVE_AVX512
 // 2 x 16 columns of sums per row, up to 12 rows (24 of the 32 zmm registers).
 constexpr int kPackedMR = 12;
@@ -616,34 +617,12 @@ void packed_tile(const Problem& p, int64_t r0, int64_t kc0, int64_t kc, const fl
   }
 }
 
-// Rows [r, r + rows) of x (1..kPackedMR) against the packed tile.
-void packed_group(const Problem& p, int64_t r, int64_t rows, int64_t kc0, int64_t kc,
-                  const float* buf, int64_t j0, int cols, bool first) {
-  switch (rows) {
-    case 1: return packed_tile<1>(p, r, kc0, kc, buf, j0, cols, first);
-    case 2: return packed_tile<2>(p, r, kc0, kc, buf, j0, cols, first);
-    case 3: return packed_tile<3>(p, r, kc0, kc, buf, j0, cols, first);
-    case 4: return packed_tile<4>(p, r, kc0, kc, buf, j0, cols, first);
-    case 5: return packed_tile<5>(p, r, kc0, kc, buf, j0, cols, first);
-    case 6: return packed_tile<6>(p, r, kc0, kc, buf, j0, cols, first);
-    case 7: return packed_tile<7>(p, r, kc0, kc, buf, j0, cols, first);
-    case 8: return packed_tile<8>(p, r, kc0, kc, buf, j0, cols, first);
-    case 9: return packed_tile<9>(p, r, kc0, kc, buf, j0, cols, first);
-    case 10: return packed_tile<10>(p, r, kc0, kc, buf, j0, cols, first);
-    case 11: return packed_tile<11>(p, r, kc0, kc, buf, j0, cols, first);
-    default: return packed_tile<12>(p, r, kc0, kc, buf, j0, cols, first);
-  }
-}
-
-// Rows in near-equal groups of at most kPackedMR (64 rows: 11, 11, 11, 11, 10, 10).
+// Rows in near-equal groups of at most kPackedMR (row_groups.h).
 void packed_rows(const Problem& p, int64_t kc0, int64_t kc, const float* buf, int64_t j0,
                  int cols) {
-  const int64_t groups = (p.m + kPackedMR - 1) / kPackedMR;
-  for (int64_t g = 0, r = 0; g < groups; ++g) {
-    const int64_t rows = p.m / groups + (g < p.m % groups ? 1 : 0);
-    packed_group(p, r, rows, kc0, kc, buf, j0, cols, kc0 == 0);
-    r += rows;
-  }
+  xlm::ForRowGroups<kPackedMR>(p.m, [&](int64_t r, auto mr) {
+    packed_tile<decltype(mr)::value>(p, r, kc0, kc, buf, j0, cols, kc0 == 0);
+  });
 }
 #else
 template <int MR>
