@@ -14,7 +14,8 @@ of XLA's intra-op threads:
 - `strips`: XLA quantizes (cpu_kernels.quantize_activations), then q8_matmul on strips;
 - `bands`, `tiles`: the same on [k, n];
 - `int8`, `int8_strips`: the weight-only int8 kernel (float activations, a scale per
-  output channel: `--quantization int8`) on [k, n] and in strips.
+  output channel) on [k, n] and in strips; `int8_strips_g32`: in strips with a scale per
+  32 inputs (`--quantization int8` on CPU).
 Times are per call, the min of the repeats; GB/s = weight bytes / that time. Per call
 includes the FFI call and the chain's small fusions, which is what a step pays per
 projection.
@@ -81,6 +82,8 @@ def main() -> None:
         inputs["int8"] = (ws, jnp.asarray(channel_scale))
         if n % 32 == 0:
             inputs["int8_strips"] = (strips, jnp.asarray(q8_scale_strips(channel_scale)))
+            # Weight-only in Q8_0's groups of 32 (int8 on CPU): the grouped scales.
+            inputs["int8_strips_g32"] = (strips, strip_scale)
         x = jnp.asarray(rng.standard_normal((args.rows, k)).astype(np.float32))
         for workers in (1, 0):
             programs = {

@@ -13,7 +13,7 @@ import xlm
 from tests.conftest import VOCAB_SIZE, write_tiny_checkpoint
 from tests.engine.reference import SMALL_ENGINE, hf_greedy, load_hf, small_engine
 from tests.quantization.reference import quantize_hf_model
-from xlm.quantization import from_q8_strips, get_scheme, q8_strips_fit, weight_groups
+from xlm.quantization import from_q8_strips, q8_strips_fit
 
 NEW_TOKENS = 16
 # logprob tolerance. w8a8 rounds every projection's input to int8 per block: a float32
@@ -81,10 +81,9 @@ def check_against_reference(base: str, scheme: str) -> xlm.LLM:
             assert kernel.dtype == np.uint8 and kernel.nbytes == in_features * scale.shape[1] // 2
             assert scale.shape == (in_features // 128, kernel.shape[1]), path
             assert params[path.removesuffix("weight_scale") + "weight_min"].shape == scale.shape
-        else:  # per output channel; w8a8 per 32 inputs of each (Q8_0's blocks)
-            groups = weight_groups(kernel.shape[0], get_scheme(scheme))
+        else:  # w8a8, and int8 on CPU, per 32 inputs (Q8_0's blocks); else per channel
+            groups = kernel.shape[0] // 32 if strips and kernel.shape[0] % 32 == 0 else 1
             assert scale.shape == (groups, kernel.shape[1]), path
-            assert groups == (kernel.shape[0] // 32 if scheme == "w8a8" else 1), path
     return llm
 
 
@@ -137,12 +136,14 @@ def test_int8_stores_embeddings_and_head_in_8_bits(arch, tiny_checkpoint):
     assert sum(v.nbytes for v in params.values()) == expected
     assert params["model.embed_tokens.kernel"].dtype == np.int8
     assert ("lm_head.kernel" in params) == (arch == "llama")
-    # Scales per vocabulary row: of the head's output channels (in the CPU kernel's strips).
+    # Scales per vocabulary row (the head's output channels) and block of 32 of its inputs,
+    # in the CPU kernel's strips.
     kernel, scale = from_q8_strips(
         params["model.embed_tokens.kernel"], params["model.embed_tokens.weight_scale"]
     )
-    assert kernel.shape == (floats["model.embed_tokens.weight"].shape[1], VOCAB_SIZE)
-    assert scale.shape == (1, VOCAB_SIZE)
+    hidden = floats["model.embed_tokens.weight"].shape[1]
+    assert kernel.shape == (hidden, VOCAB_SIZE)
+    assert scale.shape == (hidden // 32, VOCAB_SIZE)
 
 
 @pytest.fixture(scope="module")

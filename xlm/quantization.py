@@ -70,6 +70,11 @@ class QuantScheme:
     group_size: int | None = None
     # int8 kernels the CPU kernel runs are stored in its strips (q8_kernel_strips).
     cpu_strips: bool = False
+    # Inputs per weight scale of a kernel quantized from float weights for the CPU kernels
+    # (None: `group_size`'s). int8's 32 (llama.cpp Q8_0's blocks): the CPU kernels scale at
+    # each group's end at no measured cost (benchmarks/q8_decode.py int8_strips_g32), and
+    # agreement with float32 needs them; on other platforms XLA's dot scales once.
+    cpu_group_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +93,9 @@ PER_CHANNEL = QuantLayout(None, False)
 
 
 SCHEMES = {
-    "int8": QuantScheme("int8", np.dtype(np.int8), 127.0, embeddings=True, cpu_strips=True),
+    "int8": QuantScheme(
+        "int8", np.dtype(np.int8), 127.0, embeddings=True, cpu_strips=True, cpu_group_size=32
+    ),
     "w8a8": QuantScheme(
         "w8a8",
         np.dtype(np.int8),

@@ -1,9 +1,11 @@
 """The float32 reference of a quantized engine: transformers on the same checkpoint with
 each projection xlm quantizes replaced by its dequantized weight (xlm.quantization's numpy
-rules; int4 in its groups at TP=1), and for w8a8 each projection's input rounded to int8
-per token first."""
+rules; int4 in its groups at TP=1; int8 on CPU in Q8_0's blocks of 32), and for w8a8 each
+projection's input rounded to int8 per token first."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -50,7 +52,7 @@ def quantize_hf_model(model, scheme_name: str) -> int:
         # nn.Linear holds [out, in]; GPT-2's Conv1D already [in, out] like xlm's kernel.
         conv1d = type(module).__name__ == "Conv1D"
         kernel = w if conv1d else w.T
-        groups = weight_groups(kernel.shape[0], scheme)
+        groups = engine_groups(kernel.shape[0], scheme)
         deq = _round_trip(kernel, scheme, groups)
         with torch.no_grad():
             module.weight.copy_(torch.from_numpy(deq if conv1d else deq.T.copy()))
@@ -60,13 +62,24 @@ def quantize_hf_model(model, scheme_name: str) -> int:
         tables = [model.get_input_embeddings(), model.get_output_embeddings()]
         for table in {id(t): t for t in tables if t is not None}.values():
             w = table.weight.detach().numpy()  # [vocab, hidden]: a kernel [hidden, vocab]
-            groups = weight_groups(w.shape[1], scheme)
+            groups = engine_groups(w.shape[1], scheme)
             with torch.no_grad():
                 table.weight.copy_(torch.from_numpy(_round_trip(w.T, scheme, groups).T.copy()))
             count += 1
         if model.get_output_embeddings() is not None:
             quantize_inputs(model.get_output_embeddings(), scheme, groups)
     return count
+
+
+def engine_groups(in_features: int, scheme) -> int:
+    """The scales along the input a single-device engine on this machine gives a kernel
+    of `in_features` inputs: on CPU a `cpu_group_size` scheme (int8) takes its blocks;
+    else the scheme's own groups."""
+    import jax
+
+    if scheme.cpu_group_size and jax.default_backend() == "cpu":
+        scheme = dataclasses.replace(scheme, group_size=scheme.cpu_group_size)
+    return weight_groups(in_features, scheme)
 
 
 def _round_trip(kernel: np.ndarray, scheme, groups: int) -> np.ndarray:

@@ -10,15 +10,15 @@ from tests.distributed.test_tensor_parallel import assert_equal_to_tp1, run_chec
 from tests.test_quantization import ATOL, WIDE
 
 
-def test_quantized_tp_equals_tp1(tmp_path, tiny_checkpoint):
-    base = tiny_checkpoint("llama")
-    # int4 on projections with whole groups of 128 inputs per device at TP=2, w8a8 with
-    # whole blocks of 32 per device at TP=4 (same groups as at TP=1: equal results; the
-    # tiny o_proj's 64 inputs would split into 16 per device and fall back per channel).
+def test_quantized_tp_equals_tp1(tmp_path):
+    # int4 on projections with whole groups of 128 inputs per device at TP=2, w8a8 and int8
+    # (on CPU) with whole blocks of 32 per device at TP=4 (same groups as at TP=1: equal
+    # results; the tiny o_proj's 64 inputs would split into 16 per device and fall back
+    # per channel).
     wide = write_tiny_checkpoint("llama", str(tmp_path / "wide"), **WIDE)
     results = run_checks(
         tmp_path,
-        [f"int8={base}:1,2,4#int8", f"w8a8={wide}:1,2,4#w8a8", f"int4={wide}:1,2#int4"],
+        [f"int8={wide}:1,2,4#int8", f"w8a8={wide}:1,2,4#w8a8", f"int4={wide}:1,2#int4"],
     )
     for name in ("int8", "w8a8", "int4"):
         runs = results[name]

@@ -8,6 +8,7 @@ model needs no mesh, and the loader places each tensor with the sharding it name
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import jax
@@ -75,17 +76,26 @@ def unloaded(shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return jnp.zeros(shape, dtype)
 
 
-def in_q8_strips(quant: Any, scheme: Any, in_features: int, out_features: int, groups: int) -> bool:
-    """Whether a quantized kernel [in, out] is stored in the CPU kernel's strips: a scheme
-    stored so (int8, w8a8) run by the CPU kernel, one device's whole kernel (no
-    tensor-parallel split, under which the layout metadata moves nothing), and a shape the
-    strips fit."""
-    return (
-        scheme.cpu_strips
-        and quant.runs_cpu_kernel()
-        and tp_size() == 1
-        and q8_strips_fit(in_features, out_features, groups)
-    )
+def quantized_groups(
+    quant: Any,
+    scheme: Any,
+    quant_layout: Any,
+    in_features: int,
+    out_features: int,
+    shards: int = 1,
+) -> tuple[int, bool]:
+    """(G, in strips) of a quantized kernel [in, out]: how many scales along the input it
+    has (xlm.quantization.weight_groups; made from float weights for the CPU kernel, a
+    scheme's `cpu_group_size`, int8's Q8_0 blocks, takes the place of its `group_size`)
+    and whether it is stored in the CPU kernel's strips: a scheme stored so (int8, w8a8)
+    run by the CPU kernel, one device's whole kernel (no tensor-parallel split, under
+    which the layout metadata moves nothing), and a shape the strips fit."""
+    cpu = quant.runs_cpu_kernel()
+    if cpu and quant_layout is None and scheme.cpu_group_size is not None:
+        scheme = dataclasses.replace(scheme, group_size=scheme.cpu_group_size)
+    groups = weight_groups(in_features, scheme, quant_layout, shards)
+    strips = scheme.cpu_strips and cpu and tp_size() == 1
+    return groups, strips and q8_strips_fit(in_features, out_features, groups)
 
 
 def q8_strip_params(
@@ -112,7 +122,7 @@ class Linear(nnx.Module):
 
     A float kernel the CPU float kernel streams is stored [out, in] instead (`out_major`,
     FloatMatmul.prefers_out_major; one device's whole kernel), an int8 or w8a8 one in the
-    CPU kernel's strips (`in_q8_strips`): the loader makes both from the [in, out] weight."""
+    CPU kernel's strips (`quantized_groups`): the loader makes both from the [in, out] weight."""
 
     def __init__(
         self,
@@ -164,12 +174,14 @@ class Linear(nnx.Module):
         has_minimum = quant_layout is not None and quant_layout.has_minimum
         # A row-parallel kernel's groups must not straddle two devices' rows.
         shards = tp_size() if parallel == "row" else 1
-        groups = weight_groups(in_features, scheme, quant_layout, shards)
+        self.quant = QuantMatmul(scheme.activations)
+        groups, strips = quantized_groups(
+            self.quant, scheme, quant_layout, in_features, out_features, shards
+        )
         rows = in_features
         if scheme.packed:  # int4: two codes per byte along the input
             has_minimum, rows = True, in_features // 2
-        self.quant = QuantMatmul(scheme.activations)
-        if in_q8_strips(self.quant, scheme, in_features, out_features, groups):
+        if strips:
             self.kernel, self.weight_scale = q8_strip_params(
                 in_features, out_features, groups, scheme, layout
             )
@@ -266,7 +278,7 @@ class VocabEmbedding(nnx.Module):
     or per group of its inputs): a lookup dequantizes the gathered columns, and the LM
     head (`attend`, tied or not) is that kernel's quantized projection, so the table's
     bytes are read once per step in 8 bits. On the CPU kernel it is stored in strips as
-    Linear does (`in_q8_strips`), and a lookup gathers each row from its strip.
+    Linear does (`quantized_groups`), and a lookup gathers each row from its strip.
     `quantize=False` keeps it float.
     """
 
@@ -289,9 +301,11 @@ class VocabEmbedding(nnx.Module):
             weight = param(table, (TP_AXIS, None))
             matmul = FloatMatmul()
         else:
-            groups = weight_groups(embedding_dim, scheme, quant_layout)
             quant = QuantMatmul(scheme.activations)
-            if in_q8_strips(quant, scheme, embedding_dim, num_embeddings, groups):
+            groups, strips = quantized_groups(
+                quant, scheme, quant_layout, embedding_dim, num_embeddings
+            )
+            if strips:
                 # The LM head streams in strips too; a lookup gathers its rows from them.
                 kernel, weight_scale = q8_strip_params(
                     embedding_dim, num_embeddings, groups, scheme, {}
