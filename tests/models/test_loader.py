@@ -167,7 +167,7 @@ def test_bf16_checkpoint_and_dtypes(tmp_path, tiny_checkpoint):
     np.testing.assert_array_equal(emb, rounded.float().numpy())
     model = load(str(model_dir), dtype="bfloat16")
     # CPU: half projections and embeddings, float32 norms (activations float32).
-    assert params(model)["model.layers.0.self_attn.q_proj.kernel"].dtype == jnp.bfloat16
+    assert params(model)["model.layers.0.self_attn.qkv_proj.kernel"].dtype == jnp.bfloat16
     assert params(model)["model.embed_tokens.weight"].dtype == jnp.bfloat16
     assert params(model)["model.norm.weight"].dtype == jnp.float32
     assert resolve_dtype("float16", None) == jnp.float32
@@ -201,12 +201,13 @@ def test_dummy_format(tmp_path, tiny_checkpoint):
     key = "model.layers.1.mlp.gate_up_proj"
     np.testing.assert_array_equal(pa[key], pb[key])
     assert not np.array_equal(pa[key], pc[key])
-    # Each matrix its own values, at the scale of its fan-in.
-    q, o = (pa[f"model.layers.0.self_attn.{n}_proj.kernel"] for n in "qo")
-    assert q.shape == o.shape and not np.array_equal(q, o)
-    for name in ("model.layers.0.self_attn.q_proj.kernel", "model.embed_tokens.weight"):
-        value = np.asarray(pa[name])
-        fan_in = value.shape[-1] if name.endswith("weight") else value.shape[-2]
+    # Each matrix its own values, at the scale of its fan-in (q, k and v merged: one).
+    qkv, o = (np.asarray(pa[f"model.layers.0.self_attn.{n}_proj.kernel"]) for n in ("qkv", "o"))
+    if a.model.layers[0].self_attn.qkv_proj.out_major:  # stored [out, in]: back to [in, out]
+        qkv, o = qkv.T, o.T
+    assert qkv.shape[0] == o.shape[0] and not np.array_equal(qkv[:, : o.shape[1]], o)
+    embed = np.asarray(pa["model.embed_tokens.weight"])
+    for name, value, fan_in in (("qkv", qkv, qkv.shape[0]), ("embed", embed, embed.shape[-1])):
         assert abs(value.std() * fan_in**0.5 - 1) < 0.1, name
     rng = np.random.default_rng(0)
     ids = {r: rng.integers(0, 256, 20).tolist() for r in "ABC"}
@@ -218,13 +219,13 @@ def test_sharding_metadata_and_mesh_placement(tiny_checkpoint):
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     model = get_model(XlmConfig(ModelConfig(model=tiny_checkpoint("llama"))), mesh=mesh)
     attn = model.model.layers[0].self_attn
-    # Column-parallel q names its output dimension, row-parallel o its input: dims 1 and 0
-    # of [in, out], 0 and 1 of [out, in] (Linear.out_major: the CPU float kernel's layout
-    # where the model axis is one device, as here).
-    q_spec = ("model", None) if attn.q_proj.out_major else (None, "model")
-    assert attn.q_proj.kernel.get_metadata()["out_sharding"] == q_spec
+    # Column-parallel q|k|v names its output dimension, row-parallel o its input: dims 1
+    # and 0 of [in, out], 0 and 1 of [out, in] (Linear.out_major: the CPU float kernel's
+    # layout where the model axis is one device, as here).
+    q_spec = ("model", None) if attn.qkv_proj.out_major else (None, "model")
+    assert attn.qkv_proj.kernel.get_metadata()["out_sharding"] == q_spec
     assert attn.o_proj.kernel.get_metadata()["out_sharding"] == q_spec[::-1]
-    sharding = attn.q_proj.kernel[...].sharding
+    sharding = attn.qkv_proj.kernel[...].sharding
     assert isinstance(sharding, jax.sharding.NamedSharding)
     assert sharding.spec == jax.sharding.PartitionSpec(*q_spec)
 

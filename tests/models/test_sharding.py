@@ -30,7 +30,7 @@ results = {}
 for name, m in [("plain", None), ("tp2", mesh)]:
     model = get_model(XlmConfig(ModelConfig(model=model_dir)), mesh=m)
     if m is not None:
-        kernel = model.model.layers[0].self_attn.q_proj.kernel[...]
+        kernel = model.model.layers[0].self_attn.qkv_proj.kernel[...]
         assert len(kernel.sharding.device_set) == 2, kernel.sharding
         with jax.set_mesh(m):
             logits = run_schedule(model, ids, seed=0, mesh=m)

@@ -424,11 +424,25 @@ def gated_activation(act_fn: Any, gate_up: jax.Array, shards: int) -> jax.Array:
     return out.reshape(*lead, width // 2)
 
 
+def merges_qkv() -> bool:
+    """Whether Attention merges a checkpoint's separate q, k and v projections into one
+    qkv_proj: one device's whole kernels (split over devices by columns, the merged
+    kernel's parts would not line up with each device's heads, and XLA would move them
+    between devices) and no LoRA (whose adapters target q_proj, k_proj and v_proj by
+    name). One call reads the three kernels' bytes in one stream:
+    on the CPU kernels SmolLM2's decode step saves 0.5-0.8 ms of 8-15 ms
+    (benchmarks/RESULTS.md, session 16); XLA's dot gains its fewer launches elsewhere."""
+    return tp_size() == 1 and get_current_lora_config() is None
+
+
 class Attention(nnx.Module):
     """Self-attention over the paged KV cache: q/k/v/o projections, q/k norm, rotary, op.
 
     `fused_qkv`: one qkv_proj (q, k, v output columns in that order, as Phi-3 and GPT-2
-    checkpoints store them) instead of three. `rotary_emb=None`: no rotary (learned
+    checkpoints store them) instead of three. A checkpoint's separate q, k and v are
+    merged into one too where nothing needs them apart (`merges_qkv`): the loader places
+    each in its columns (xlm.models.weights), and a step reads the three kernels in one
+    call. `rotary_emb=None`: no rotary (learned
     absolute positions). `qk_norm_offset`: the q/k RMSNorms scale by (offset + w) (Gemma 3).
     """
 
@@ -470,6 +484,7 @@ class Attention(nnx.Module):
             )
 
         kv_layout = {"head_replicas": (replicas, head_dim)}
+        fused_qkv = fused_qkv or merges_qkv()
         if fused_qkv:
             if replicas > 1:
                 raise ValueError(

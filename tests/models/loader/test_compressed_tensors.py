@@ -247,8 +247,8 @@ def check_stored(params: dict, path: str, case: str) -> None:
     layer = "model.layers.0"
     if case == "w8a8":  # Phi-3: the checkpoint's own fused projections
         parts = {"self_attn.qkv_proj": ["self_attn.qkv_proj"]}
-    else:  # xlm fuses gate | up
-        parts = {"self_attn.q_proj": ["self_attn.q_proj"]}
+    else:  # xlm merges q | k | v and gate | up
+        parts = {"self_attn.qkv_proj": [f"self_attn.{x}_proj" for x in "qkv"]}
         parts["mlp.gate_up_proj"] = ["mlp.gate_proj", "mlp.up_proj"]
     for xlm_name, sources in parts.items():
         kernel = params[f"{layer}.{xlm_name}.kernel"]
