@@ -71,9 +71,10 @@ class QuantScheme:
     # int8 kernels the CPU kernel runs are stored in its strips (q8_kernel_strips).
     cpu_strips: bool = False
     # Inputs per weight scale of a kernel quantized from float weights for the CPU kernels
-    # (None: `group_size`'s). int8's 32 (llama.cpp Q8_0's blocks): the CPU kernels scale at
-    # each group's end at no measured cost (benchmarks/q8_decode.py int8_strips_g32), and
-    # agreement with float32 needs them; on other platforms XLA's dot scales once.
+    # (None: `group_size`'s). int8's 32 (llama.cpp Q8_0's blocks): agreement with float32
+    # needs them (RESULTS.md, session 17). The kernels' work at each group's end costs
+    # nothing measured; the scales' bytes (12.5% of the codes') cost SmolLM2's
+    # one-request step about as much. On other platforms XLA's dot scales once, after it.
     cpu_group_size: int | None = None
 
 
