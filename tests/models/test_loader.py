@@ -14,7 +14,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from tests.models.logits_check import run_schedule
-from xlm.config import ModelConfig, XlmConfig
+from xlm.config import LoRAConfig, ModelConfig, XlmConfig
 from xlm.models.loader import get_model, resolve_dtype, resolve_load_format, resolve_weight_dtype
 from xlm.models.loader.safetensors_format import iter_safetensors_tensors
 
@@ -228,6 +228,24 @@ def test_sharding_metadata_and_mesh_placement(tiny_checkpoint):
     sharding = attn.qkv_proj.kernel[...].sharding
     assert isinstance(sharding, jax.sharding.NamedSharding)
     assert sharding.spec == jax.sharding.PartitionSpec(*q_spec)
+
+
+def test_q_k_v_are_merged_only_without_lora(tiny_checkpoint):
+    """At one device a checkpoint's separate q, k and v load into one qkv_proj (the
+    family tests check its values against transformers); with LoRA on they stay three,
+    as the adapters name them. (Tensor parallelism keeps them apart too: tests/
+    distributed read q_proj.)"""
+    path = tiny_checkpoint("llama")
+    plain = get_model(XlmConfig(ModelConfig(model=path, load_format="dummy")))
+    lora = LoRAConfig(max_loras=1, max_lora_rank=4)
+    adapted = get_model(XlmConfig(ModelConfig(model=path, load_format="dummy"), lora_config=lora))
+    merged, apart = plain.model.layers[0].self_attn, adapted.model.layers[0].self_attn
+    assert merged.fused_qkv and not hasattr(merged, "q_proj")
+    heads = merged.num_heads + 2 * merged.num_kv_heads
+    assert merged.num_kv_heads < merged.num_heads  # grouped-query: k and v narrower than q
+    assert merged.qkv_proj.out_features == heads * merged.head_dim
+    assert not apart.fused_qkv and not hasattr(apart, "qkv_proj")
+    assert apart.q_proj.out_features == apart.num_heads * apart.head_dim
 
 
 def test_moe_fused_expert_tensors_load_like_per_expert(tmp_path, tiny_checkpoint):
