@@ -53,7 +53,8 @@
 // - more rows: a GEMM blocked over columns (kPackedPanelCols), k (kKc rows) and tiles of
 //   kBufCols columns; each tile of w is widened and multiplied by its scale once into an
 //   L1 buffer and reused by every row of x: AVX-512 up to 12 rows x 32 columns of sums in
-//   registers (rows in near-equal groups, as the float kernel's packed path), AVX2 6 x 16.
+//   registers, AVX2 6 x 16 (one tile over SVec; rows in near-equal groups, as the float
+//   kernel's packed path).
 //   SmolLM2 int8, a decode step of 64 rows: 520-576 -> 594-763 tok/s with the 12 x 32
 //   tiles (benchmarks/cpu_decode.py, session 16, alternating; noisy machine).
 // Known cost: when a row of w is a multiple of 4 KiB (n = 4096, 16384, 49152...), the kKb
@@ -579,108 +580,76 @@ void pack_tile(const Problem& p, int64_t kc0, int64_t kc, int64_t j0, int cols, 
   }
 }
 
-// y[r0 : r0 + MR, j0 : j0 + cols] (+)= x[r0 : r0 + MR, kc0 : kc0 + kc] @ buf[:, 0:kBufCols].
+// y[r0 : r0 + MR, j0 : j0 + cols] (+)= x[r0 : r0 + MR, kc0 : kc0 + kc] @ buf[:, 0:kBufCols]:
+// 2 vectors of sums per row (kBufCols = 2 kLanes), up to kPackedMR rows (AVX-512: 24 of
+// the 32 zmm registers; AVX2: 12 of 16), in the strip pass's SVec layer.
 #if XLM_HAVE_AVX512
-// 2 x 16 columns of sums per row, up to 12 rows (24 of the 32 zmm registers).
 constexpr int kPackedMR = 12;
+using SMask = __mmask16;
+inline SMask smask(int lanes) {  // the first `lanes` (0..16) lanes
+  return lanes >= 16 ? 0xFFFF : static_cast<SMask>((1u << lanes) - 1);
+}
+inline SVec sbroadcast(const float* x) { return _mm512_set1_ps(*x); }
+inline SVec smaskload(const float* p, SMask m) { return _mm512_maskz_loadu_ps(m, p); }
+inline void smaskstore(float* p, SMask m, SVec v) { _mm512_mask_storeu_ps(p, m, v); }
+#else
+constexpr int kPackedMR = 6;
+using SMask = __m256i;
+inline SMask smask(int lanes) { return lane_mask(lanes); }
+inline SVec sbroadcast(const float* x) { return _mm256_broadcast_ss(x); }
+inline SVec smaskload(const float* p, SMask m) { return _mm256_maskload_ps(p, m); }
+inline void smaskstore(float* p, SMask m, SVec v) { _mm256_maskstore_ps(p, m, v); }
+#endif
+static_assert(kBufCols == 2 * kLanes, "a packed tile's row is two vectors");
+
 template <int MR>
 void packed_tile(const Problem& p, int64_t r0, int64_t kc0, int64_t kc, const float* buf,
                  int64_t j0, int cols, bool first) {
   const int64_t k = p.k, n = p.n;
-  __m512 acc[MR][2];
+  SVec acc[MR][2];
   XLM_UNROLL
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = szero();
   const float* x = p.x + r0 * k + kc0;
   for (int64_t i = 0; i < kc; ++i) {
-    const __m512 b0 = _mm512_load_ps(buf + i * kBufCols);
-    const __m512 b1 = _mm512_load_ps(buf + i * kBufCols + 16);
+    const SVec b0 = sload(buf + i * kBufCols);
+    const SVec b1 = sload(buf + i * kBufCols + kLanes);
     XLM_UNROLL
     for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * k + i]);
-      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+      const SVec a = sbroadcast(x + r * k + i);
+      acc[r][0] = sfmadd(a, b0, acc[r][0]);
+      acc[r][1] = sfmadd(a, b1, acc[r][1]);
     }
   }
-  const __mmask16 mask0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 mask1 = cols >= 32   ? 0xFFFF
-                          : cols <= 16 ? 0
-                                       : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const SMask mask0 = smask(std::min(cols, kLanes));
+  const SMask mask1 = smask(std::max(cols - kLanes, 0));
   XLM_UNROLL
   for (int r = 0; r < MR; ++r) {
     float* yp = p.y + (r0 + r) * n + j0;
-    if (!first) {
-      acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_maskz_loadu_ps(mask0, yp));
-      acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_maskz_loadu_ps(mask1, yp + 16));
+    if (cols == kBufCols) {
+      if (!first) {
+        acc[r][0] = sadd(acc[r][0], sload(yp));
+        acc[r][1] = sadd(acc[r][1], sload(yp + kLanes));
+      }
+      sstore(yp, acc[r][0]);
+      sstore(yp + kLanes, acc[r][1]);
+    } else {
+      if (!first) {
+        acc[r][0] = sadd(acc[r][0], smaskload(yp, mask0));
+        acc[r][1] = sadd(acc[r][1], smaskload(yp + kLanes, mask1));
+      }
+      smaskstore(yp, mask0, acc[r][0]);
+      smaskstore(yp + kLanes, mask1, acc[r][1]);
     }
-    _mm512_mask_storeu_ps(yp, mask0, acc[r][0]);
-    _mm512_mask_storeu_ps(yp + 16, mask1, acc[r][1]);
   }
 }
 
-// Rows in near-equal groups of at most kPackedMR (row_groups.h).
+// Rows in near-equal groups of at most kPackedMR (row_groups.h), as the float kernel's.
 void packed_rows(const Problem& p, int64_t kc0, int64_t kc, const float* buf, int64_t j0,
                  int cols) {
   xlm::ForRowGroups<kPackedMR>(p.m, [&](int64_t r, auto mr) {
     packed_tile<decltype(mr)::value>(p, r, kc0, kc, buf, j0, cols, kc0 == 0);
   });
 }
-#else
-template <int MR>
-void packed_tile(const Problem& p, int64_t r0, int64_t kc0, int64_t kc, const float* buf,
-                 int64_t j0, int cols, bool first) {
-  const int64_t k = p.k, n = p.n;
-  __m256 acc[MR][2];
-  XLM_UNROLL
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* x = p.x + r0 * k + kc0;
-  for (int64_t i = 0; i < kc; ++i) {
-    const __m256 b0 = _mm256_loadu_ps(buf + i * kBufCols);
-    const __m256 b1 = _mm256_loadu_ps(buf + i * kBufCols + 8);
-    XLM_UNROLL
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * k + i);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-    }
-  }
-  const __m256i mask0 = lane_mask(std::min(cols, 8));
-  const __m256i mask1 = lane_mask(std::max(cols - 8, 0));
-  XLM_UNROLL
-  for (int r = 0; r < MR; ++r) {
-    float* yp = p.y + (r0 + r) * n + j0;
-    if (cols == 16) {
-      if (!first) {
-        acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_loadu_ps(yp));
-        acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_loadu_ps(yp + 8));
-      }
-      _mm256_storeu_ps(yp, acc[r][0]);
-      _mm256_storeu_ps(yp + 8, acc[r][1]);
-    } else {
-      if (!first) {
-        acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_maskload_ps(yp, mask0));
-        acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_maskload_ps(yp + 8, mask1));
-      }
-      _mm256_maskstore_ps(yp, mask0, acc[r][0]);
-      _mm256_maskstore_ps(yp + 8, mask1, acc[r][1]);
-    }
-  }
-}
-
-void packed_rows(const Problem& p, int64_t kc0, int64_t kc, const float* buf, int64_t j0,
-                 int cols) {
-  const bool first = kc0 == 0;
-  int64_t r = 0;
-  for (; r + 6 <= p.m; r += 6) packed_tile<6>(p, r, kc0, kc, buf, j0, cols, first);
-  switch (p.m - r) {
-    case 5: return packed_tile<5>(p, r, kc0, kc, buf, j0, cols, first);
-    case 4: return packed_tile<4>(p, r, kc0, kc, buf, j0, cols, first);
-    case 3: return packed_tile<3>(p, r, kc0, kc, buf, j0, cols, first);
-    case 2: return packed_tile<2>(p, r, kc0, kc, buf, j0, cols, first);
-    case 1: return packed_tile<1>(p, r, kc0, kc, buf, j0, cols, first);
-    default: return;
-  }
-}
-#endif
 
 void packed_panel(const Problem& p, int64_t c0, int64_t c1) {
   alignas(64) float buf[kKc * kBufCols];
