@@ -33,10 +33,15 @@ class WeightTarget:
         return cls(param="")
 
 
+def column_range(shape: tuple[int, ...], start: int, stop: int) -> tuple[slice, ...]:
+    """The index of columns [start, stop) of the last axis of an array of `shape`."""
+    return (*(slice(None),) * (len(shape) - 1), slice(start, stop))
+
+
 def column_part(shape: tuple[int, ...], part: int, num_parts: int) -> tuple[slice, ...]:
     """The slice of the last axis holding `part` of `num_parts` equal column blocks."""
     width = shape[-1] // num_parts
-    return (*(slice(None),) * (len(shape) - 1), slice(part * width, (part + 1) * width))
+    return column_range(shape, part * width, (part + 1) * width)
 
 
 def fused_column_widths(
@@ -71,8 +76,7 @@ def default_weight_targets(
         if path in param_shapes:
             widths = fused_column_widths(path, param_shapes)
             start = sum(widths[:part])
-            shape = param_shapes[path]
-            index = (*(slice(None),) * (len(shape) - 1), slice(start, start + widths[part]))
+            index = column_range(param_shapes[path], start, start + widths[part])
             return [WeightTarget(path, index, transpose=leaf == "weight")]
     if leaf == "weight" and f"{module}.kernel" in param_shapes:
         return [WeightTarget(f"{module}.kernel", transpose=True)]
