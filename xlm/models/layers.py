@@ -429,9 +429,9 @@ def merges_qkv() -> bool:
     qkv_proj: one device's whole kernels (split over devices by columns, the merged
     kernel's parts would not line up with each device's heads, and XLA would move them
     between devices) and no LoRA (whose adapters target q_proj, k_proj and v_proj by
-    name). One call reads the three kernels' bytes in one stream: on the CPU kernels
-    SmolLM2's one-request decode ran 11-15% faster in float32 (benchmarks/RESULTS.md,
-    session 17); XLA's dot gains its fewer launches elsewhere."""
+    name). One call reads the three kernels' bytes in one stream, as vLLM's QKV
+    projection does; on SmolLM2's CPU decode step the gain is within the dev machine's
+    run-to-run spread (benchmarks/RESULTS.md, session 17)."""
     return tp_size() == 1 and get_current_lora_config() is None
 
 
