@@ -8,7 +8,7 @@ per repeat, each tree runs one request of `--single-len` greedy tokens and a bat
 
     git archive <old commit> | tar -x -C /tmp/old
     python benchmarks/ab_trees.py --tree old=/tmp/old --tree new=. [--repeats 4]
-        [--quantization w8a8]
+        [--quantization w8a8] [--dtype bfloat16]
 
 Prints a table, writes `benchmarks/ab_trees.json` (or `--out`).
 """
@@ -34,7 +34,9 @@ def worker(args: argparse.Namespace) -> None:
     import xlm
 
     prompts = [line.strip() for line in PROMPTS.read_text().splitlines() if line.strip()]
-    llm = xlm.LLM(model=args.model, max_model_len=512, quantization=args.quantization)
+    llm = xlm.LLM(
+        model=args.model, max_model_len=512, quantization=args.quantization, dtype=args.dtype
+    )
     if hasattr(llm, "wait_for_programs"):  # trees that compile in the background: all first
         llm.generate(prompts[:1], xlm.SamplingParams(max_tokens=1), use_tqdm=False)
         llm.wait_for_programs()
@@ -65,6 +67,7 @@ def main() -> None:
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH, twice")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quantization", default=None, help="int8, w8a8, ... (default: none)")
+    parser.add_argument("--dtype", default="auto", help="e.g. bfloat16 (default: the model's)")
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batch-len", type=int, default=64)
@@ -82,8 +85,8 @@ def main() -> None:
         env.pop("XLM_COMPILATION_CACHE_DIR", None)
         cmd = [sys.executable, __file__, "--worker", "--model", args.model]
         cmd += [] if args.quantization is None else ["--quantization", args.quantization]
-        cmd += ["--batch", str(args.batch), "--batch-len", str(args.batch_len)]
-        cmd += ["--single-len", str(args.single_len)]
+        cmd += ["--dtype", args.dtype, "--batch", str(args.batch)]
+        cmd += ["--batch-len", str(args.batch_len), "--single-len", str(args.single_len)]
         proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

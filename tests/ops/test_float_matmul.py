@@ -38,8 +38,9 @@ def assert_close(y: jax.Array, x: jax.Array, w: jax.Array, transposed: bool) -> 
     assert np.all(err <= 2e-6 * magnitude + 1e-30), float(np.max(err / magnitude))
 
 
-# Odd shapes (k and n not multiples of 8 or 32), a SmolLM2 projection, a tail of columns.
-SHAPES = [(37, 101), (100, 3), (576, 960), (577, 70)]
+# Odd shapes (k and n not multiples of 8 or 32; 53: 32 + 16 + 5, every step of the
+# AVX-512 streaming loop), a SmolLM2 projection, a tail of columns.
+SHAPES = [(37, 101), (100, 3), (53, 9), (576, 960), (577, 70)]
 
 
 # 1-8: the streaming loops; 9 and more: the packed tiles, rows in near-equal groups of up

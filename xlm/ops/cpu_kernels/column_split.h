@@ -236,12 +236,14 @@ inline double split_seconds_since(SplitClock::time_point t) {
 
 // compute(c0, c1) over [0, n) in chunks of `tile_cols`-column tiles, on up to max_workers
 // threads (0: all of the pool's, plus the caller); `work` (multiply-adds over `rows` rows
-// of input) below ~10 us of one core runs on the caller alone. `page_tiles` > 0 (tall
-// weights): chunks at least that many tiles wide where the balance allows, since every
-// row of a chunk is a page walk.
+// of input) below ~10 us of one core runs on the caller alone. `chunks_per_worker`
+// chunks a worker (fewer: longer runs of columns; more: a late thread's share is taken
+// over in smaller pieces). `page_tiles` > 0 (tall weights): chunks at least that many
+// tiles wide where the balance allows, since every row of a chunk is a page walk.
 template <class Compute>
 void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_t rows,
-                int64_t work, int64_t max_workers, Compute compute, int64_t page_tiles = 0) {
+                int64_t work, int64_t max_workers, Compute compute, int64_t page_tiles = 0,
+                int64_t chunks_per_worker = 4) {
   constexpr int64_t kMinParallelWork = 1 << 18;
   const int64_t tiles = (n + tile_cols - 1) / tile_cols;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -253,7 +255,7 @@ void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_
     compute(0, n);
     return;
   }
-  int64_t chunks = workers * 4;
+  int64_t chunks = workers * chunks_per_worker;
   if (page_tiles > 0) {
     const int64_t per_worker_pages = (tiles + workers * page_tiles - 1) / (workers * page_tiles);
     chunks = std::min(chunks, workers * per_worker_pages);

@@ -12,14 +12,22 @@
 //   columns x up to 4 rows of x, sums in registers over the block, added into y (which
 //   stays in L1/L2). w is read as kKb sequential streams, each prefetched ahead.
 // - [n, k] (the loader's layout for float projections on CPU, and an embedding table used
-//   as the LM head): each output is a dot product along a contiguous row of w, 4 rows of w
-//   at a time against up to 2 rows of x, 8 accumulators, then horizontal sums. The 4 rows
-//   are one from each quarter of the thread's chunk, so that a core reads 4 long
-//   sequential streams at once: a core has more misses in flight over several streams
-//   (one stream read ~9 GB/s on one core of the 2-core dev CPU, 4 far-apart ones ~12),
-//   and 4 adjacent rows are short streams at k of a few hundred. At one row, per call in
-//   a dependent chain: SmolLM2's 576 x 3072 (as [3072, 576]) 557 -> 339 us in float32
-//   (XLA's dot on [576, 3072]: 424), 578 -> 197 us in bfloat16 (RESULTS.md, session 13).
+//   as the LM head): each output is a dot product along a contiguous row of w, kNkStreams
+//   rows of w at a time against up to 2 rows of x, then horizontal sums. The rows are one
+//   from each part of the thread's chunk, so that a core reads kNkStreams long sequential
+//   streams at once: a core has more misses in flight over several streams, and adjacent
+//   rows are short streams at k of a few hundred.
+//   - AVX2: 4 streams, 8 floats a load; chunks of 4 per thread. On the 2-core AVX2 dev CPU
+//     of session 13 one stream read ~9 GB/s on one core, 4 far-apart ones ~12; at one
+//     row, per call in a dependent chain, SmolLM2's 576 x 3072 (as [3072, 576]) 557 ->
+//     339 us in float32 (XLA's dot on [576, 3072]: 424), 578 -> 197 us in bfloat16.
+//   - AVX-512: 2 streams, 32 weights (2 vectors) a row an iteration, and one chunk per
+//     thread (each thread's half of the outputs in one piece: long streams, no switch
+//     between chunks). On the Zen 5 dev VM of sessions 15-18 (benchmarks/ab_trees.py,
+//     alternating trees, medians of 9; RESULTS.md, session 18): one request float32 73.6
+//     -> 79.8 tok/s, bfloat16 115.9 -> 130.0; batch 8 230.8 -> 257.0 and 322.9 -> 376.8.
+//     Ad hoc, 2 chunks a thread measured between 1 and 4, and 4 streams in 512-bit
+//     vectors level with the AVX2 way.
 // The columns (outputs) are split into chunks claimed by the calling thread and XLA's
 // intra-op pool (column_split.h). `scalar` runs the portable loops (also where the library
 // is built without AVX2 + FMA + F16C).
@@ -79,6 +87,9 @@ constexpr int64_t kPrefetchAhead = 256;
 // Above this many rows of x each weight is used often enough to widen it once into a
 // float32 tile (a GEMM's packing) rather than in registers at every use.
 constexpr int64_t kStreamMaxRows = 8;
+// The [n, k] streaming path's streams per thread and chunks per worker (see the top).
+constexpr int kNkStreams = XLM_HAVE_AVX512 ? 2 : 4;
+constexpr int64_t kNkChunksPerWorker = XLM_HAVE_AVX512 ? 1 : 4;
 constexpr int64_t kPackK = 128;   // rows of w per packed [k, n] tile (x 64 columns: 32 KiB)
 // Columns of the packed path's register tile (2 vectors), the unit its chunks split in.
 constexpr int64_t kPackedChunkCols = XLM_HAVE_AVX512 ? 32 : 16;
@@ -511,18 +522,103 @@ void nk_tile(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0,
   }
 }
 
-// Outputs [j0, j1) of rows [r0, r1) of x against rows of w starting at `w` (row j0).
+#if XLM_HAVE_AVX512
+// 16 weights at p, widened to float32.
+template <WType T>
+inline __m512 load16(const typename Elem<T>::type* p) {
+  if constexpr (T == WType::kF32) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (T == WType::kF16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    const __m512i wide =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+}
+
+// nk_tile in 512-bit vectors: each row of w read 32 weights (2 vectors) an iteration.
+template <WType T, int MR, int NJ>
+void nk_tile512(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0, int64_t j0,
+                int64_t js = 1) {
+  using E = typename Elem<T>::type;
+  constexpr int64_t kLineElems = 64 / sizeof(E);
+  const int64_t k = p.k;
+  const float* x = p.x + r0 * k;
+  __m512 acc[MR][NJ][2];
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r)
+    XLM_UNROLL
+    for (int c = 0; c < NJ; ++c) acc[r][c][0] = acc[r][c][1] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    __m512 a[MR][2];
+    XLM_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      a[r][0] = _mm512_loadu_ps(x + r * k + i);
+      a[r][1] = _mm512_loadu_ps(x + r * k + i + 16);
+    }
+    XLM_UNROLL
+    for (int c = 0; c < NJ; ++c) {
+      const E* wc = w + c * js * k + i;
+      XLM_UNROLL
+      for (int64_t e = 0; e < 32; e += kLineElems) {
+        _mm_prefetch(reinterpret_cast<const char*>(wc + e) + kPrefetchAhead, _MM_HINT_T0);
+      }
+      const __m512 b0 = load16<T>(wc), b1 = load16<T>(wc + 16);
+      XLM_UNROLL
+      for (int r = 0; r < MR; ++r) {
+        acc[r][c][0] = _mm512_fmadd_ps(a[r][0], b0, acc[r][c][0]);
+        acc[r][c][1] = _mm512_fmadd_ps(a[r][1], b1, acc[r][c][1]);
+      }
+    }
+  }
+  for (; i + 16 <= k; i += 16) {
+    XLM_UNROLL
+    for (int c = 0; c < NJ; ++c) {
+      const __m512 b = load16<T>(w + c * js * k + i);
+      XLM_UNROLL
+      for (int r = 0; r < MR; ++r) {
+        acc[r][c][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * k + i), b, acc[r][c][0]);
+      }
+    }
+  }
+  XLM_UNROLL
+  for (int r = 0; r < MR; ++r) {
+    XLM_UNROLL
+    for (int c = 0; c < NJ; ++c) {
+      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][c][0], acc[r][c][1]));
+      for (int64_t t = i; t < k; ++t) sum += x[r * k + t] * widen_one<T>(w[c * js * k + t]);
+      p.y[(r0 + r) * p.n + j0 + c * js] = sum;
+    }
+  }
+}
+#endif
+
+template <WType T, int MR, int NJ>
+inline void nk_stream_tile(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0,
+                           int64_t j0, int64_t js = 1) {
+#if XLM_HAVE_AVX512
+  nk_tile512<T, MR, NJ>(p, w, r0, j0, js);
+#else
+  nk_tile<T, MR, NJ>(p, w, r0, j0, js);
+#endif
+}
+
+// Outputs [j0, j1) of rows [r0, r1) of x against rows of w starting at `w` (row j0): the
+// chunk's rows of w in kNkStreams parts, a tile taking one row of each, so that a core
+// reads kNkStreams long sequential streams at once (see the top).
 template <WType T, int MR>
 void nk_rows(const FloatProblem& p, const typename Elem<T>::type* w, int64_t r0, int64_t r1,
              int64_t j0, int64_t j1) {
+  const int64_t part = (j1 - j0) / kNkStreams;
   for (int64_t r = r0; r + MR <= r1; r += MR) {
-    // The chunk's rows of w in four quarters, a tile taking one row of each: four long
-    // sequential streams (see the top).
-    const int64_t quarter = (j1 - j0) / 4;
-    for (int64_t j = j0; j < j0 + quarter; ++j) {
-      nk_tile<T, MR, 4>(p, w + (j - j0) * p.k, r, j, quarter);
+    for (int64_t j = j0; j < j0 + part; ++j) {
+      nk_stream_tile<T, MR, kNkStreams>(p, w + (j - j0) * p.k, r, j, part);
     }
-    for (int64_t j = j0 + 4 * quarter; j < j1; ++j) nk_tile<T, MR, 1>(p, w + (j - j0) * p.k, r, j);
+    for (int64_t j = j0 + kNkStreams * part; j < j1; ++j) {
+      nk_stream_tile<T, MR, 1>(p, w + (j - j0) * p.k, r, j);
+    }
   }
 }
 
@@ -596,7 +692,8 @@ ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   // AVX-512, leaves no chunk a half-empty register tile (576 columns: 8 chunks of 64 + 16
   // columns ran at 0.8x the GFLOP/s of 1536 columns' 192-column chunks; now 6 of 96).
   const int64_t tile = m > kStreamMaxRows ? kPackedChunkCols : transposed ? 16 : kTileCols;
-  xlm::RunColumns(pool, n, tile, m, m * k * n, max_workers, compute);
+  const int64_t chunks_per_worker = m <= kStreamMaxRows && transposed ? kNkChunksPerWorker : 4;
+  xlm::RunColumns(pool, n, tile, m, m * k * n, max_workers, compute, 0, chunks_per_worker);
   return ffi::Error::Success();
 }
 
