@@ -1012,6 +1012,7 @@ void compute_columns(const Problem& p, int64_t c0, int64_t c1) {
 // processes, a pool thread can be descheduled holding a chunk; after such a wait, calls
 // run on the caller alone for a while (2 ms, doubling while the waits go on, at most
 // 100 ms: column_split.h's SplitBackoff).
+constexpr int64_t kStripChunksPerWorker = 1;  // below kPackedMinRows rows (RunMatmul)
 constexpr int64_t kTallRows = 1024;  // from this many rows, chunks of about a page of w
 constexpr int64_t kPageTiles = 4096 / kTileCols;
 
@@ -1248,11 +1249,15 @@ ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_worker
   // share over. For tall w, chunks about a page of columns wide (a multiple of the
   // workers): every row of a chunk is a page walk, and with 4096 rows narrow chunks cost
   // more in TLB misses than the balancing gains (measured).
-  // Strips: chunks of whole strips, each contiguous (no page walk to bound).
+  // Strips: chunks of whole strips, each contiguous (no page walk to bound); below the
+  // GEMM's rows one chunk a worker, a thread's share one sequential stream (one request,
+  // alternating trees on the Zen 5 dev VM: int8 172.7 -> 186.8 tok/s, 10 of 11 rounds
+  // faster; w8a8 and batch 8 level; RESULTS.md, session 18), as the float kernel does.
   xlm::RunColumns(
       pool, n, p.strips ? kStripCols : kTileCols, m, m * k * n, max_workers,
       [&p](int64_t c0, int64_t c1) { compute_columns(p, c0, c1); },
-      k >= kTallRows && !p.strips ? kPageTiles : 0);
+      k >= kTallRows && !p.strips ? kPageTiles : 0,
+      p.strips && m < kPackedMinRows ? kStripChunksPerWorker : 4);
   return ffi::Error::Success();
 }
 
