@@ -8,6 +8,7 @@ from tests.sampling_batch import build_sampling_metadata
 from xlm.sampling_params import SamplingParams
 from xlm.worker.sampler import (
     SamplerConfig,
+    _sample_full,
     compute_prompt_logprobs,
     process_logits,
     sample_jit,
@@ -85,6 +86,26 @@ def test_greedy_is_argmax_of_processed_logits():
     params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=1e-6), None, None]
     out = _sample(logits, _build(params), SamplerConfig())
     np.testing.assert_array_equal(np.asarray(out.sampled_token_ids), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_greedy_rows_alone_take_the_argmax_as_the_full_path(logprobs):
+    """All-greedy steps that ask for nothing else skip the full path's conditionals: the
+    same ids (first index of a tie, in the two-level argmax's blocks) and zero logprob
+    outputs; asking for logprobs goes the full way."""
+    vocab, cfg = 4099, SamplerConfig(max_num_logprobs=4)
+    logits = rng.standard_normal((5, vocab)).astype(np.float32)
+    logits[1, [7, 300, 4098]] = 9.0  # a tie across blocks
+    logits[2, [4097, 4098]] = 9.0  # a tie in the padded last block
+    params = [SamplingParams(temperature=0.0, logprobs=logprobs)] * 5
+    md = build_sampling_metadata(params, [[]] * 5, [[1, 2]] * 5, 8, vocab, L)
+    padded = np.pad(logits, ((0, 3), (0, 0)))
+    got = jax.tree.map(np.asarray, sample_jit(padded, md, cfg))
+    want = jax.tree.map(np.asarray, jax.jit(_sample_full, static_argnums=2)(padded, md, cfg))
+    np.testing.assert_array_equal(got.sampled_token_ids[:5], logits.argmax(-1))
+    for name in ("sampled_token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "accepted"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert np.any(got.logprobs[:5] != 0) == (logprobs is not None)
 
 
 def test_seeded_rows_reproducible_across_batches():
