@@ -24,8 +24,9 @@
 //   - AVX-512: 2 streams, 32 weights (2 vectors) a row an iteration, and one chunk per
 //     thread (each thread's half of the outputs in one piece: long streams, no switch
 //     between chunks). On the Zen 5 dev VM of sessions 15-18 (benchmarks/ab_trees.py,
-//     alternating trees, medians of 9; RESULTS.md, session 18): one request float32 73.6
-//     -> 79.8 tok/s, bfloat16 115.9 -> 130.0; batch 8 230.8 -> 257.0 and 322.9 -> 376.8.
+//     alternating trees, medians of 8; RESULTS.md, session 18): one request float32 73.6
+//     -> 79.8 tok/s, bfloat16 115.9 -> 130.0 (a quiet retake: 126.2 -> 130.8); batch 8
+//     230.8 -> 257.0 and 322.9 -> 376.8 (retake 323.1 -> 364.4).
 //     Ad hoc, 2 chunks a thread measured between 1 and 4, and 4 streams in 512-bit
 //     vectors level with the AVX2 way.
 // The columns (outputs) are split into chunks claimed by the calling thread and XLA's

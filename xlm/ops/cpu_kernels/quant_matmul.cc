@@ -1251,8 +1251,8 @@ ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_worker
   // more in TLB misses than the balancing gains (measured).
   // Strips: chunks of whole strips, each contiguous (no page walk to bound); below the
   // GEMM's rows one chunk a worker, a thread's share one sequential stream (one request,
-  // alternating trees on the Zen 5 dev VM: int8 172.7 -> 186.8 tok/s, 10 of 11 rounds
-  // faster; w8a8 and batch 8 level; RESULTS.md, session 18), as the float kernel does.
+  // alternating trees on the Zen 5 dev VM: int8 +5%, +8%, +10% in three runs; w8a8 and
+  // batch 8 level; RESULTS.md, session 18), as the float kernel does.
   xlm::RunColumns(
       pool, n, p.strips ? kStripCols : kTileCols, m, m * k * n, max_workers,
       [&p](int64_t c0, int64_t c1) { compute_columns(p, c0, c1); },
