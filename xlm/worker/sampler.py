@@ -346,7 +346,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, config: SamplerConfig) -> Sa
     A step whose rows are all greedy and ask for nothing else (no logits processing,
     logprobs or proposals) takes the argmax alone: the full path's conditionals pass the
     [R, V] logits through their branches, and with the random branch's sort in the
-    program XLA:CPU spent 3.8 ms on them at 64 rows of SmolLM2's 49152 (the argmax
+    program XLA:CPU spent 3.5-3.8 ms on them at 64 rows of SmolLM2's 49152 (the argmax
     alone: 0.2 ms; RESULTS.md, session 18)."""
     logits = logits.astype(jnp.float32)
     only_argmax = md.all_greedy & ~(

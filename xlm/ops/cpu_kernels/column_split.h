@@ -234,6 +234,10 @@ inline double split_seconds_since(SplitClock::time_point t) {
   return std::chrono::duration<double>(SplitClock::now() - t).count();
 }
 
+// RunColumns' chunks a worker unless a caller chooses (a late thread's share is taken over
+// in quarters).
+constexpr int64_t kDefaultChunksPerWorker = 4;
+
 // compute(c0, c1) over [0, n) in chunks of `tile_cols`-column tiles, on up to max_workers
 // threads (0: all of the pool's, plus the caller); `work` (multiply-adds over `rows` rows
 // of input) below ~10 us of one core runs on the caller alone. `chunks_per_worker`
@@ -243,7 +247,7 @@ inline double split_seconds_since(SplitClock::time_point t) {
 template <class Compute>
 void RunColumns(xla::ffi::ThreadPool& pool, int64_t n, int64_t tile_cols, int64_t rows,
                 int64_t work, int64_t max_workers, Compute compute, int64_t page_tiles = 0,
-                int64_t chunks_per_worker = 4) {
+                int64_t chunks_per_worker = kDefaultChunksPerWorker) {
   constexpr int64_t kMinParallelWork = 1 << 18;
   const int64_t tiles = (n + tile_cols - 1) / tile_cols;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());

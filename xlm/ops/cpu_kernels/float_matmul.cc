@@ -693,7 +693,9 @@ ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   // AVX-512, leaves no chunk a half-empty register tile (576 columns: 8 chunks of 64 + 16
   // columns ran at 0.8x the GFLOP/s of 1536 columns' 192-column chunks; now 6 of 96).
   const int64_t tile = m > kStreamMaxRows ? kPackedChunkCols : transposed ? 16 : kTileCols;
-  const int64_t chunks_per_worker = m <= kStreamMaxRows && transposed ? kNkChunksPerWorker : 4;
+  const int64_t chunks_per_worker = m <= kStreamMaxRows && transposed
+                                        ? kNkChunksPerWorker
+                                        : xlm::kDefaultChunksPerWorker;
   xlm::RunColumns(pool, n, tile, m, m * k * n, max_workers, compute, 0, chunks_per_worker);
   return ffi::Error::Success();
 }

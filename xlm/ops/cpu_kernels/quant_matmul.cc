@@ -1257,7 +1257,7 @@ ffi::Error RunMatmul(ffi::ThreadPool& pool, const Problem& p, int64_t max_worker
       pool, n, p.strips ? kStripCols : kTileCols, m, m * k * n, max_workers,
       [&p](int64_t c0, int64_t c1) { compute_columns(p, c0, c1); },
       k >= kTallRows && !p.strips ? kPageTiles : 0,
-      p.strips && m < kPackedMinRows ? kStripChunksPerWorker : 4);
+      p.strips && m < kPackedMinRows ? kStripChunksPerWorker : xlm::kDefaultChunksPerWorker);
   return ffi::Error::Success();
 }
 
